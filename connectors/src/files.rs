@@ -1,0 +1,755 @@
+//! The files source: a directory of newline-delimited JSON, CSV or Parquet files.
+//!
+//! ## Offsets
+//! One partition, `"0"`. Offset `n` is the `n`-th file in the order the source first saw files
+//! (new files are appended, sorted by name, each time the directory is listed). That order is
+//! recorded in the checkpoint (`sources/<name>/files.json`) before any batch can name those
+//! offsets, so a batch re-reads exactly the files it read before. A recorded file that changes
+//! (size or modification time) or vanishes is an error naming it, never a silent difference.
+//! Files whose names start with `.` or `_` are not data (temporary files, markers) and are
+//! skipped: write a file under such a name and rename it when complete.
+//!
+//! ## Decoding
+//! JSON and CSV files hold one record per line (`.gz` files are decompressed). A file is decoded
+//! in one go; if that fails, its lines are split in halves until each bad line is found, which
+//! becomes a dead letter (`file.json:17`, the raw line, the decoder's error) while every good line
+//! is kept. Files of one batch are decoded in parallel with rayon. Parquet files are decoded and
+//! conformed to the schema by column name; a file that cannot be read is one dead letter.
+//!
+//! ## Schema
+//! Declared in the job file (`schema = "id BIGINT, ts TIMESTAMP"`) or inferred from the first
+//! files (up to 1000 records) and then fixed in the checkpoint (`schema.json`), so a later file
+//! with an extra field does not change the table.
+
+use std::collections::{BTreeMap, HashSet};
+use std::io::Read;
+use std::sync::Arc;
+
+use arrow::array::{RecordBatch, new_null_array};
+use arrow::compute::kernels::cast;
+use arrow::datatypes::{Field, Schema, SchemaRef};
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures::TryStreamExt;
+use object_store::path::Path;
+use object_store::{ObjectStore, ObjectStoreExt};
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+use sluice_engine::checkpoint::CheckpointStore;
+use sluice_engine::source::{attach_lineage, with_lineage_fields};
+use sluice_engine::{
+    AvailableRange, DeadLetter, OffsetRange, PartitionId, Source, SourceContext, SourceRead,
+};
+use tokio::sync::Mutex;
+use url::Url;
+
+use crate::error::{ConnectorError, Result};
+
+/// The only partition of a files source.
+pub const PARTITION: &str = "0";
+
+/// How many records schema inference looks at.
+const INFER_RECORDS: usize = 1000;
+
+/// File format of a files source.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FileFormat {
+    /// Newline-delimited JSON objects (`.gz` allowed).
+    Json,
+    /// CSV, one record per line (`.gz` allowed).
+    Csv,
+    /// Parquet.
+    Parquet,
+}
+
+/// The `[sources.<name>]` settings of `kind = "files"` (besides the engine's event-time keys).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FilesSourceConfig {
+    /// The directory (local path or `file://` URL).
+    pub path: String,
+    /// File format.
+    pub format: FileFormat,
+    /// Column definitions, e.g. `"id BIGINT, ts TIMESTAMP"`; inferred when absent.
+    #[serde(default)]
+    pub schema: Option<String>,
+    /// At most this many files per batch (default 100).
+    #[serde(default = "default_max_files")]
+    pub max_files_per_batch: u64,
+    /// CSV: whether each file starts with a header line (default true).
+    #[serde(default = "default_true")]
+    pub header: bool,
+    /// CSV: the field delimiter, one character (default `,`).
+    #[serde(default = "default_delimiter")]
+    pub delimiter: String,
+}
+
+fn default_max_files() -> u64 {
+    100
+}
+fn default_true() -> bool {
+    true
+}
+fn default_delimiter() -> String {
+    ",".into()
+}
+
+/// A file as first seen: its place in the order, and what it looked like.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct RecordedFile {
+    /// Path relative to the source directory.
+    name: String,
+    size: u64,
+    modified_micros: i64,
+}
+
+/// The recorded file order, persisted as `files.json`.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct FileLog {
+    files: Vec<RecordedFile>,
+}
+
+const FILE_LOG: &str = "files.json";
+const SCHEMA_FILE: &str = "schema.json";
+
+/// A directory of files as a [`Source`]. See the module docs.
+pub struct FilesSource {
+    config: FilesSourceConfig,
+    delimiter: u8,
+    url: Url,
+    store: Arc<dyn ObjectStore>,
+    prefix: Path,
+    opened: Option<Opened>,
+}
+
+struct Opened {
+    name: String,
+    checkpoint: CheckpointStore,
+    data_schema: SchemaRef,
+    batch_schema: SchemaRef,
+    /// An inferred schema not yet fixed in the checkpoint.
+    schema_to_record: Mutex<Option<SchemaRef>>,
+    log: Mutex<FileLog>,
+}
+
+impl std::fmt::Debug for FilesSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FilesSource").field("url", &self.url.as_str()).finish()
+    }
+}
+
+impl FilesSource {
+    /// A files source over `config.path`.
+    ///
+    /// # Errors
+    /// If the path is not a usable location or the CSV delimiter is not one byte.
+    pub fn new(config: FilesSourceConfig) -> Result<Self> {
+        let url = location_url(&config.path)?;
+        if url.scheme() == "file" {
+            let dir = url.to_file_path().map_err(|_| {
+                ConnectorError::Config(format!("path '{}' is not a local directory", config.path))
+            })?;
+            if !dir.is_dir() {
+                return Err(ConnectorError::Config(format!(
+                    "source directory '{}' does not exist",
+                    dir.display()
+                )));
+            }
+        }
+        let (store, prefix) = object_store::parse_url(&url).map_err(|e| {
+            ConnectorError::Config(format!("path '{}' is not supported: {e}", config.path))
+        })?;
+        let delimiter = match config.delimiter.as_bytes() {
+            [b] => *b,
+            _ => {
+                return Err(ConnectorError::Config(format!(
+                    "delimiter '{}' must be exactly one character",
+                    config.delimiter
+                )));
+            }
+        };
+        Ok(FilesSource {
+            config,
+            delimiter,
+            url,
+            store: Arc::from(store),
+            prefix,
+            opened: None,
+        })
+    }
+
+    fn opened(&self) -> Result<&Opened> {
+        self.opened
+            .as_ref()
+            .ok_or_else(|| ConnectorError::Config("the files source was used before open()".into()))
+    }
+
+    /// Lists the data files of the directory, sorted by name.
+    async fn list(&self) -> Result<Vec<RecordedFile>> {
+        let mut files: Vec<RecordedFile> = self
+            .store
+            .list(Some(&self.prefix))
+            .map_ok(|meta| {
+                let name = relative_name(&self.prefix, &meta.location);
+                RecordedFile {
+                    name,
+                    size: meta.size,
+                    modified_micros: meta.last_modified.timestamp_micros(),
+                }
+            })
+            .try_collect()
+            .await?;
+        files.retain(|f| is_data_file(&f.name));
+        files.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(files)
+    }
+
+    fn file_path(&self, name: &str) -> Path {
+        name.split('/').fold(self.prefix.clone(), |p, s| p.join(s))
+    }
+
+    /// Fetches a recorded file, checking it is still the file that was recorded.
+    async fn fetch(&self, file: &RecordedFile, offset: i64) -> Result<Bytes> {
+        let changed = |detail: String| ConnectorError::FileChanged {
+            file: format!("{}/{}", self.url.as_str().trim_end_matches('/'), file.name),
+            offset,
+            detail,
+        };
+        let got = match self.store.get(&self.file_path(&file.name)).await {
+            Ok(got) => got,
+            Err(object_store::Error::NotFound { .. }) => return Err(changed("it is gone".into())),
+            Err(e) => return Err(e.into()),
+        };
+        let (size, modified) = (got.meta.size, got.meta.last_modified.timestamp_micros());
+        if size != file.size || modified != file.modified_micros {
+            return Err(changed(format!(
+                "recorded size {} modified {}µs, now size {size} modified {modified}µs",
+                file.size, file.modified_micros
+            )));
+        }
+        Ok(got.bytes().await?)
+    }
+
+    async fn infer_schema(&self) -> Result<SchemaRef> {
+        let files = self.list().await?;
+        if files.is_empty() {
+            return Err(ConnectorError::Schema(format!(
+                "cannot infer the schema: no files in {} yet; add files or declare `schema`",
+                self.url
+            )));
+        }
+        let mut samples = Vec::new();
+        let mut lines = 0;
+        for (i, file) in files.iter().enumerate().take(10) {
+            let bytes = decompress(&file.name, self.fetch(file, i as i64).await?)?;
+            lines += bytes.iter().filter(|b| **b == b'\n').count();
+            samples.push((file.name.clone(), bytes));
+            if lines >= INFER_RECORDS || self.config.format == FileFormat::Parquet {
+                break;
+            }
+        }
+        let schema = match self.config.format {
+            FileFormat::Json => infer_json(&samples)?,
+            FileFormat::Csv => infer_csv(&samples, self.config.header, self.delimiter)?,
+            FileFormat::Parquet => {
+                let (name, bytes) = &samples[0];
+                let builder =
+                    parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(
+                        bytes.clone(),
+                    )
+                    .map_err(|e| ConnectorError::Schema(format!("{name}: {e}")))?;
+                Schema::new(builder.schema().fields().clone())
+            }
+        };
+        if schema.fields().is_empty() {
+            return Err(ConnectorError::Schema(format!(
+                "no columns could be inferred from the first files of {}; declare `schema`",
+                self.url
+            )));
+        }
+        Ok(Arc::new(schema))
+    }
+
+    /// Decodes one file into rows with lineage, and dead letters.
+    fn decode(&self, opened: &Opened, file: &RecordedFile, offset: i64, bytes: Bytes) -> Result<SourceRead> {
+        let schema = &opened.data_schema;
+        let lines_of = |bytes: &Bytes, skip_header: bool| -> Vec<Line> {
+            let mut lines = split_lines(bytes);
+            if skip_header && !lines.is_empty() {
+                lines.remove(0);
+            }
+            lines.retain(|l| !bytes[l.start..l.end].iter().all(u8::is_ascii_whitespace));
+            lines
+        };
+        let bytes = match decompress(&file.name, bytes) {
+            Ok(b) => b,
+            Err(e) => return Ok(whole_file_dead_letter(file, offset, e.to_string())),
+        };
+        let (decoded, bad) = match self.config.format {
+            FileFormat::Json => {
+                let lines = lines_of(&bytes, false);
+                decode_lines(&bytes, &lines, |chunk| decode_json(schema, &bytes, chunk))
+            }
+            FileFormat::Csv => {
+                let lines = lines_of(&bytes, self.config.header);
+                decode_lines(&bytes, &lines, |chunk| {
+                    decode_csv(schema, self.delimiter, &bytes, chunk)
+                })
+            }
+            FileFormat::Parquet => match decode_parquet(schema, bytes) {
+                Ok(batches) => {
+                    let mut row = 0;
+                    let mut out = Vec::new();
+                    for b in batches {
+                        let numbers: Vec<usize> = (row + 1..=row + b.num_rows()).collect();
+                        row += b.num_rows();
+                        out.push((b, numbers));
+                    }
+                    (out, Vec::new())
+                }
+                Err(e) => return Ok(whole_file_dead_letter(file, offset, e)),
+            },
+        };
+        let mut read = SourceRead::default();
+        for (batch, numbers) in decoded {
+            let positions = numbers.iter().map(|n| format!("{}:{n}", file.name)).collect();
+            read.batches.push(attach_lineage(batch, PARTITION, offset, Some(positions))?);
+        }
+        for (line, raw, error) in bad {
+            read.dead_letters.push(DeadLetter {
+                partition: PARTITION.into(),
+                offset,
+                position: format!("{}:{line}", file.name),
+                raw,
+                error,
+            });
+        }
+        Ok(read)
+    }
+}
+
+#[async_trait]
+impl Source for FilesSource {
+    async fn open(&mut self, ctx: SourceContext) -> sluice_engine::Result<SchemaRef> {
+        let name = ctx.name.clone();
+        let wrap = |e: ConnectorError| sluice_engine::Error::source(&name, e);
+        let recorded: Option<Schema> = ctx.checkpoint.get_json(SCHEMA_FILE).await?;
+        let (data_schema, to_record) = match (&self.config.schema, recorded) {
+            (Some(ddl), _) => (sluice_engine::schema::parse_schema(ddl).await?, None),
+            (None, Some(schema)) => (Arc::new(schema), None),
+            (None, None) => {
+                let schema = self.infer_schema().await.map_err(wrap)?;
+                (Arc::clone(&schema), Some(schema))
+            }
+        };
+        let log: FileLog = ctx.checkpoint.get_json(FILE_LOG).await?.unwrap_or_default();
+        let batch_schema = with_lineage_fields(&data_schema, true);
+        self.opened = Some(Opened {
+            name: ctx.name,
+            checkpoint: ctx.checkpoint,
+            data_schema,
+            batch_schema: Arc::clone(&batch_schema),
+            schema_to_record: Mutex::new(to_record),
+            log: Mutex::new(log),
+        });
+        Ok(batch_schema)
+    }
+
+    async fn available(&self) -> sluice_engine::Result<BTreeMap<PartitionId, AvailableRange>> {
+        let opened = self.opened().map_err(|e| sluice_engine::Error::source("files", e))?;
+        let wrap = |e: ConnectorError| sluice_engine::Error::source(&opened.name, e);
+        if let Some(schema) = opened.schema_to_record.lock().await.take() {
+            let bytes = opened.checkpoint.to_json(SCHEMA_FILE, schema.as_ref())?;
+            opened.checkpoint.put_if_absent(SCHEMA_FILE, bytes).await?;
+        }
+        let mut log = opened.log.lock().await;
+        let known: HashSet<String> = log.files.iter().map(|f| f.name.clone()).collect();
+        let new: Vec<RecordedFile> = self
+            .list()
+            .await
+            .map_err(wrap)?
+            .into_iter()
+            .filter(|f| !known.contains(&f.name))
+            .collect();
+        if !new.is_empty() {
+            log.files.extend(new);
+            let bytes = opened.checkpoint.to_json(FILE_LOG, &*log)?;
+            opened.checkpoint.put(FILE_LOG, bytes).await?;
+        }
+        Ok(BTreeMap::from([(
+            PARTITION.to_string(),
+            AvailableRange {
+                initial: 0,
+                latest: log.files.len() as i64,
+            },
+        )]))
+    }
+
+    async fn read(
+        &self,
+        partition: &PartitionId,
+        range: OffsetRange,
+    ) -> sluice_engine::Result<SourceRead> {
+        let opened = self.opened().map_err(|e| sluice_engine::Error::source("files", e))?;
+        let wrap = |e: ConnectorError| sluice_engine::Error::source(&opened.name, e);
+        if partition != PARTITION {
+            return Err(wrap(ConnectorError::Config(format!(
+                "a files source has only partition {PARTITION}, not '{partition}'"
+            ))));
+        }
+        let files: Vec<(i64, RecordedFile)> = {
+            let log = opened.log.lock().await;
+            if range.start < 0 || range.end as usize > log.files.len() {
+                return Err(wrap(ConnectorError::Config(format!(
+                    "offsets {range} are outside the {} recorded files (was {FILE_LOG} in the \
+                     checkpoint deleted?)",
+                    log.files.len()
+                ))));
+            }
+            (range.start..range.end)
+                .map(|o| (o, log.files[o as usize].clone()))
+                .collect()
+        };
+        let fetched = futures::future::try_join_all(
+            files.iter().map(|(offset, file)| self.fetch(file, *offset)),
+        )
+        .await
+        .map_err(wrap)?;
+        let decoded: Vec<Result<SourceRead>> = files
+            .par_iter()
+            .zip(fetched.into_par_iter())
+            .map(|((offset, file), bytes)| self.decode(opened, file, *offset, bytes))
+            .collect();
+        let mut read = SourceRead::default();
+        for part in decoded {
+            let part = part.map_err(wrap)?;
+            read.batches.extend(part.batches);
+            read.dead_letters.extend(part.dead_letters);
+        }
+        debug_assert!(read.batches.iter().all(|b| b.schema() == opened.batch_schema));
+        Ok(read)
+    }
+
+    fn max_per_batch(&self) -> Option<u64> {
+        Some(self.config.max_files_per_batch.max(1))
+    }
+}
+
+/// Turns a path or URL into a directory URL.
+fn location_url(path: &str) -> Result<Url> {
+    if path.contains("://") {
+        let mut url = Url::parse(path)
+            .map_err(|e| ConnectorError::Config(format!("path '{path}' is not a URL: {e}")))?;
+        if !url.path().ends_with('/') {
+            let p = format!("{}/", url.path());
+            url.set_path(&p);
+        }
+        return Ok(url);
+    }
+    let abs = std::path::absolute(path)?;
+    Url::from_directory_path(&abs)
+        .map_err(|_| ConnectorError::Config(format!("path '{path}' is not a valid directory path")))
+}
+
+fn relative_name(prefix: &Path, location: &Path) -> String {
+    let prefix = prefix.as_ref();
+    let loc = location.as_ref();
+    loc.strip_prefix(prefix)
+        .unwrap_or(loc)
+        .trim_start_matches('/')
+        .to_string()
+}
+
+fn is_data_file(name: &str) -> bool {
+    !name
+        .split('/')
+        .any(|part| part.starts_with('.') || part.starts_with('_'))
+}
+
+fn decompress(name: &str, bytes: Bytes) -> Result<Bytes> {
+    if !name.ends_with(".gz") {
+        return Ok(bytes);
+    }
+    let mut out = Vec::new();
+    flate2::read::MultiGzDecoder::new(bytes.as_ref())
+        .read_to_end(&mut out)
+        .map_err(|e| std::io::Error::new(e.kind(), format!("{name}: not valid gzip: {e}")))?;
+    Ok(Bytes::from(out))
+}
+
+fn whole_file_dead_letter(file: &RecordedFile, offset: i64, error: String) -> SourceRead {
+    SourceRead {
+        batches: vec![],
+        dead_letters: vec![DeadLetter {
+            partition: PARTITION.into(),
+            offset,
+            position: file.name.clone(),
+            raw: vec![],
+            error: format!("the whole file could not be read: {error}"),
+        }],
+    }
+}
+
+/// A line of a file: 1-based number and byte span (without the newline).
+#[derive(Debug, Clone, Copy)]
+struct Line {
+    number: usize,
+    start: usize,
+    end: usize,
+}
+
+fn split_lines(bytes: &[u8]) -> Vec<Line> {
+    let mut lines = Vec::new();
+    let mut start = 0;
+    for (number, chunk) in bytes.split(|b| *b == b'\n').enumerate() {
+        let mut end = start + chunk.len();
+        if end > start && bytes[end - 1] == b'\r' {
+            end -= 1;
+        }
+        lines.push(Line {
+            number: number + 1,
+            start,
+            end,
+        });
+        start += chunk.len() + 1;
+    }
+    lines
+}
+
+type Decoded = (Vec<(RecordBatch, Vec<usize>)>, Vec<(usize, Vec<u8>, String)>);
+
+/// Decodes `lines`, splitting in halves around failures until each bad line is alone.
+/// Returns decoded batches with their line numbers, in file order, and the bad lines.
+fn decode_lines(
+    bytes: &[u8],
+    lines: &[Line],
+    decode: impl Fn(&[Line]) -> std::result::Result<RecordBatch, String>,
+) -> Decoded {
+    let mut good = Vec::new();
+    let mut bad = Vec::new();
+    let mut pending = vec![(0, lines.len())];
+    while let Some((from, to)) = pending.pop() {
+        if from == to {
+            continue;
+        }
+        let chunk = &lines[from..to];
+        let result = decode(chunk).and_then(|batch| {
+            if batch.num_rows() == chunk.len() {
+                Ok(batch)
+            } else {
+                Err(format!(
+                    "expected one record per line, the line holds {}",
+                    batch.num_rows()
+                ))
+            }
+        });
+        match result {
+            Ok(batch) => good.push((batch, chunk.iter().map(|l| l.number).collect())),
+            Err(error) if chunk.len() == 1 => {
+                let l = chunk[0];
+                bad.push((l.number, bytes[l.start..l.end].to_vec(), error));
+            }
+            Err(_) => {
+                let mid = from + (to - from) / 2;
+                pending.push((mid, to));
+                pending.push((from, mid));
+            }
+        }
+    }
+    (good, bad)
+}
+
+fn decode_json(
+    schema: &SchemaRef,
+    bytes: &[u8],
+    lines: &[Line],
+) -> std::result::Result<RecordBatch, String> {
+    let mut decoder = arrow::json::ReaderBuilder::new(Arc::clone(schema))
+        .with_batch_size(lines.len() + 1)
+        .build_decoder()
+        .map_err(|e| e.to_string())?;
+    let contiguous = lines.windows(2).all(|w| w[1].number == w[0].number + 1);
+    if contiguous {
+        let span = &bytes[lines[0].start..lines[lines.len() - 1].end];
+        feed(&mut decoder, span)?;
+    } else {
+        for l in lines {
+            feed(&mut decoder, &bytes[l.start..l.end])?;
+            feed(&mut decoder, b"\n")?;
+        }
+    }
+    Ok(decoder
+        .flush()
+        .map_err(|e| e.to_string())?
+        .unwrap_or_else(|| RecordBatch::new_empty(Arc::clone(schema))))
+}
+
+fn feed(decoder: &mut arrow::json::reader::Decoder, mut buf: &[u8]) -> std::result::Result<(), String> {
+    while !buf.is_empty() {
+        let used = decoder.decode(buf).map_err(|e| e.to_string())?;
+        if used == 0 {
+            return Err("the JSON decoder made no progress".into());
+        }
+        buf = &buf[used..];
+    }
+    Ok(())
+}
+
+fn decode_csv(
+    schema: &SchemaRef,
+    delimiter: u8,
+    bytes: &[u8],
+    lines: &[Line],
+) -> std::result::Result<RecordBatch, String> {
+    let mut decoder = arrow::csv::ReaderBuilder::new(Arc::clone(schema))
+        .with_header(false)
+        .with_delimiter(delimiter)
+        .with_batch_size(lines.len() + 1)
+        .build_decoder();
+    let mut buf = Vec::new();
+    for l in lines {
+        buf.extend_from_slice(&bytes[l.start..l.end]);
+        buf.push(b'\n');
+    }
+    let mut rest = buf.as_slice();
+    while !rest.is_empty() {
+        let used = decoder.decode(rest).map_err(|e| e.to_string())?;
+        if used == 0 {
+            break;
+        }
+        rest = &rest[used..];
+    }
+    Ok(decoder
+        .flush()
+        .map_err(|e| e.to_string())?
+        .unwrap_or_else(|| RecordBatch::new_empty(Arc::clone(schema))))
+}
+
+/// Reads a Parquet file and conforms its batches to `schema` by column name.
+fn decode_parquet(schema: &SchemaRef, bytes: Bytes) -> std::result::Result<Vec<RecordBatch>, String> {
+    let reader = parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(bytes)
+        .and_then(|b| b.build())
+        .map_err(|e| e.to_string())?;
+    let mut out = Vec::new();
+    for batch in reader {
+        let batch = batch.map_err(|e| e.to_string())?;
+        let columns = schema
+            .fields()
+            .iter()
+            .map(|field| match batch.column_by_name(field.name()) {
+                Some(col) => cast::cast_with_options(
+                    col,
+                    field.data_type(),
+                    &cast::CastOptions {
+                        safe: false,
+                        ..Default::default()
+                    },
+                )
+                .map_err(|e| format!("column '{}': {e}", field.name())),
+                None => Ok(new_null_array(field.data_type(), batch.num_rows())),
+            })
+            .collect::<std::result::Result<Vec<_>, String>>()?;
+        out.push(RecordBatch::try_new(Arc::clone(schema), columns).map_err(|e| e.to_string())?);
+    }
+    Ok(out)
+}
+
+/// Infers a JSON schema from sample lines, keeping fields in first-seen order.
+fn infer_json(samples: &[(String, Bytes)]) -> Result<Schema> {
+    let mut values = Vec::new();
+    let mut order: Vec<String> = Vec::new();
+    let mut seen = HashSet::new();
+    'files: for (_, bytes) in samples {
+        for line in bytes.split(|b| *b == b'\n') {
+            if values.len() >= INFER_RECORDS {
+                break 'files;
+            }
+            if let Ok(serde_json::Value::Object(map)) = serde_json::from_slice(line) {
+                for key in map.keys() {
+                    if seen.insert(key.clone()) {
+                        order.push(key.clone());
+                    }
+                }
+                values.push(serde_json::Value::Object(map));
+            }
+        }
+    }
+    let inferred = arrow::json::reader::infer_json_schema_from_iterator(values.iter().map(Ok))?;
+    let fields: Vec<Field> = order
+        .iter()
+        .filter_map(|name| inferred.field_with_name(name).ok().cloned())
+        .collect();
+    Ok(Schema::new(fields))
+}
+
+fn infer_csv(samples: &[(String, Bytes)], header: bool, delimiter: u8) -> Result<Schema> {
+    let (_, bytes) = &samples[0];
+    let format = arrow::csv::reader::Format::default()
+        .with_header(header)
+        .with_delimiter(delimiter);
+    let (schema, _) = format.infer_schema(bytes.as_ref(), Some(INFER_RECORDS))?;
+    Ok(schema)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::AsArray;
+    use arrow::datatypes::{DataType, Int64Type};
+
+    fn schema() -> SchemaRef {
+        Arc::new(Schema::new(vec![
+            Field::new("id", DataType::Int64, true),
+            Field::new("name", DataType::Utf8, true),
+        ]))
+    }
+
+    #[test]
+    fn bad_json_lines_are_isolated_and_good_lines_kept_in_order() {
+        let text = b"{\"id\":1,\"name\":\"a\"}\n{\"id\":\n\n{\"id\":\"x\"}\n{\"id\":4}{\"id\":5}\n{\"id\":6}\n";
+        let bytes = Bytes::from_static(text);
+        let mut lines = split_lines(&bytes);
+        lines.retain(|l| !bytes[l.start..l.end].iter().all(u8::is_ascii_whitespace));
+        let s = schema();
+        let (good, bad) = decode_lines(&bytes, &lines, |c| decode_json(&s, &bytes, c));
+        let ids: Vec<i64> = good
+            .iter()
+            .flat_map(|(b, _)| b.column(0).as_primitive::<Int64Type>().values().to_vec())
+            .collect();
+        assert_eq!(ids, vec![1, 6]);
+        let numbers: Vec<usize> = good.iter().flat_map(|(_, n)| n.clone()).collect();
+        assert_eq!(numbers, vec![1, 6]);
+        let bad_lines: Vec<usize> = bad.iter().map(|(n, _, _)| *n).collect();
+        assert_eq!(bad_lines, vec![2, 4, 5]);
+        assert_eq!(bad[1].1, b"{\"id\":\"x\"}".to_vec());
+    }
+
+    #[test]
+    fn csv_decodes_and_rejects_bad_values() {
+        let bytes = Bytes::from_static(b"1,a\nnot-a-number,b\n3,c\n");
+        let lines = split_lines(&bytes)
+            .into_iter()
+            .filter(|l| l.end > l.start)
+            .collect::<Vec<_>>();
+        let s = schema();
+        let (good, bad) = decode_lines(&bytes, &lines, |c| decode_csv(&s, b',', &bytes, c));
+        let rows: usize = good.iter().map(|(b, _)| b.num_rows()).sum();
+        assert_eq!(rows, 2);
+        assert_eq!(bad.len(), 1);
+        assert_eq!(bad[0].0, 2);
+    }
+
+    #[test]
+    fn json_inference_keeps_first_seen_order() {
+        let samples = vec![(
+            "a.json".to_string(),
+            Bytes::from_static(b"{\"b\":1,\"a\":\"x\"}\nnot json\n{\"c\":1.5}\n"),
+        )];
+        let schema = infer_json(&samples).unwrap();
+        let names: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
+        assert_eq!(names, vec!["b", "a", "c"]);
+        let types: Vec<_> = schema.fields().iter().map(|f| f.data_type().clone()).collect();
+        assert_eq!(types, vec![DataType::Int64, DataType::Utf8, DataType::Float64]);
+    }
+}

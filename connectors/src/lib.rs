@@ -1,0 +1,13 @@
+//! # sluice-connectors
+//!
+//! Sources for Sluice: implementations of [`sluice_engine::Source`]. The engine knows none of
+//! them; the `sluice` binary maps a job file's `kind = "…"` to one of these.
+//!
+//! - [`files::FilesSource`] (`kind = "files"`): a directory of newline-delimited JSON, CSV or
+//!   Parquet files (JSON and CSV may be gzipped); one partition `"0"` whose offsets are positions
+//!   in the recorded order in which files were first seen.
+
+pub mod files;
+
+mod error;
+pub use error::{ConnectorError, Result};

@@ -1,0 +1,305 @@
+//! The checkpoint store: intents, manifests and per-source files under `<checkpoint>/`.
+//!
+//! ```text
+//! <checkpoint>/
+//!   batches/<batch_id>/intent.json     ranges + idle set, written put-if-absent before reading
+//!   batches/<batch_id>/manifest.json   end offsets, watermark, state files, counters;
+//!                                      written before the commit, live once the commit lands
+//!   sources/<source>/...               what a source must remember (e.g. the recorded file order)
+//! ```
+//!
+//! Nothing here is trusted on its own: the output table's `txn` version says which manifest is
+//! live (see [`crate::driver`]). Files of a batch that never committed are simply overwritten or
+//! garbage-collected.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use futures::TryStreamExt;
+use object_store::path::Path;
+use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
+use serde::{Deserialize, Serialize};
+use serde::de::DeserializeOwned;
+use url::Url;
+
+use crate::error::{Error, Result};
+use crate::offsets::{BatchId, PartitionId, SourceOffsets, SourceRanges};
+
+/// A folder in an object store (local directory, or later S3) where the job keeps its checkpoint.
+#[derive(Debug, Clone)]
+pub struct CheckpointStore {
+    store: Arc<dyn ObjectStore>,
+    prefix: Path,
+    url: Url,
+}
+
+impl CheckpointStore {
+    /// Opens the checkpoint at `url` (`file:///…` or `memory:///`).
+    ///
+    /// # Errors
+    /// If the URL's scheme is not supported by this build, naming the URL.
+    /// Opening writes nothing; folders are created as files are written.
+    pub fn open(url: &Url) -> Result<Self> {
+        let (store, prefix) = object_store::parse_url(url).map_err(|e| {
+            Error::InvalidJob(format!("checkpoint location {url} is not supported: {e}"))
+        })?;
+        Ok(CheckpointStore {
+            store: Arc::from(store),
+            prefix,
+            url: url.clone(),
+        })
+    }
+
+    /// Where this store lives, for messages.
+    pub fn url(&self) -> &Url {
+        &self.url
+    }
+
+    /// The sub-folder `name` of this store.
+    pub fn child(&self, name: &str) -> CheckpointStore {
+        let mut url = self.url.clone();
+        if let Ok(mut segments) = url.path_segments_mut() {
+            segments.pop_if_empty().push(name);
+        }
+        CheckpointStore {
+            store: Arc::clone(&self.store),
+            prefix: self.prefix.clone().join(name),
+            url,
+        }
+    }
+
+    fn path(&self, rel: &str) -> Path {
+        rel.split('/')
+            .filter(|s| !s.is_empty())
+            .fold(self.prefix.clone(), |p, s| p.join(s))
+    }
+
+    fn display(&self, rel: &str) -> String {
+        format!("{}/{}", self.url.as_str().trim_end_matches('/'), rel)
+    }
+
+    /// Reads `rel`, or `None` if it does not exist.
+    pub async fn get(&self, rel: &str) -> Result<Option<bytes::Bytes>> {
+        match self.store.get(&self.path(rel)).await {
+            Ok(r) => Ok(Some(r.bytes().await?)),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Writes `rel`, replacing what was there (atomically: readers see old or new, never half).
+    pub async fn put(&self, rel: &str, data: Vec<u8>) -> Result<()> {
+        self.store
+            .put(&self.path(rel), PutPayload::from(data))
+            .await?;
+        Ok(())
+    }
+
+    /// Writes `rel` only if it does not exist yet. Returns `false` if it already existed.
+    pub async fn put_if_absent(&self, rel: &str, data: Vec<u8>) -> Result<bool> {
+        let opts = PutOptions {
+            mode: PutMode::Create,
+            ..Default::default()
+        };
+        match self
+            .store
+            .put_opts(&self.path(rel), PutPayload::from(data), opts)
+            .await
+        {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::AlreadyExists { .. }) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Reads and parses the JSON file `rel`, or `None` if it does not exist.
+    pub async fn get_json<T: DeserializeOwned>(&self, rel: &str) -> Result<Option<T>> {
+        match self.get(rel).await? {
+            None => Ok(None),
+            Some(bytes) => serde_json::from_slice(&bytes)
+                .map(Some)
+                .map_err(|source| Error::CheckpointFormat {
+                    path: self.display(rel),
+                    source,
+                }),
+        }
+    }
+
+    /// Serialises `value` as pretty JSON.
+    pub fn to_json<T: Serialize>(&self, rel: &str, value: &T) -> Result<Vec<u8>> {
+        serde_json::to_vec_pretty(value).map_err(|source| Error::CheckpointFormat {
+            path: self.display(rel),
+            source,
+        })
+    }
+
+    /// The names of the immediate sub-folders of `rel`.
+    pub async fn list_folders(&self, rel: &str) -> Result<BTreeSet<String>> {
+        let listing = self.store.list_with_delimiter(Some(&self.path(rel))).await?;
+        Ok(listing
+            .common_prefixes
+            .iter()
+            .filter_map(|p| p.filename().map(str::to_string))
+            .collect())
+    }
+
+    /// Deletes everything under `rel`.
+    pub async fn delete_folder(&self, rel: &str) -> Result<()> {
+        let paths: Vec<Path> = self
+            .store
+            .list(Some(&self.path(rel)))
+            .map_ok(|m| m.location)
+            .try_collect()
+            .await?;
+        for p in paths {
+            match self.store.delete(&p).await {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What a batch will read, fixed before it reads anything, so a rerun reads exactly the same.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BatchIntent {
+    /// The batch.
+    pub batch_id: BatchId,
+    /// The ranges it reads.
+    pub ranges: SourceRanges,
+    /// Partitions counted as idle for the watermark (decided at planning, from the wall clock).
+    #[serde(default)]
+    pub idle: BTreeSet<(String, PartitionId)>,
+}
+
+/// Everything a restart needs, written before the batch's commit and live once it lands.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BatchManifest {
+    /// The batch.
+    pub batch_id: BatchId,
+    /// Where each partition's next batch starts.
+    pub end_offsets: SourceOffsets,
+    /// The event-time watermark after this batch, in microseconds since the epoch, if any.
+    #[serde(default)]
+    pub watermark_micros: Option<i64>,
+    /// State files that hold the operators' state after this batch.
+    #[serde(default)]
+    pub state_files: Vec<String>,
+    /// Per-batch counters (rows in, out, dead-lettered, …).
+    pub counters: BatchCounters,
+}
+
+/// Row counts of one batch.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BatchCounters {
+    /// Rows decoded from the sources (before the query).
+    pub rows_in: u64,
+    /// Rows the query produced.
+    pub rows_out: u64,
+    /// Rows written to the dead-letter table.
+    pub rows_dead_lettered: u64,
+}
+
+fn batch_file(batch_id: BatchId, name: &str) -> String {
+    format!("batches/{}/{name}", batch_id.0)
+}
+
+impl CheckpointStore {
+    /// Reads the intent of `batch_id`, if one was written.
+    pub async fn read_intent(&self, batch_id: BatchId) -> Result<Option<BatchIntent>> {
+        self.get_json(&batch_file(batch_id, "intent.json")).await
+    }
+
+    /// Writes the intent of a batch unless one exists; returns the intent in force (the existing
+    /// one if another run wrote it first).
+    pub async fn write_intent(&self, intent: BatchIntent) -> Result<BatchIntent> {
+        let rel = batch_file(intent.batch_id, "intent.json");
+        let bytes = self.to_json(&rel, &intent)?;
+        if self.put_if_absent(&rel, bytes).await? {
+            return Ok(intent);
+        }
+        self.get_json(&rel).await?.ok_or_else(|| {
+            Error::InvalidJob(format!("intent {} vanished while being read", self.display(&rel)))
+        })
+    }
+
+    /// Reads the manifest of `batch_id`, if present.
+    pub async fn read_manifest(&self, batch_id: BatchId) -> Result<Option<BatchManifest>> {
+        self.get_json(&batch_file(batch_id, "manifest.json")).await
+    }
+
+    /// Writes the manifest of a batch (replacing a manifest left by an uncommitted earlier try).
+    pub async fn write_manifest(&self, manifest: &BatchManifest) -> Result<()> {
+        let rel = batch_file(manifest.batch_id, "manifest.json");
+        let bytes = self.to_json(&rel, manifest)?;
+        self.put(&rel, bytes).await
+    }
+
+    /// Where the manifest of `batch_id` lives, for messages.
+    pub fn manifest_location(&self, batch_id: BatchId) -> String {
+        self.display(&batch_file(batch_id, "manifest.json"))
+    }
+
+    /// Deletes the folders of batches older than `keep_from`.
+    pub async fn purge_batches_before(&self, keep_from: BatchId) -> Result<usize> {
+        let mut purged = 0;
+        for name in self.list_folders("batches").await? {
+            if let Ok(id) = name.parse::<i64>()
+                && id < keep_from.0
+            {
+                self.delete_folder(&format!("batches/{name}")).await?;
+                purged += 1;
+            }
+        }
+        Ok(purged)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn store() -> (tempfile::TempDir, CheckpointStore) {
+        let dir = tempfile::tempdir().unwrap();
+        let url = Url::from_directory_path(dir.path()).unwrap();
+        let store = CheckpointStore::open(&url).unwrap();
+        (dir, store)
+    }
+
+    #[tokio::test]
+    async fn intent_is_written_once() {
+        let (_dir, store) = store();
+        let first = BatchIntent {
+            batch_id: BatchId(3),
+            ranges: SourceRanges::new(),
+            idle: BTreeSet::new(),
+        };
+        let mut second = first.clone();
+        second.idle.insert(("s".into(), "0".into()));
+        assert_eq!(store.write_intent(first.clone()).await.unwrap(), first);
+        // A second writer gets the first intent back, not its own.
+        assert_eq!(store.write_intent(second).await.unwrap(), first);
+        assert_eq!(store.read_intent(BatchId(3)).await.unwrap(), Some(first));
+    }
+
+    #[tokio::test]
+    async fn old_batches_are_purged() {
+        let (_dir, store) = store();
+        for id in 0..5 {
+            store
+                .write_manifest(&BatchManifest {
+                    batch_id: BatchId(id),
+                    end_offsets: SourceOffsets::new(),
+                    watermark_micros: None,
+                    state_files: vec![],
+                    counters: BatchCounters::default(),
+                })
+                .await
+                .unwrap();
+        }
+        assert_eq!(store.purge_batches_before(BatchId(3)).await.unwrap(), 3);
+        assert!(store.read_manifest(BatchId(2)).await.unwrap().is_none());
+        assert!(store.read_manifest(BatchId(3)).await.unwrap().is_some());
+    }
+}

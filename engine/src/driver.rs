@@ -1,0 +1,488 @@
+//! The driver loop: one micro-batch from source offsets to one Delta commit.
+//!
+//! ```text
+//!  trigger fires ─► plan ─► intent ─► read ─► time ─► execute ─► manifest ─► commit ─► purge
+//!                   │       │         │       │       │           │            │          │
+//!                   │       │         │       │       │           │            │          └ old batch folders
+//!                   │       │         │       │       │           │            └ side tables, then ONE output
+//!                   │       │         │       │       │           │              commit with txn(job, batch)
+//!                   │       │         │       │       │           └ end offsets (+ watermark, state files)
+//!                   │       │         │       │       └ DataFusion; failing rows → dead letters
+//!                   │       │         │       └ parse event time; unparsable → dead letters
+//!                   │       │         └ Source::read per partition range; undecodable → dead letters
+//!                   │       └ ranges fixed put-if-absent: a rerun reads exactly the same
+//!                   └ [committed end, min(latest, committed end + budget)) per partition
+//! ```
+//!
+//! **Restart.** The output table is the source of truth: its `txn` version for the job is the
+//! last committed batch `V`; `batches/V/manifest.json` (written before commit `V`, live with it)
+//! gives the end offsets. If `batches/V+1/intent.json` exists, batch `V+1` is rerun with exactly
+//! those ranges; the sink skips side tables that already hold `txn(job, V+1)`. Whatever step a
+//! crash interrupts, the rerun produces the same rows and commits them once.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arrow::array::RecordBatch;
+use arrow::compute::{concat_batches, filter_record_batch};
+use arrow::datatypes::SchemaRef;
+use futures::future::try_join_all;
+use tokio::sync::watch;
+use tracing::info;
+use url::Url;
+
+use crate::checkpoint::{BatchCounters, BatchIntent, BatchManifest, CheckpointStore};
+use crate::dead_letter::{dead_letter_batch, dead_letter_from_row};
+use crate::error::{Error, Result};
+use crate::event_time::{EventTimeConfig, extract_event_time, schema_with_event_time};
+use crate::fault::crash_point;
+use crate::job::{Job, SourceSpec, Trigger};
+use crate::offsets::{
+    BatchId, OffsetRange, PartitionId, SourceOffsets, SourceRanges, display_ranges, plan_ranges,
+};
+use crate::query::StreamingQuery;
+use crate::sink::{BatchCommit, CommitOutcome, Sink};
+use crate::source::{DeadLetter, SOURCE_OFFSET, SOURCE_PARTITION, Source, SourceContext};
+
+/// What a run did, for the final summary line.
+#[derive(Debug, Clone, Default)]
+pub struct RunSummary {
+    /// Batches committed by this run.
+    pub batches_committed: u64,
+    /// The last batch committed for the job (by this or an earlier run).
+    pub last_batch: Option<BatchId>,
+    /// Rows read from sources.
+    pub rows_in: u64,
+    /// Rows written to the output.
+    pub rows_out: u64,
+    /// Rows written to the dead-letter table.
+    pub rows_dead_lettered: u64,
+    /// Where the output went.
+    pub location: Option<Url>,
+}
+
+/// What `sluice validate` prints: the source schemas and the optimised plan.
+#[derive(Debug, Clone)]
+pub struct Validation {
+    /// Each source's schema as the query sees it.
+    pub sources: Vec<(String, SchemaRef)>,
+    /// The output schema.
+    pub output: SchemaRef,
+    /// The optimised logical plan.
+    pub plan: String,
+}
+
+impl Job {
+    /// Runs the job with its trigger until done (once, available-now) or forever (interval).
+    pub async fn run(self) -> Result<RunSummary> {
+        self.run_until(std::future::pending()).await
+    }
+
+    /// Runs the job until `shutdown` completes; the batch in flight finishes first.
+    pub async fn run_until<F>(self, shutdown: F) -> Result<RunSummary>
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let watcher = tokio::spawn(async move {
+            shutdown.await;
+            let _ = stop_tx.send(true);
+        });
+        let trigger = self.trigger;
+        let result = async {
+            let mut pipeline = Pipeline::open(self).await?;
+            pipeline.drive(trigger, stop_rx).await?;
+            Ok(pipeline.summary)
+        }
+        .await;
+        watcher.abort();
+        result
+    }
+
+    /// Opens the sources and plans the query without writing anything.
+    pub async fn validate(self) -> Result<Validation> {
+        let checkpoint = checkpoint_location(&self)?;
+        let (sources, query) =
+            open_sources_and_query(self.sources, &self.sql, self.lineage, &checkpoint).await?;
+        Ok(Validation {
+            sources: sources.iter().map(|s| (s.name.clone(), Arc::clone(&s.schema))).collect(),
+            output: query.output_schema(),
+            plan: query.display_plan()?,
+        })
+    }
+}
+
+/// One opened source.
+struct OpenSource {
+    name: String,
+    source: Box<dyn Source>,
+    event_time: Option<EventTimeConfig>,
+    /// The schema the query sees (event-time column already converted).
+    schema: SchemaRef,
+}
+
+/// A job with its sources, query, sink and checkpoint open, positioned after its last commit.
+struct Pipeline {
+    job_id: String,
+    sources: Vec<OpenSource>,
+    query: StreamingQuery,
+    sink: Box<dyn Sink>,
+    checkpoint: CheckpointStore,
+    keep_batches: u32,
+    /// The next batch to run.
+    next_batch: BatchId,
+    /// End offsets of the last committed batch.
+    committed: SourceOffsets,
+    summary: RunSummary,
+}
+
+fn checkpoint_location(job: &Job) -> Result<CheckpointStore> {
+    let url = match &job.checkpoint {
+        Some(url) => url.clone(),
+        None => {
+            let mut url = job.sink.location().clone();
+            let location = url.to_string();
+            url.path_segments_mut()
+                .map_err(|_| {
+                    Error::InvalidJob(format!("sink location {location} cannot hold a checkpoint"))
+                })?
+                .pop_if_empty()
+                .push("_sluice")
+                .push(&job.id);
+            url
+        }
+    };
+    CheckpointStore::open(&url)
+}
+
+async fn open_sources_and_query(
+    specs: Vec<SourceSpec>,
+    sql: &str,
+    lineage: bool,
+    checkpoint: &CheckpointStore,
+) -> Result<(Vec<OpenSource>, StreamingQuery)> {
+    let mut sources = Vec::with_capacity(specs.len());
+    for spec in specs {
+        let mut source = spec.source;
+        let ctx = SourceContext {
+            name: spec.name.clone(),
+            checkpoint: checkpoint.child("sources").child(&spec.name),
+        };
+        let mut schema = source.open(ctx).await?;
+        for col in [SOURCE_PARTITION, SOURCE_OFFSET] {
+            if schema.index_of(col).is_err() {
+                return Err(Error::source(&spec.name, format!("its batches lack the column {col}")));
+            }
+        }
+        if let Some(time) = &spec.event_time {
+            schema = schema_with_event_time(&schema, &time.column)
+                .map_err(|e| Error::source(&spec.name, e))?;
+        }
+        sources.push(OpenSource {
+            name: spec.name,
+            source,
+            event_time: spec.event_time,
+            schema,
+        });
+    }
+    let schemas: Vec<(String, SchemaRef)> = sources
+        .iter()
+        .map(|s| (s.name.clone(), Arc::clone(&s.schema)))
+        .collect();
+    let query = StreamingQuery::plan(sql, &schemas, lineage).await?;
+    Ok((sources, query))
+}
+
+impl Pipeline {
+    /// Opens everything and finds where the job stands from the output table.
+    async fn open(job: Job) -> Result<Pipeline> {
+        let checkpoint = checkpoint_location(&job)?;
+        let Job {
+            id: job_id,
+            sources,
+            sql,
+            mut sink,
+            lineage,
+            keep_batches,
+            ..
+        } = job;
+        let (sources, query) = open_sources_and_query(sources, &sql, lineage, &checkpoint).await?;
+        sink.open(&job_id, query.output_schema()).await?;
+        let last = sink.last_committed().await?;
+        let (next_batch, committed) = match last {
+            None => (BatchId(0), SourceOffsets::new()),
+            Some(v) => {
+                let manifest = checkpoint.read_manifest(v).await?.ok_or_else(|| {
+                    Error::MissingManifest {
+                        job_id: job_id.clone(),
+                        batch_id: v,
+                        path: checkpoint.manifest_location(v),
+                    }
+                })?;
+                (v.next(), manifest.end_offsets)
+            }
+        };
+        info!(job_id, last_committed = ?last.map(|b| b.0), checkpoint = %checkpoint.url(), "job opened");
+        let summary = RunSummary {
+            last_batch: last,
+            location: Some(sink.location().clone()),
+            ..RunSummary::default()
+        };
+        Ok(Pipeline {
+            job_id,
+            sources,
+            query,
+            sink,
+            checkpoint,
+            keep_batches,
+            next_batch,
+            committed,
+            summary,
+        })
+    }
+
+    /// The trigger loop.
+    async fn drive(&mut self, trigger: Trigger, mut stop: watch::Receiver<bool>) -> Result<()> {
+        match trigger {
+            Trigger::Once => {
+                if let Some(intent) = self.plan(None).await? {
+                    self.run_batch(intent).await?;
+                }
+            }
+            Trigger::AvailableNow => {
+                let target = self.latest_offsets().await?;
+                while !*stop.borrow() {
+                    let Some(intent) = self.plan(Some(&target)).await? else {
+                        break;
+                    };
+                    self.run_batch(intent).await?;
+                }
+            }
+            Trigger::Interval(every) => {
+                let mut ticker = tokio::time::interval(every);
+                ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tokio::select! {
+                        _ = ticker.tick() => {}
+                        _ = stop.changed() => {}
+                    }
+                    if *stop.borrow() {
+                        break;
+                    }
+                    if let Some(intent) = self.plan(None).await? {
+                        self.run_batch(intent).await?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn latest_offsets(&self) -> Result<SourceOffsets> {
+        let mut latest = SourceOffsets::new();
+        for s in &self.sources {
+            let available = s.source.available().await?;
+            latest.insert(
+                s.name.clone(),
+                available.into_iter().map(|(p, a)| (p, a.latest)).collect(),
+            );
+        }
+        Ok(latest)
+    }
+
+    /// Step 1–2: the next batch's ranges — a pending intent if a crashed run left one, else
+    /// planned afresh (capped at `limit`) and recorded put-if-absent. `None` if there is nothing
+    /// to read.
+    async fn plan(&mut self, limit: Option<&SourceOffsets>) -> Result<Option<BatchIntent>> {
+        if let Some(intent) = self.checkpoint.read_intent(self.next_batch).await? {
+            info!(batch_id = intent.batch_id.0, ranges = %display_ranges(&intent.ranges), "rerunning the intent of an uncommitted batch");
+            return Ok(Some(intent));
+        }
+        let mut ranges = SourceRanges::new();
+        for s in &self.sources {
+            let available = s.source.available().await?;
+            let committed = self.committed.get(&s.name);
+            let mut start = BTreeMap::new();
+            let mut latest = BTreeMap::new();
+            for (p, a) in available {
+                let from = committed.and_then(|c| c.get(&p)).copied().unwrap_or(a.initial);
+                let mut to = a.latest;
+                if let Some(cap) = limit.and_then(|l| l.get(&s.name)).map(|l| l.get(&p).copied().unwrap_or(from)) {
+                    to = to.min(cap);
+                }
+                start.insert(p.clone(), from);
+                latest.insert(p, to.max(from));
+            }
+            ranges.insert(s.name.clone(), plan_ranges(&start, &latest, s.source.max_per_batch()));
+        }
+        if ranges.values().flat_map(|r| r.values()).all(OffsetRange::is_empty) {
+            return Ok(None);
+        }
+        let intent = BatchIntent {
+            batch_id: self.next_batch,
+            ranges,
+            idle: Default::default(),
+        };
+        let intent = self.checkpoint.write_intent(intent).await?;
+        crash_point("after_intent", intent.batch_id);
+        Ok(Some(intent))
+    }
+
+    /// Steps 3–10 for one batch.
+    async fn run_batch(&mut self, intent: BatchIntent) -> Result<()> {
+        let batch_id = intent.batch_id;
+        let started = Instant::now();
+        let mut counters = BatchCounters::default();
+        let mut dead_letters: Vec<RecordBatch> = Vec::new();
+
+        // 3 read + 4 time: one batch of rows per source.
+        let t = Instant::now();
+        let mut inputs = BTreeMap::new();
+        for s in &self.sources {
+            let empty = BTreeMap::new();
+            let ranges = intent.ranges.get(&s.name).unwrap_or(&empty);
+            let (rows, letters) = read_source(s, ranges).await?;
+            counters.rows_in += rows.num_rows() as u64;
+            counters.rows_dead_lettered += letters.len() as u64;
+            if !letters.is_empty() {
+                dead_letters.push(dead_letter_batch(&s.name, batch_id, &letters)?);
+            }
+            inputs.insert(s.name.clone(), rows);
+        }
+        let read_time = t.elapsed();
+
+        // 5 execute.
+        let t = Instant::now();
+        let output = self.query.execute_isolating(&inputs).await?;
+        drop(inputs);
+        for failed in &output.failed {
+            let letter = dead_letter_from_row(&failed.row, &failed.error)?;
+            dead_letters.push(dead_letter_batch(&failed.source, batch_id, &[letter])?);
+        }
+        counters.rows_dead_lettered += output.failed.len() as u64;
+        counters.rows_out = output.batches.iter().map(|b| b.num_rows() as u64).sum();
+        let execute_time = t.elapsed();
+
+        // 8 manifest: end offsets of every partition, live once the commit lands.
+        let t = Instant::now();
+        let mut end_offsets = self.committed.clone();
+        for (source, parts) in &intent.ranges {
+            let ends = end_offsets.entry(source.clone()).or_default();
+            for (p, r) in parts {
+                ends.insert(p.clone(), r.end);
+            }
+        }
+        let manifest = BatchManifest {
+            batch_id,
+            end_offsets,
+            watermark_micros: None,
+            state_files: vec![],
+            counters: counters.clone(),
+        };
+        self.checkpoint.write_manifest(&manifest).await?;
+        crash_point("after_manifest", batch_id);
+        let manifest_time = t.elapsed();
+
+        // 9 commit: side tables, then one output commit carrying txn(job, batch).
+        let t = Instant::now();
+        let manifest_json = serde_json::to_value(&manifest).map_err(|source| Error::CheckpointFormat {
+            path: self.checkpoint.manifest_location(batch_id),
+            source,
+        })?;
+        let outcome = self
+            .sink
+            .commit(BatchCommit {
+                batch_id,
+                output: output.batches,
+                dead_letters,
+                manifest: manifest_json,
+            })
+            .await?;
+        crash_point("after_commit", batch_id);
+        let commit_time = t.elapsed();
+
+        // 10 purge: keep the last `keep_batches` batch folders.
+        let t = Instant::now();
+        let keep_from = BatchId(batch_id.0 + 1 - i64::from(self.keep_batches));
+        self.checkpoint.purge_batches_before(keep_from).await?;
+        let purge_time = t.elapsed();
+
+        self.committed = manifest.end_offsets;
+        self.next_batch = batch_id.next();
+        self.summary.batches_committed += 1;
+        self.summary.last_batch = Some(batch_id);
+        self.summary.rows_in += counters.rows_in;
+        self.summary.rows_out += counters.rows_out;
+        self.summary.rows_dead_lettered += counters.rows_dead_lettered;
+        let (files, bytes, already) = match outcome {
+            CommitOutcome::Committed { files, bytes, .. } => (files, bytes, false),
+            CommitOutcome::AlreadyCommitted => (0, 0, true),
+        };
+        info!(
+            job_id = %self.job_id,
+            batch_id = batch_id.0,
+            ranges = %display_ranges(&intent.ranges),
+            rows_in = counters.rows_in,
+            rows_out = counters.rows_out,
+            rows_dead_lettered = counters.rows_dead_lettered,
+            files_written = files,
+            bytes_written = bytes,
+            already_committed = already,
+            read_ms = ms(read_time),
+            execute_ms = ms(execute_time),
+            manifest_ms = ms(manifest_time),
+            commit_ms = ms(commit_time),
+            purge_ms = ms(purge_time),
+            total_ms = ms(started.elapsed()),
+            "batch committed"
+        );
+        Ok(())
+    }
+}
+
+fn ms(d: Duration) -> u64 {
+    d.as_millis() as u64
+}
+
+/// Reads every range of one source (partitions concurrently), parses event time, and returns
+/// the rows as one batch plus the dead letters.
+async fn read_source(
+    s: &OpenSource,
+    ranges: &BTreeMap<PartitionId, OffsetRange>,
+) -> Result<(RecordBatch, Vec<DeadLetter>)> {
+    let reads = try_join_all(
+        ranges
+            .iter()
+            .filter(|(_, r)| !r.is_empty())
+            .map(|(p, r)| s.source.read(p, *r)),
+    )
+    .await?;
+    let mut letters = Vec::new();
+    let mut batches = Vec::new();
+    for read in reads {
+        letters.extend(read.dead_letters);
+        for batch in read.batches {
+            match &s.event_time {
+                None => batches.push(batch),
+                Some(time) => {
+                    let (parsed, bad) = extract_event_time(&batch, time)
+                        .map_err(|e| Error::source(&s.name, e))?;
+                    if bad.is_empty() {
+                        batches.push(parsed);
+                        continue;
+                    }
+                    let mut keep = vec![true; batch.num_rows()];
+                    for b in &bad {
+                        keep[b.row] = false;
+                        letters.push(dead_letter_from_row(&batch.slice(b.row, 1), &b.reason)?);
+                    }
+                    batches.push(filter_record_batch(&parsed, &keep.into())?);
+                }
+            }
+        }
+    }
+    let rows = concat_batches(&s.schema, &batches)?;
+    Ok((rows, letters))
+}

@@ -1,0 +1,43 @@
+//! Crash points: a test hook that kills the process at a named step of a named batch.
+//!
+//! The crash tests must prove that a SIGKILL at *any* step loses and duplicates nothing, including
+//! the narrow gaps between two commits that a randomly timed kill rarely hits. Setting
+//! `SLUICE_CRASH_AT=<point>:<batch_id>` (for example `after_side_tables:3`) makes the process send
+//! itself SIGKILL when it reaches that point; unset, a crash point costs one comparison.
+//!
+//! Points, in the order a batch passes them: `after_intent`, `after_manifest`,
+//! `after_side_tables`, `after_commit`.
+
+use std::sync::OnceLock;
+
+use crate::offsets::BatchId;
+
+/// The environment variable that arms a crash point.
+pub const CRASH_AT_ENV: &str = "SLUICE_CRASH_AT";
+
+fn armed() -> Option<&'static (String, i64)> {
+    static ARMED: OnceLock<Option<(String, i64)>> = OnceLock::new();
+    ARMED
+        .get_or_init(|| {
+            let spec = std::env::var(CRASH_AT_ENV).ok()?;
+            let (point, batch) = spec.split_once(':')?;
+            Some((point.to_string(), batch.parse().ok()?))
+        })
+        .as_ref()
+}
+
+/// Kills the process with SIGKILL if `SLUICE_CRASH_AT` names this point and batch.
+pub fn crash_point(point: &str, batch_id: BatchId) {
+    if let Some((armed_point, armed_batch)) = armed()
+        && armed_point == point
+        && *armed_batch == batch_id.0
+    {
+        tracing::warn!(point, batch_id = batch_id.0, "crash point reached: sending SIGKILL to self");
+        let pid = std::process::id().to_string();
+        // SIGKILL cannot be caught: nothing after this line runs once `kill` delivers it.
+        let _ = std::process::Command::new("kill").args(["-KILL", &pid]).status();
+        loop {
+            std::thread::sleep(std::time::Duration::from_secs(1));
+        }
+    }
+}

@@ -1,0 +1,256 @@
+//! A job: sources, one SQL query, a sink, a trigger — built in Rust or from a job file.
+//!
+//! [`JobBuilder`] is the Rust API; the `sluice` binary builds the same [`Job`] from a TOML job
+//! file. Either way the job runs with [`Job::run`] (see [`crate::driver`]).
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use url::Url;
+
+use crate::error::{Error, Result};
+use crate::event_time::EventTimeConfig;
+use crate::sink::Sink;
+use crate::source::Source;
+
+/// When batches run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Trigger {
+    /// One batch (capped by the per-batch limits), then exit.
+    Once,
+    /// Fix every partition's latest offset at start, process up to it in capped batches, exit.
+    AvailableNow,
+    /// A batch per interval until SIGINT/SIGTERM.
+    Interval(Duration),
+}
+
+impl FromStr for Trigger {
+    type Err = Error;
+
+    /// Parses `once`, `available-now` or `interval:<duration>` (`interval:5s`).
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "once" => Ok(Trigger::Once),
+            "available-now" => Ok(Trigger::AvailableNow),
+            _ => match s.strip_prefix("interval:") {
+                Some(d) => Ok(Trigger::Interval(parse_duration("trigger interval", d)?)),
+                None => Err(Error::InvalidJob(format!(
+                    "trigger '{s}' is not one of once, available-now, interval:<duration>"
+                ))),
+            },
+        }
+    }
+}
+
+impl fmt::Display for Trigger {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Trigger::Once => write!(f, "once"),
+            Trigger::AvailableNow => write!(f, "available-now"),
+            Trigger::Interval(d) => write!(f, "interval:{}", humantime::format_duration(*d)),
+        }
+    }
+}
+
+/// Parses a human duration (`10s`, `1m 30s`, `250ms`), naming the setting if it is wrong.
+pub fn parse_duration(setting: &str, text: &str) -> Result<Duration> {
+    humantime::parse_duration(text.trim())
+        .map_err(|e| Error::InvalidJob(format!("{setting} '{text}' is not a duration: {e}")))
+}
+
+/// One source of a job: its SQL table name, the source and its event-time settings.
+pub struct SourceSpec {
+    /// The SQL table name.
+    pub name: String,
+    /// The source.
+    pub source: Box<dyn Source>,
+    /// Event-time column and watermark settings, if the source has event time.
+    pub event_time: Option<EventTimeConfig>,
+}
+
+/// A complete job definition.
+pub struct Job {
+    /// The job id: the Delta txn app id; one running instance per id.
+    pub id: String,
+    /// The sources, each a SQL table.
+    pub sources: Vec<SourceSpec>,
+    /// The query.
+    pub sql: String,
+    /// Where results go.
+    pub sink: Box<dyn Sink>,
+    /// Checkpoint location; `None` for `<sink location>/_sluice/<job id>`.
+    pub checkpoint: Option<Url>,
+    /// When batches run.
+    pub trigger: Trigger,
+    /// Whether output rows carry `_source_partition` and `_source_offset`.
+    pub lineage: bool,
+    /// How many committed batch folders to keep in the checkpoint.
+    pub keep_batches: u32,
+}
+
+impl fmt::Debug for Job {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Job")
+            .field("id", &self.id)
+            .field("sources", &self.sources.iter().map(|s| &s.name).collect::<Vec<_>>())
+            .field("sql", &self.sql)
+            .field("trigger", &self.trigger)
+            .finish()
+    }
+}
+
+impl Job {
+    /// Starts building a job with the given id.
+    pub fn builder(id: impl Into<String>) -> JobBuilder {
+        JobBuilder {
+            id: id.into(),
+            sources: Vec::new(),
+            sql: None,
+            sink: None,
+            checkpoint: None,
+            trigger: Trigger::AvailableNow,
+            lineage: true,
+            keep_batches: 10,
+        }
+    }
+}
+
+/// Builds a [`Job`] in Rust.
+///
+/// ```no_run
+/// # async fn example(source: Box<dyn sluice_engine::Source>, sink: Box<dyn sluice_engine::Sink>) -> sluice_engine::Result<()> {
+/// use sluice_engine::{Job, Trigger};
+/// let job = Job::builder("clicks_clean")
+///     .with_source("clicks", source, None)
+///     .with_sql("SELECT user_id, upper(page) AS page FROM clicks WHERE user_id IS NOT NULL")
+///     .with_sink(sink)
+///     .with_trigger(Trigger::AvailableNow)
+///     .build()?;
+/// let summary = job.run().await?;
+/// println!("{} batches committed", summary.batches_committed);
+/// # Ok(()) }
+/// ```
+pub struct JobBuilder {
+    id: String,
+    sources: Vec<SourceSpec>,
+    sql: Option<String>,
+    sink: Option<Box<dyn Sink>>,
+    checkpoint: Option<Url>,
+    trigger: Trigger,
+    lineage: bool,
+    keep_batches: u32,
+}
+
+impl JobBuilder {
+    /// Adds a source, queried in SQL as `name`.
+    pub fn with_source(
+        mut self,
+        name: impl Into<String>,
+        source: Box<dyn Source>,
+        event_time: Option<EventTimeConfig>,
+    ) -> Self {
+        self.sources.push(SourceSpec {
+            name: name.into(),
+            source,
+            event_time,
+        });
+        self
+    }
+
+    /// Sets the query.
+    pub fn with_sql(mut self, sql: impl Into<String>) -> Self {
+        self.sql = Some(sql.into());
+        self
+    }
+
+    /// Sets the sink.
+    pub fn with_sink(mut self, sink: Box<dyn Sink>) -> Self {
+        self.sink = Some(sink);
+        self
+    }
+
+    /// Sets the checkpoint location (default: `<sink location>/_sluice/<job id>`).
+    pub fn with_checkpoint(mut self, url: Url) -> Self {
+        self.checkpoint = Some(url);
+        self
+    }
+
+    /// Sets the trigger (default: available-now).
+    pub fn with_trigger(mut self, trigger: Trigger) -> Self {
+        self.trigger = trigger;
+        self
+    }
+
+    /// Whether output carries the lineage columns (default: true).
+    pub fn with_lineage(mut self, lineage: bool) -> Self {
+        self.lineage = lineage;
+        self
+    }
+
+    /// How many committed batch folders the checkpoint keeps (default: 10, at least 1).
+    pub fn with_keep_batches(mut self, keep: u32) -> Self {
+        self.keep_batches = keep.max(1);
+        self
+    }
+
+    /// Checks and returns the job.
+    ///
+    /// # Errors
+    /// If the id is empty or has characters other than letters, digits, `_`, `-`, `.`; if there
+    /// is no source, no query or no sink; or if two sources share a name.
+    pub fn build(self) -> Result<Job> {
+        let id_ok = !self.id.is_empty()
+            && self
+                .id
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
+        if !id_ok {
+            return Err(Error::InvalidJob(format!(
+                "job id '{}' must be non-empty and use only letters, digits, '_', '-' and '.'",
+                self.id
+            )));
+        }
+        if self.sources.is_empty() {
+            return Err(Error::InvalidJob(format!("job '{}' has no source", self.id)));
+        }
+        let mut names: Vec<&str> = self.sources.iter().map(|s| s.name.as_str()).collect();
+        names.sort_unstable();
+        if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+            return Err(Error::InvalidJob(format!("source '{}' is defined twice", w[0])));
+        }
+        let sql = self
+            .sql
+            .filter(|s| !s.trim().is_empty())
+            .ok_or_else(|| Error::InvalidJob(format!("job '{}' has no query", self.id)))?;
+        let sink = self
+            .sink
+            .ok_or_else(|| Error::InvalidJob(format!("job '{}' has no sink", self.id)))?;
+        Ok(Job {
+            id: self.id,
+            sources: self.sources,
+            sql,
+            sink,
+            checkpoint: self.checkpoint,
+            trigger: self.trigger,
+            lineage: self.lineage,
+            keep_batches: self.keep_batches,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn triggers_parse() {
+        assert_eq!("once".parse::<Trigger>().unwrap(), Trigger::Once);
+        assert_eq!(
+            "interval:1500ms".parse::<Trigger>().unwrap(),
+            Trigger::Interval(Duration::from_millis(1500))
+        );
+        let err = "sometimes".parse::<Trigger>().unwrap_err().to_string();
+        assert!(err.contains("'sometimes'"), "{err}");
+    }
+}

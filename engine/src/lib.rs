@@ -1,0 +1,53 @@
+//! # sluice-engine
+//!
+//! The core of Sluice, a micro-batch stream processor on Arrow batches that commits exactly-once
+//! to Delta tables. This crate owns the concepts; concrete sources live in `sluice-connectors`,
+//! concrete sinks in `sluice-sinks`, and this crate knows none of them.
+//!
+//! ## Architecture
+//!
+//! ```text
+//!   Source (partitions, offsets)        StreamingQuery (DataFusion)          Sink (Delta)
+//!   ┌──────────────────────┐  ranges   ┌────────────────────────┐  rows    ┌──────────────────┐
+//!   │ available() read()   │ ────────► │ plan once, run a batch │ ───────► │ commit(batch_id) │
+//!   └──────────────────────┘           └────────────────────────┘          └──────────────────┘
+//!              ▲                                                                    │
+//!              │ intent.json / manifest.json (CheckpointStore)      txn(job_id, batch_id)
+//!              └──────────────────────────── driver ◄────────────── last_committed() ┘
+//! ```
+//!
+//! The [`driver`] runs one batch at a time: plan offset ranges, record them as an intent, read,
+//! parse event time, execute the query, write the manifest, commit, purge. The output table's
+//! `txn` version says which batch is committed, so a crash at any step is recovered by rerunning
+//! the intent of the next batch — no row lost, none duplicated.
+//!
+//! Start reading at [`driver`]; the traits are [`Source`] and [`Sink`].
+
+pub mod checkpoint;
+pub mod dead_letter;
+pub mod driver;
+pub mod error;
+pub mod event_time;
+pub mod fault;
+pub mod job;
+pub mod offsets;
+pub mod query;
+pub mod schema;
+pub mod sink;
+pub mod source;
+
+pub use checkpoint::{BatchCounters, BatchIntent, BatchManifest, CheckpointStore};
+pub use driver::{RunSummary, Validation};
+pub use error::{Error, Result};
+pub use event_time::{EventTimeConfig, EventTimeFormat};
+pub use job::{Job, JobBuilder, SourceSpec, Trigger, parse_duration};
+pub use offsets::{BatchId, Offset, OffsetRange, PartitionId};
+pub use sink::{BatchCommit, CommitOutcome, Sink};
+pub use source::{AvailableRange, DeadLetter, Source, SourceContext, SourceRead};
+
+/// Re-exported so connectors and sinks use the engine's exact versions.
+pub use arrow;
+/// Re-exported so connectors and sinks use the engine's exact versions.
+pub use datafusion;
+/// Re-exported so connectors and sinks use the engine's exact versions.
+pub use object_store;

@@ -1,0 +1,67 @@
+//! The [`Sink`] trait: an idempotent, atomic commit of one batch.
+//!
+//! The driver hands a sink everything one batch produced — output rows and dead letters — together
+//! with its [`BatchId`]. The sink makes the output visible in **one** atomic commit that also
+//! records `txn(job_id, batch_id)`, after committing the side tables the same way. Because the
+//! table itself remembers the last batch id, the sink is the source of truth on restart
+//! ([`Sink::last_committed`]) and can refuse to commit a batch twice.
+
+use arrow::array::RecordBatch;
+use arrow::datatypes::SchemaRef;
+use async_trait::async_trait;
+use url::Url;
+
+use crate::error::Result;
+use crate::offsets::BatchId;
+
+/// What one batch hands to the sink.
+#[derive(Debug)]
+pub struct BatchCommit {
+    /// The batch; committed as `txn(job_id, batch_id)`.
+    pub batch_id: BatchId,
+    /// Output rows (may be empty: the batch still commits its txn).
+    pub output: Vec<RecordBatch>,
+    /// Dead-letter rows, in [`crate::dead_letter::dead_letter_schema`].
+    pub dead_letters: Vec<RecordBatch>,
+    /// A copy of the batch manifest, stored in the commit's metadata for humans.
+    pub manifest: serde_json::Value,
+}
+
+/// What a commit did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CommitOutcome {
+    /// The batch was committed now.
+    Committed {
+        /// Rows written to the output table.
+        rows: u64,
+        /// Data files added to the output table.
+        files: u64,
+        /// Bytes of data files added.
+        bytes: u64,
+    },
+    /// The table already held this batch (a rerun after a crash right after the commit).
+    AlreadyCommitted,
+}
+
+/// Where a job's results go.
+///
+/// # Contract
+/// - [`Sink::commit`] is atomic for the output: the rows and `txn(job_id, batch_id)` become
+///   visible together or not at all. Side tables are committed first, each with the same txn,
+///   and skipped if they already hold it.
+/// - A batch id at or below [`Sink::last_committed`] is never written again.
+#[async_trait]
+pub trait Sink: Send + Sync {
+    /// Where the sink writes; the default checkpoint lives below it, in `_sluice/<job_id>`.
+    fn location(&self) -> &Url;
+
+    /// Prepares the tables for `job_id` (creating them if needed) for output rows of
+    /// `output_schema`.
+    async fn open(&mut self, job_id: &str, output_schema: SchemaRef) -> Result<()>;
+
+    /// The last batch committed for the job, read from the output table.
+    async fn last_committed(&self) -> Result<Option<BatchId>>;
+
+    /// Commits one batch, idempotently.
+    async fn commit(&self, batch: BatchCommit) -> Result<CommitOutcome>;
+}

@@ -1,0 +1,134 @@
+//! The [`Source`] trait: partitioned, offset-addressed input that can be re-read exactly.
+//!
+//! The driver asks a source two things: which partitions exist and how far each one goes
+//! ([`Source::available`]), and the rows of one partition between two offsets
+//! ([`Source::read`]). Because a read is a pure function of `(partition, range)`, a batch that
+//! crashed can be re-run from its intent and produce the same rows — the base of exactly-once.
+//!
+//! Every batch a source returns carries its data columns (the source's [`Source::schema`]) followed
+//! by the lineage columns [`SOURCE_PARTITION`] and [`SOURCE_OFFSET`], and optionally
+//! [`SOURCE_POSITION`] when a row's position is finer than its offset (a line in a file). Rows
+//! that cannot be decoded are never dropped: they come back as [`DeadLetter`]s.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use arrow::array::{ArrayRef, Int64Array, RecordBatch, StringArray};
+use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
+use async_trait::async_trait;
+
+use crate::checkpoint::CheckpointStore;
+use crate::error::Result;
+use crate::offsets::{Offset, OffsetRange, PartitionId};
+
+/// Lineage column: the partition a row was read from.
+pub const SOURCE_PARTITION: &str = "_source_partition";
+/// Lineage column: the offset a row was read at (file position, Kafka offset).
+pub const SOURCE_OFFSET: &str = "_source_offset";
+/// Optional column: a finer position than the offset, such as `file.json:17`.
+pub const SOURCE_POSITION: &str = "_source_position";
+
+/// What a source is given when the job opens it.
+#[derive(Debug, Clone)]
+pub struct SourceContext {
+    /// The source's name in the job (its SQL table name).
+    pub name: String,
+    /// A folder of the job's checkpoint reserved for this source (`sources/<name>/`), for what
+    /// the source must remember across restarts, such as the order in which it saw files.
+    pub checkpoint: CheckpointStore,
+}
+
+/// The offsets one partition has available now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AvailableRange {
+    /// Where a job that never read this partition starts (`starting_offsets`).
+    pub initial: Offset,
+    /// One past the last offset that can be read now.
+    pub latest: Offset,
+}
+
+/// Rows read from one partition range.
+#[derive(Debug, Default)]
+pub struct SourceRead {
+    /// Decoded rows: the source schema plus the lineage columns.
+    pub batches: Vec<RecordBatch>,
+    /// Input that could not be decoded, with the reason.
+    pub dead_letters: Vec<DeadLetter>,
+}
+
+/// One input record that could not be turned into a row, kept with its raw bytes and the reason.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeadLetter {
+    /// The partition it was read from.
+    pub partition: PartitionId,
+    /// Its offset.
+    pub offset: Offset,
+    /// A human-readable position: `file.json:17` or `3@42`.
+    pub position: String,
+    /// The bytes as read.
+    pub raw: Vec<u8>,
+    /// Why it was rejected.
+    pub error: String,
+}
+
+/// A partitioned, replayable input.
+///
+/// # Contract
+/// - [`Source::open`] is called once, before anything else, and fixes the schema.
+/// - [`Source::read`] is deterministic: the same `(partition, range)` always gives the same rows
+///   and dead letters, or an error naming what changed.
+/// - Offsets only grow: `available()` never reports a `latest` below one it reported before.
+///
+/// # Errors
+/// Errors name the source, partition and offset or file at fault. A transient failure (a broker
+/// restarting) should be retried inside the source; an error returned here stops the job, which
+/// can be restarted safely.
+#[async_trait]
+pub trait Source: Send + Sync {
+    /// Opens the source and returns the schema of the batches [`Source::read`] returns: the data
+    /// columns followed by the lineage columns (build it with [`with_lineage_fields`]).
+    async fn open(&mut self, ctx: SourceContext) -> Result<SchemaRef>;
+
+    /// The partitions that exist now and the offsets available in each.
+    async fn available(&self) -> Result<BTreeMap<PartitionId, AvailableRange>>;
+
+    /// The rows of `partition` in `range`.
+    async fn read(&self, partition: &PartitionId, range: OffsetRange) -> Result<SourceRead>;
+
+    /// The most offsets one batch may read across all partitions (`max_files_per_batch`,
+    /// `max_records_per_batch`); `None` for no limit.
+    fn max_per_batch(&self) -> Option<u64>;
+}
+
+/// The schema of a source's batches: its data columns plus the lineage columns.
+pub fn with_lineage_fields(data: &Schema, with_position: bool) -> SchemaRef {
+    let mut fields: Vec<Field> = data.fields().iter().map(|f| f.as_ref().clone()).collect();
+    fields.push(Field::new(SOURCE_PARTITION, DataType::Utf8, false));
+    fields.push(Field::new(SOURCE_OFFSET, DataType::Int64, false));
+    if with_position {
+        fields.push(Field::new(SOURCE_POSITION, DataType::Utf8, false));
+    }
+    Arc::new(Schema::new_with_metadata(fields, data.metadata().clone()))
+}
+
+/// Appends the lineage columns to a batch of decoded rows that all come from one offset, with
+/// an optional per-row position.
+///
+/// # Errors
+/// If `positions` does not have one entry per row.
+pub fn attach_lineage(
+    data: RecordBatch,
+    partition: &str,
+    offset: Offset,
+    positions: Option<Vec<String>>,
+) -> Result<RecordBatch> {
+    let n = data.num_rows();
+    let schema = with_lineage_fields(&data.schema(), positions.is_some());
+    let mut columns: Vec<ArrayRef> = data.columns().to_vec();
+    columns.push(Arc::new(StringArray::from(vec![partition; n])));
+    columns.push(Arc::new(Int64Array::from(vec![offset; n])));
+    if let Some(positions) = positions {
+        columns.push(Arc::new(StringArray::from(positions)));
+    }
+    Ok(RecordBatch::try_new(schema, columns)?)
+}
