@@ -1,1 +1,9 @@
-fn main() {}
+//! Sluice's end-to-end tests: one test binary that runs the real `sluice` binary against real
+//! files and real Delta tables, and reads the tables back with delta-rs (Rust) and with the
+//! Python `deltalake` package (an independent reader; installed by `./test`).
+
+mod support;
+
+mod cli;
+mod crash;
+mod dead_letters;

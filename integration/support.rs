@@ -1,0 +1,267 @@
+//! Helpers shared by the end-to-end tests: input generation, running `sluice`, reading tables.
+
+#![allow(dead_code)]
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::Arc;
+
+use arrow::array::RecordBatch;
+use datafusion::prelude::SessionContext;
+use serde_json::Value;
+
+/// The `sluice` binary built for this test run.
+pub fn sluice_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_sluice")
+}
+
+/// Runs `sluice` with `args` to completion.
+pub fn run_sluice(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(sluice_bin());
+    cmd.args(args).env_remove("RUST_LOG");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().expect("sluice runs")
+}
+
+/// Asserts a run succeeded, showing its output if not.
+pub fn assert_ok(out: &Output) {
+    assert!(
+        out.status.success(),
+        "sluice failed ({}):\nstdout:\n{}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// One generated input line and what the job should make of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LineKind {
+    /// A good event: lands in the output (if the filter keeps it).
+    Good,
+    /// Not valid JSON: dead letter at decode.
+    Malformed,
+    /// A value that does not fit the schema: dead letter at decode.
+    WrongType,
+    /// No event time: dead letter at the time step.
+    NoEventTime,
+    /// `code` is not a number: the query's CAST fails, dead letter at execute.
+    Poison,
+}
+
+/// Generated input: `files` JSON files of `lines_per_file` events, with bad lines mixed in.
+#[derive(Debug)]
+pub struct Events {
+    /// Per global line index: (file index, id, kind).
+    pub lines: Vec<(usize, i64, LineKind)>,
+}
+
+impl Events {
+    /// The kind of line `i` (global index): a fixed mix of good and bad lines.
+    pub fn kind(i: usize) -> LineKind {
+        match i {
+            _ if i % 37 == 5 => LineKind::Malformed,
+            _ if i % 41 == 7 => LineKind::WrongType,
+            _ if i % 43 == 9 => LineKind::NoEventTime,
+            _ if i % 47 == 11 => LineKind::Poison,
+            _ => LineKind::Good,
+        }
+    }
+
+    /// Writes files `first..first + count` into `dir`, named so they sort in index order.
+    pub fn write(dir: &Path, first: usize, count: usize, lines_per_file: usize) -> Events {
+        std::fs::create_dir_all(dir).unwrap();
+        let mut lines = Vec::new();
+        for f in first..first + count {
+            let mut text = String::new();
+            for l in 0..lines_per_file {
+                let i = f * lines_per_file + l;
+                let id = i as i64 + 1;
+                let kind = Events::kind(i);
+                let ts = format!("2026-11-01T10:{:02}:{:02}Z", (i / 60) % 60, i % 60);
+                let line = match kind {
+                    LineKind::Good => format!(
+                        r#"{{"id":{id},"user_id":{},"code":"{}","amount":{}.5,"ts":"{ts}"}}"#,
+                        i % 17,
+                        i % 100,
+                        i % 13
+                    ),
+                    LineKind::Malformed => format!(r#"{{"id":{id},"user_id":"#),
+                    LineKind::WrongType => format!(
+                        r#"{{"id":{id},"user_id":1,"code":"1","amount":"lots","ts":"{ts}"}}"#
+                    ),
+                    LineKind::NoEventTime => {
+                        format!(r#"{{"id":{id},"user_id":1,"code":"1","amount":1.5}}"#)
+                    }
+                    LineKind::Poison => format!(
+                        r#"{{"id":{id},"user_id":1,"code":"x{id}","amount":1.5,"ts":"{ts}"}}"#
+                    ),
+                };
+                text.push_str(&line);
+                text.push('\n');
+                lines.push((f, id, kind));
+            }
+            std::fs::write(dir.join(format!("events-{f:05}.json")), text).unwrap();
+        }
+        Events { lines }
+    }
+
+    /// Ids of the lines that must reach the output.
+    pub fn good_ids(&self) -> BTreeSet<i64> {
+        self.lines
+            .iter()
+            .filter(|(_, _, k)| *k == LineKind::Good)
+            .map(|(_, id, _)| *id)
+            .collect()
+    }
+
+    /// Ids the test query keeps (`WHERE user_id <> 3`, `user_id = i % 17`).
+    pub fn output_ids(&self) -> BTreeSet<i64> {
+        self.good_ids()
+            .into_iter()
+            .filter(|id| (id - 1) % 17 != 3)
+            .collect()
+    }
+
+    /// How many lines must become dead letters.
+    pub fn bad_count(&self) -> usize {
+        self.lines.iter().filter(|(_, _, k)| *k != LineKind::Good).count()
+    }
+}
+
+/// A job file over `input` writing to `out`, with the test query.
+pub fn write_job(path: &Path, job_id: &str, input: &Path, out: &Path, max_files: usize) -> PathBuf {
+    let text = format!(
+        r#"
+[job]
+id = "{job_id}"
+
+[sources.events]
+kind = "files"
+path = "{input}"
+format = "json"
+schema = "id BIGINT, user_id BIGINT, code VARCHAR, amount DOUBLE, ts TIMESTAMP"
+event_time = "ts"
+max_files_per_batch = {max_files}
+
+[sink]
+kind = "delta"
+path = "{out}"
+
+[trigger]
+mode = "available-now"
+
+[query]
+sql = """
+SELECT id, user_id, CAST(code AS INT) AS code, amount * 2 AS double_amount,
+       date_trunc('minute', ts) AS minute, ts
+FROM events
+WHERE user_id <> 3
+"""
+"#,
+        input = input.display(),
+        out = out.display(),
+    );
+    std::fs::write(path, text).unwrap();
+    path.to_path_buf()
+}
+
+/// Reads a Delta table with delta-rs + DataFusion.
+pub async fn read_table(path: &Path) -> Vec<RecordBatch> {
+    let url = url::Url::from_directory_path(path).unwrap();
+    let table = deltalake::open_table(url).await.expect("table opens");
+    let ctx = SessionContext::new();
+    table.update_datafusion_session(&ctx.state()).unwrap();
+    let provider = table.table_provider().await.unwrap();
+    ctx.register_table("t", Arc::clone(&provider)).unwrap();
+    ctx.sql("SELECT * FROM t").await.unwrap().collect().await.unwrap()
+}
+
+/// A table's rows as JSON objects, sorted, so two tables compare as multisets.
+pub async fn table_rows(path: &Path) -> Vec<String> {
+    rows_as_json(&read_table(path).await)
+}
+
+/// Rows as sorted JSON strings.
+pub fn rows_as_json(batches: &[RecordBatch]) -> Vec<String> {
+    let mut writer = arrow::json::ArrayWriter::new(Vec::new());
+    for b in batches {
+        writer.write(b).unwrap();
+    }
+    writer.finish().unwrap();
+    let bytes = writer.into_inner();
+    let values: Vec<Value> = if bytes.is_empty() {
+        vec![]
+    } else {
+        serde_json::from_slice(&bytes).unwrap()
+    };
+    let mut rows: Vec<String> = values.iter().map(|v| v.to_string()).collect();
+    rows.sort();
+    rows
+}
+
+/// The rows of a table as JSON objects with `drop` removed from each, sorted.
+pub async fn table_values(path: &Path, drop: &[&str]) -> Vec<serde_json::Map<String, Value>> {
+    let mut rows: Vec<serde_json::Map<String, Value>> = table_rows(path)
+        .await
+        .iter()
+        .map(|r| {
+            let mut v: serde_json::Map<String, Value> = serde_json::from_str(r).unwrap();
+            for d in drop {
+                v.remove(*d);
+            }
+            v
+        })
+        .collect();
+    rows.sort_by_key(|r| Value::Object(r.clone()).to_string());
+    rows
+}
+
+/// `<table>_dead_letter`, the default dead-letter table of a sink at `table`.
+pub fn dead_letter_table(table: &Path) -> PathBuf {
+    let mut s = table.as_os_str().to_owned();
+    s.push("_dead_letter");
+    PathBuf::from(s)
+}
+
+/// The txn versions of `app_id` in the table's commits, in commit order.
+pub fn txn_versions(table: &Path, app_id: &str) -> Vec<i64> {
+    let log = table.join("_delta_log");
+    let mut commits: Vec<PathBuf> = std::fs::read_dir(&log)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "json"))
+        .collect();
+    commits.sort();
+    let mut versions = Vec::new();
+    for c in commits {
+        for line in std::fs::read_to_string(c).unwrap().lines() {
+            let v: Value = serde_json::from_str(line).unwrap();
+            if let Some(txn) = v.get("txn")
+                && txn["appId"] == app_id
+            {
+                versions.push(txn["version"].as_i64().unwrap());
+            }
+        }
+    }
+    versions
+}
+
+/// Reads a table with the Python `deltalake` package: `{"schema": [[name, type]], "rows": [...]}`.
+pub fn python_read(table: &Path) -> Value {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("integration/read_delta.py");
+    let out = Command::new("python3")
+        .arg(script)
+        .arg(table)
+        .output()
+        .expect("python3 runs (./test installs the deltalake package)");
+    assert!(
+        out.status.success(),
+        "the Python deltalake reader failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}

@@ -1,0 +1,414 @@
+//! The Delta sink: every batch is one atomic Delta commit carrying `txn(job_id, batch_id)`.
+//!
+//! ## Tables
+//! - the **output** table at `path`;
+//! - the **dead-letter** table at `dead_letter_path` (default `<path>_dead_letter`).
+//!
+//! Both are created on first run (the output with the query's schema), so they can be queried
+//! before any row arrives.
+//!
+//! ## Commit protocol (one batch)
+//! 1. Dead letters, if any: skipped if the table already holds `txn(job_id, batch_id)`, else one
+//!    append carrying that txn.
+//! 2. Output: the table's txn version for the job must be `batch_id - 1` (or absent for batch 0).
+//!    If it is `batch_id` already, the batch was committed before a crash: nothing is written.
+//!    Otherwise one append carrying the txn — or, when the batch produced no rows, a bare commit
+//!    with only the txn, so the offsets still advance. delta-rs rejects a commit if another
+//!    commit with the same app id landed since the snapshot it was built on
+//!    (`ConcurrentTransaction`), which closes the check-then-commit race.
+//!
+//! `delta.setTransactionRetentionDuration` must stay unset: an expired txn would make the job
+//! replay from scratch.
+
+use std::num::NonZeroU64;
+
+use arrow::array::RecordBatch;
+use arrow::datatypes::SchemaRef;
+use async_trait::async_trait;
+use deltalake::kernel::engine::arrow_conversion::TryIntoKernel;
+use deltalake::kernel::transaction::{CommitBuilder, CommitProperties};
+use deltalake::kernel::{StructType, Transaction};
+use deltalake::protocol::{DeltaOperation, SaveMode};
+use deltalake::DeltaTable;
+use serde::Deserialize;
+use sluice_engine::dead_letter::dead_letter_schema;
+use sluice_engine::fault::crash_point;
+use sluice_engine::{BatchCommit, BatchId, CommitOutcome, Sink};
+use tokio::sync::Mutex;
+use url::Url;
+
+use crate::error::{Result, SinkError};
+
+/// Output mode of the sink.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OutputMode {
+    /// Each batch appends its rows.
+    #[default]
+    Append,
+    /// Each batch upserts changed rows (MERGE on the key).
+    Update,
+}
+
+/// The `[sink]` settings of `kind = "delta"`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeltaSinkConfig {
+    /// The output table: local path or URL.
+    pub path: String,
+    /// `append` (default) or `update`.
+    #[serde(default)]
+    pub mode: OutputMode,
+    /// Update mode without windows: the upsert key.
+    #[serde(default)]
+    pub key: Option<Vec<String>>,
+    /// The dead-letter table (default `<path>_dead_letter`).
+    #[serde(default)]
+    pub dead_letter_path: Option<String>,
+    /// The late-rows table (default `<path>_late`).
+    #[serde(default)]
+    pub late_path: Option<String>,
+    /// Target size of data files, e.g. `"128MB"` (default: delta-rs's, 100 MiB).
+    #[serde(default)]
+    pub target_file_size: Option<String>,
+}
+
+/// A Delta table as a [`Sink`]. See the module docs.
+#[derive(Debug)]
+pub struct DeltaSink {
+    output: TableHandle,
+    dead_letters: TableHandle,
+    target_file_size: Option<NonZeroU64>,
+    job_id: String,
+}
+
+/// One Delta table: where it is, and its latest loaded state.
+#[derive(Debug)]
+struct TableHandle {
+    url: Url,
+    table: Mutex<Option<DeltaTable>>,
+}
+
+impl DeltaSink {
+    /// A Delta sink for `config`.
+    ///
+    /// # Errors
+    /// If a path is not usable, `target_file_size` does not parse, or `mode = "update"` (which
+    /// needs keyed state and is not available yet).
+    pub fn new(config: DeltaSinkConfig) -> Result<Self> {
+        if config.mode == OutputMode::Update || config.key.is_some() {
+            return Err(SinkError::Config(
+                "mode = \"update\" (and `key`) needs keyed state, which this version does not have \
+                 yet; use mode = \"append\""
+                    .into(),
+            ));
+        }
+        let output = table_url(&config.path)?;
+        let dead = match &config.dead_letter_path {
+            Some(p) => table_url(p)?,
+            None => table_url(&format!("{}_dead_letter", config.path.trim_end_matches('/')))?,
+        };
+        let target_file_size = match &config.target_file_size {
+            None => None,
+            Some(text) => Some(NonZeroU64::new(parse_size(text)?).ok_or_else(|| {
+                SinkError::Config(format!("target_file_size '{text}' must be above zero"))
+            })?),
+        };
+        Ok(DeltaSink {
+            output: TableHandle::new(output),
+            dead_letters: TableHandle::new(dead),
+            target_file_size,
+            job_id: String::new(),
+        })
+    }
+
+    /// The dead-letter table's location.
+    pub fn dead_letter_location(&self) -> &Url {
+        &self.dead_letters.url
+    }
+}
+
+impl TableHandle {
+    fn new(url: Url) -> Self {
+        TableHandle {
+            url,
+            table: Mutex::new(None),
+        }
+    }
+
+    fn err(&self, source: deltalake::DeltaTableError) -> SinkError {
+        SinkError::Delta {
+            table: self.url.to_string(),
+            source,
+        }
+    }
+
+    /// Opens the table, creating it with `schema` if it does not exist, and checks its columns.
+    async fn open_or_create(&self, schema: &SchemaRef) -> Result<()> {
+        if self.url.scheme() == "file"
+            && let Ok(dir) = self.url.to_file_path()
+        {
+            std::fs::create_dir_all(dir)?;
+        }
+        let mut table = DeltaTable::try_from_url(self.url.clone())
+            .await
+            .map_err(|e| self.err(e))?;
+        if table.version().is_none() {
+            let normalized = deltalake::kernel::schema::cast::normalize_for_delta(schema);
+            let delta_schema: StructType = normalized
+                .as_ref()
+                .try_into_kernel()
+                .map_err(|e| self.err(e.into()))?;
+            table = table
+                .create()
+                .with_columns(delta_schema.fields().cloned())
+                .with_save_mode(SaveMode::Ignore)
+                .await
+                .map_err(|e| self.err(e))?;
+            table.load().await.map_err(|e| self.err(e))?;
+        }
+        let existing = table.snapshot().map_err(|e| self.err(e))?.schema();
+        let existing: Vec<&str> = existing.fields().map(|f| f.name().as_str()).collect();
+        let wanted: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
+        if existing != wanted {
+            return Err(SinkError::SchemaMismatch {
+                table: self.url.to_string(),
+                existing: existing.join(", "),
+                wanted: wanted.join(", "),
+            });
+        }
+        *self.table.lock().await = Some(table);
+        Ok(())
+    }
+
+    /// The table at its latest version.
+    async fn latest(&self) -> Result<DeltaTable> {
+        let mut guard = self.table.lock().await;
+        let table = guard.as_mut().ok_or_else(|| {
+            SinkError::Config(format!("table {} used before open()", self.url))
+        })?;
+        table.update_state().await.map_err(|e| self.err(e))?;
+        Ok(table.clone())
+    }
+
+    async fn txn_version(&self, table: &DeltaTable, job_id: &str) -> Result<Option<i64>> {
+        table
+            .snapshot()
+            .map_err(|e| self.err(e))?
+            .transaction_version(table.log_store().as_ref(), job_id)
+            .await
+            .map_err(|e| self.err(e))
+    }
+
+    /// Appends `batches` with `txn(job_id, batch_id)`, or commits the txn alone if there are no
+    /// rows. Returns (rows, files, bytes) added.
+    async fn append(
+        &self,
+        table: DeltaTable,
+        batches: Vec<RecordBatch>,
+        properties: CommitProperties,
+        target_file_size: Option<NonZeroU64>,
+    ) -> Result<(u64, u64, u64)> {
+        let rows: u64 = batches.iter().map(|b| b.num_rows() as u64).sum();
+        let table = if rows == 0 {
+            let snapshot = table.snapshot().map_err(|e| self.err(e))?;
+            let operation = DeltaOperation::Write {
+                mode: SaveMode::Append,
+                partition_by: None,
+                predicate: None,
+            };
+            CommitBuilder::from(properties)
+                .with_actions(vec![])
+                .build(Some(snapshot), table.log_store(), operation)
+                .await
+                .map_err(|e| self.err(e))?;
+            let mut table = table;
+            table.update_state().await.map_err(|e| self.err(e))?;
+            table
+        } else {
+            table
+                .write(batches.into_iter().filter(|b| b.num_rows() > 0))
+                .with_save_mode(SaveMode::Append)
+                .with_target_file_size(target_file_size)
+                .with_commit_properties(properties)
+                .await
+                .map_err(|e| self.err(e))?
+        };
+        let (files, bytes) = self.added_files(&table).await?;
+        *self.table.lock().await = Some(table);
+        Ok((rows, files, bytes))
+    }
+
+    /// Files and bytes added by the table's latest commit.
+    async fn added_files(&self, table: &DeltaTable) -> Result<(u64, u64)> {
+        let Some(version) = table.version() else {
+            return Ok((0, 0));
+        };
+        let Some(entry) = table
+            .log_store()
+            .read_commit_entry(version)
+            .await
+            .map_err(|e| self.err(e))?
+        else {
+            return Ok((0, 0));
+        };
+        let (mut files, mut bytes) = (0, 0);
+        for line in entry.split(|b| *b == b'\n') {
+            if let Ok(serde_json::Value::Object(action)) = serde_json::from_slice(line)
+                && let Some(add) = action.get("add")
+            {
+                files += 1;
+                bytes += add.get("size").and_then(|s| s.as_u64()).unwrap_or(0);
+            }
+        }
+        Ok((files, bytes))
+    }
+}
+
+fn properties(job_id: &str, batch_id: BatchId, manifest: &serde_json::Value) -> CommitProperties {
+    CommitProperties::default()
+        .with_application_transaction(Transaction::new(job_id, batch_id.0))
+        .with_metadata([("sluice".to_string(), manifest.clone())])
+}
+
+#[async_trait]
+impl Sink for DeltaSink {
+    fn location(&self) -> &Url {
+        &self.output.url
+    }
+
+    async fn open(&mut self, job_id: &str, output_schema: SchemaRef) -> sluice_engine::Result<()> {
+        self.job_id = job_id.to_string();
+        self.output.open_or_create(&output_schema).await?;
+        self.dead_letters.open_or_create(&dead_letter_schema()).await?;
+        Ok(())
+    }
+
+    async fn last_committed(&self) -> sluice_engine::Result<Option<BatchId>> {
+        let table = self.output.latest().await?;
+        Ok(self.output.txn_version(&table, &self.job_id).await?.map(BatchId))
+    }
+
+    async fn commit(&self, batch: BatchCommit) -> sluice_engine::Result<CommitOutcome> {
+        let batch_id = batch.batch_id;
+        let props = || properties(&self.job_id, batch_id, &batch.manifest);
+
+        // 1. Side tables first, each skipped if it already holds this batch.
+        if batch.dead_letters.iter().any(|b| b.num_rows() > 0) {
+            let table = self.dead_letters.latest().await?;
+            let done = self.dead_letters.txn_version(&table, &self.job_id).await?;
+            if done.is_none_or(|v| v < batch_id.0) {
+                self.dead_letters
+                    .append(table, batch.dead_letters, props(), self.target_file_size)
+                    .await?;
+            }
+        }
+        crash_point("after_side_tables", batch_id);
+
+        // 2. The output commit, exactly once.
+        let table = self.output.latest().await?;
+        let found = self.output.txn_version(&table, &self.job_id).await?;
+        if found == Some(batch_id.0) {
+            return Ok(CommitOutcome::AlreadyCommitted);
+        }
+        let expected = (batch_id.0 > 0).then(|| batch_id.0 - 1);
+        if found != expected {
+            return Err(SinkError::ConcurrentWriter {
+                table: self.output.url.to_string(),
+                job_id: self.job_id.clone(),
+                expected,
+                found,
+            }
+            .into());
+        }
+        let (rows, files, bytes) = self
+            .output
+            .append(table, batch.output, props(), self.target_file_size)
+            .await?;
+        Ok(CommitOutcome::Committed { rows, files, bytes })
+    }
+}
+
+/// Rows in the Delta table at `url` (from the file statistics; reads no data).
+///
+/// # Errors
+/// If the table cannot be loaded.
+pub async fn table_row_count(url: &Url) -> Result<u64> {
+    let table = deltalake::open_table(url.clone())
+        .await
+        .map_err(|source| SinkError::Delta {
+            table: url.to_string(),
+            source,
+        })?;
+    let snapshot = table.snapshot().map_err(|source| SinkError::Delta {
+        table: url.to_string(),
+        source,
+    })?;
+    Ok(snapshot
+        .log_data()
+        .iter()
+        .map(|f| f.num_records().unwrap_or(0) as u64)
+        .sum())
+}
+
+/// Turns a path or URL into a table URL; local paths become absolute `file://` URLs.
+pub fn table_url(path: &str) -> Result<Url> {
+    if path.contains("://") {
+        return Url::parse(path)
+            .map_err(|e| SinkError::Config(format!("path '{path}' is not a URL: {e}")));
+    }
+    let abs = std::path::absolute(path)?;
+    Url::from_directory_path(&abs)
+        .map_err(|_| SinkError::Config(format!("path '{path}' is not a valid directory path")))
+}
+
+/// Parses a size such as `128MB`, `64MiB`, `1GB` or `1048576`.
+pub fn parse_size(text: &str) -> Result<u64> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let bad = || {
+        SinkError::Config(format!(
+            "size '{text}' is not a number followed by B, KB, MB, GB, KiB, MiB or GiB"
+        ))
+    };
+    let n: u64 = number.parse().map_err(|_| bad())?;
+    let scale: u64 = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 1,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "KIB" => 1 << 10,
+        "MIB" => 1 << 20,
+        "GIB" => 1 << 30,
+        _ => return Err(bad()),
+    };
+    n.checked_mul(scale).ok_or_else(bad)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_size("128MB").unwrap(), 128_000_000);
+        assert_eq!(parse_size("64 MiB").unwrap(), 64 << 20);
+        assert_eq!(parse_size("10").unwrap(), 10);
+        assert!(parse_size("lots").unwrap_err().to_string().contains("'lots'"));
+    }
+
+    #[test]
+    fn update_mode_is_refused_with_a_reason() {
+        let err = DeltaSink::new(DeltaSinkConfig {
+            path: "/tmp/x".into(),
+            mode: OutputMode::Update,
+            key: None,
+            dead_letter_path: None,
+            late_path: None,
+            target_file_size: None,
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("update"), "{err}");
+    }
+}

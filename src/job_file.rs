@@ -1,0 +1,275 @@
+//! The job file: TOML that names the sources, the query, the sink and the trigger.
+//!
+//! This is the one place that maps `kind = "…"` to a concrete connector or sink, so the engine
+//! stays free of them. Keys shared by every source (`kind`, `event_time`, `event_time_format`,
+//! `max_out_of_orderness`, `idle_timeout`) are read here; the rest of a `[sources.<name>]` table
+//! goes to the connector's own config, which rejects unknown keys by name. Relative paths are
+//! resolved against the job file's folder, so a job file works from any working directory.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, Result, anyhow, bail};
+use serde::Deserialize;
+use sluice_connectors::files::{FilesSource, FilesSourceConfig};
+use sluice_engine::{EventTimeConfig, EventTimeFormat, Job, Trigger, parse_duration};
+use sluice_sinks::delta::{DeltaSink, DeltaSinkConfig};
+
+/// The whole job file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct JobFile {
+    job: JobSection,
+    sources: BTreeMap<String, toml::Table>,
+    sink: toml::Table,
+    #[serde(default)]
+    trigger: TriggerSection,
+    query: QuerySection,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct JobSection {
+    id: String,
+    #[serde(default)]
+    checkpoint: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TriggerSection {
+    #[serde(default = "default_trigger_mode")]
+    mode: String,
+    #[serde(default)]
+    interval: Option<String>,
+}
+
+impl Default for TriggerSection {
+    fn default() -> Self {
+        TriggerSection {
+            mode: default_trigger_mode(),
+            interval: None,
+        }
+    }
+}
+
+fn default_trigger_mode() -> String {
+    "available-now".into()
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct QuerySection {
+    sql: String,
+    #[serde(default)]
+    allowed_lateness: Option<String>,
+    #[serde(default)]
+    state_ttl: Option<String>,
+}
+
+/// The keys every source has, whatever its kind.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SourceCommon {
+    kind: String,
+    #[serde(default)]
+    event_time: Option<String>,
+    #[serde(default)]
+    event_time_format: Option<String>,
+    #[serde(default)]
+    max_out_of_orderness: Option<String>,
+    #[serde(default)]
+    idle_timeout: Option<String>,
+}
+const SOURCE_COMMON_KEYS: [&str; 5] = [
+    "kind",
+    "event_time",
+    "event_time_format",
+    "max_out_of_orderness",
+    "idle_timeout",
+];
+
+/// The keys every sink has, whatever its kind.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SinkCommon {
+    kind: String,
+    #[serde(default = "default_true")]
+    lineage: bool,
+}
+const SINK_COMMON_KEYS: [&str; 2] = ["kind", "lineage"];
+
+fn default_true() -> bool {
+    true
+}
+
+/// What `load` found besides the job, for messages.
+#[derive(Debug, Clone)]
+pub struct JobFileInfo {
+    /// The job file.
+    pub path: PathBuf,
+    /// The job id.
+    pub job_id: String,
+}
+
+/// Splits `table` into the keys in `common` and the rest.
+fn split(table: &toml::Table, common: &[&str]) -> (toml::Table, toml::Table) {
+    let (mut shared, mut rest) = (toml::Table::new(), toml::Table::new());
+    for (k, v) in table {
+        if common.contains(&k.as_str()) {
+            shared.insert(k.clone(), v.clone());
+        } else {
+            rest.insert(k.clone(), v.clone());
+        }
+    }
+    (shared, rest)
+}
+
+/// Resolves a path of the job file against the job file's folder (URLs and absolute paths stay).
+fn resolve(base: &Path, path: &str) -> String {
+    if path.contains("://") || Path::new(path).is_absolute() {
+        path.to_string()
+    } else {
+        base.join(path).to_string_lossy().into_owned()
+    }
+}
+
+/// Reads and checks a job file and builds the job. `trigger` overrides the file's `[trigger]`.
+///
+/// # Errors
+/// Errors name the file and the section or key at fault.
+pub async fn load(path: &Path, trigger: Option<Trigger>) -> Result<(Job, JobFileInfo)> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read job file {}", path.display()))?;
+    let file: JobFile =
+        toml::from_str(&text).with_context(|| format!("job file {}", path.display()))?;
+    let base = path
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."));
+    let ctx = |section: &str| format!("job file {}: [{section}]", path.display());
+
+    let trigger = match trigger {
+        Some(t) => t,
+        None => parse_trigger(&file.trigger).with_context(|| ctx("trigger"))?,
+    };
+    for (key, value) in [
+        ("allowed_lateness", &file.query.allowed_lateness),
+        ("state_ttl", &file.query.state_ttl),
+    ] {
+        if let Some(v) = value {
+            parse_duration(key, v).with_context(|| ctx("query"))?;
+        }
+    }
+
+    let mut builder = Job::builder(file.job.id.clone())
+        .with_sql(file.query.sql.clone())
+        .with_trigger(trigger);
+    if let Some(checkpoint) = &file.job.checkpoint {
+        let url = location_url(&resolve(&base, checkpoint)).with_context(|| ctx("job"))?;
+        builder = builder.with_checkpoint(url);
+    }
+
+    if file.sources.is_empty() {
+        bail!("{}: no [sources.<name>] table", ctx("sources"));
+    }
+    for (name, table) in &file.sources {
+        let section = format!("sources.{name}");
+        let (shared, mut rest) = split(table, &SOURCE_COMMON_KEYS);
+        let common: SourceCommon = shared.try_into().with_context(|| ctx(&section))?;
+        let event_time = event_time_config(&common).with_context(|| ctx(&section))?;
+        let source = match common.kind.as_str() {
+            "files" => {
+                if let Some(toml::Value::String(p)) = rest.get("path") {
+                    let resolved = resolve(&base, p);
+                    rest.insert("path".into(), toml::Value::String(resolved));
+                }
+                let config: FilesSourceConfig = rest.try_into().with_context(|| ctx(&section))?;
+                Box::new(FilesSource::new(config).with_context(|| ctx(&section))?)
+            }
+            other => bail!(
+                "{}: kind = \"{other}\" is not a source this build has (files)",
+                ctx(&section)
+            ),
+        };
+        builder = builder.with_source(name.clone(), source, event_time);
+    }
+
+    let (shared, mut rest) = split(&file.sink, &SINK_COMMON_KEYS);
+    let common: SinkCommon = shared.try_into().with_context(|| ctx("sink"))?;
+    let sink = match common.kind.as_str() {
+        "delta" => {
+            for key in ["path", "dead_letter_path", "late_path"] {
+                if let Some(toml::Value::String(p)) = rest.get(key) {
+                    let resolved = resolve(&base, p);
+                    rest.insert(key.into(), toml::Value::String(resolved));
+                }
+            }
+            let config: DeltaSinkConfig = rest.try_into().with_context(|| ctx("sink"))?;
+            Box::new(DeltaSink::new(config).with_context(|| ctx("sink"))?)
+        }
+        other => bail!("{}: kind = \"{other}\" is not a sink this build has (delta)", ctx("sink")),
+    };
+    let job = builder
+        .with_sink(sink)
+        .with_lineage(common.lineage)
+        .build()
+        .with_context(|| format!("job file {}", path.display()))?;
+    let info = JobFileInfo {
+        path: path.to_path_buf(),
+        job_id: file.job.id,
+    };
+    Ok((job, info))
+}
+
+fn parse_trigger(section: &TriggerSection) -> Result<Trigger> {
+    match (section.mode.as_str(), &section.interval) {
+        ("interval", Some(every)) => Ok(Trigger::Interval(parse_duration("interval", every)?)),
+        ("interval", None) => bail!("mode = \"interval\" needs interval = \"<duration>\""),
+        (mode, Some(_)) => bail!("interval is only used with mode = \"interval\", not \"{mode}\""),
+        (mode, None) => Ok(mode.parse()?),
+    }
+}
+
+fn event_time_config(common: &SourceCommon) -> Result<Option<EventTimeConfig>> {
+    let Some(column) = &common.event_time else {
+        for (key, v) in [
+            ("event_time_format", &common.event_time_format),
+            ("max_out_of_orderness", &common.max_out_of_orderness),
+            ("idle_timeout", &common.idle_timeout),
+        ] {
+            if v.is_some() {
+                bail!("{key} is set but event_time is not");
+            }
+        }
+        return Ok(None);
+    };
+    let format: EventTimeFormat = match &common.event_time_format {
+        Some(f) => f.parse()?,
+        None => EventTimeFormat::Rfc3339,
+    };
+    let max_out_of_orderness = match &common.max_out_of_orderness {
+        Some(d) => parse_duration("max_out_of_orderness", d)?,
+        None => Duration::ZERO,
+    };
+    let idle_timeout = common
+        .idle_timeout
+        .as_deref()
+        .map(|d| parse_duration("idle_timeout", d))
+        .transpose()?;
+    Ok(Some(EventTimeConfig {
+        column: column.clone(),
+        format,
+        max_out_of_orderness,
+        idle_timeout,
+    }))
+}
+
+fn location_url(path: &str) -> Result<url::Url> {
+    if path.contains("://") {
+        return url::Url::parse(path).map_err(|e| anyhow!("'{path}' is not a URL: {e}"));
+    }
+    let abs = std::path::absolute(path)?;
+    url::Url::from_directory_path(&abs).map_err(|_| anyhow!("'{path}' is not a directory path"))
+}
