@@ -24,7 +24,10 @@ async fn the_bundled_example_runs_and_reports_its_table() {
     let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples");
     copy_dir(&examples.join("data"), &ws.path().join("data"));
     std::fs::copy(examples.join("clicks.toml"), ws.path().join("clicks.toml")).unwrap();
-    let out = run_sluice(&["run", ws.path().join("clicks.toml").to_str().unwrap()], &[]);
+    let out = run_sluice(
+        &["run", ws.path().join("clicks.toml").to_str().unwrap()],
+        &[],
+    );
     assert_ok(&out);
     let stdout = String::from_utf8_lossy(&out.stdout);
     let table = ws.path().join("out/clicks_clean");
@@ -36,9 +39,19 @@ async fn the_bundled_example_runs_and_reports_its_table() {
     );
     // Every batch logs one structured line.
     let stderr = String::from_utf8_lossy(&out.stderr);
-    let batch_lines = stderr.lines().filter(|l| l.contains("batch committed")).count();
+    let batch_lines = stderr
+        .lines()
+        .filter(|l| l.contains("batch committed"))
+        .count();
     assert!(batch_lines >= 3, "{stderr}");
-    for field in ["batch_id=", "ranges=", "rows_in=", "rows_out=", "rows_dead_lettered=", "commit_ms="] {
+    for field in [
+        "batch_id=",
+        "ranges=",
+        "rows_in=",
+        "rows_out=",
+        "rows_dead_lettered=",
+        "commit_ms=",
+    ] {
         assert!(stderr.contains(field), "missing {field} in:\n{stderr}");
     }
 }
@@ -68,19 +81,40 @@ fn bad_job_files_get_errors_naming_the_problem() {
     let job = write_job(&ws.path().join("job.toml"), "bad", &input, &out, 5);
     let good = std::fs::read_to_string(&job).unwrap();
     let cases = [
-        (good.replace("max_files_per_batch", "max_file_per_batch"), "max_file_per_batch"),
+        (
+            good.replace("max_files_per_batch", "max_file_per_batch"),
+            "max_file_per_batch",
+        ),
         (good.replace("kind = \"files\"", "kind = \"ftp\""), "ftp"),
-        (good.replace("CAST(code AS INT)", "CAST(nope AS INT)"), "nope"),
-        (good.replace("SELECT id,", "SELECT DISTINCT id,"), "needs state across batches"),
-        (good.replace("event_time = \"ts\"", "event_time = \"when\""), "'when'"),
-        (good.replace("mode = \"available-now\"", "mode = \"sometimes\""), "sometimes"),
-        (good.replace(&input.display().to_string(), "/no/such/dir"), "/no/such/dir"),
+        (
+            good.replace("CAST(code AS INT)", "CAST(nope AS INT)"),
+            "nope",
+        ),
+        (
+            good.replace("SELECT id,", "SELECT DISTINCT id,"),
+            "needs state across batches",
+        ),
+        (
+            good.replace("event_time = \"ts\"", "event_time = \"when\""),
+            "'when'",
+        ),
+        (
+            good.replace("mode = \"available-now\"", "mode = \"sometimes\""),
+            "sometimes",
+        ),
+        (
+            good.replace(&input.display().to_string(), "/no/such/dir"),
+            "/no/such/dir",
+        ),
     ];
     for (text, needle) in cases {
         std::fs::write(&job, &text).unwrap();
         let run = run_sluice(&["run", job.to_str().unwrap()], &[]);
         assert!(!run.status.success(), "expected failure for {needle}");
         let stderr = String::from_utf8_lossy(&run.stderr);
-        assert!(stderr.contains(needle), "error for {needle} does not name it:\n{stderr}");
+        assert!(
+            stderr.contains(needle),
+            "error for {needle} does not name it:\n{stderr}"
+        );
     }
 }

@@ -83,7 +83,13 @@ async fn sigkill_at_any_step_loses_and_duplicates_nothing() {
     let input = ws.path().join("input");
     let mut events = Events::write(&input, 0, FIRST_FILES, LINES_PER_FILE);
     let crashed = ws.path().join("crashed");
-    let job = write_job(&ws.path().join("crashed.toml"), "crash_test", &input, &crashed, MAX_FILES_PER_BATCH);
+    let job = write_job(
+        &ws.path().join("crashed.toml"),
+        "crash_test",
+        &input,
+        &crashed,
+        MAX_FILES_PER_BATCH,
+    );
     let job = job.to_str().unwrap();
 
     // 1. Named crash points, including between the side-table and output commits and right
@@ -133,32 +139,58 @@ async fn sigkill_at_any_step_loses_and_duplicates_nothing() {
         }
     }
     kills += random_kills;
-    assert!(kills >= 20, "only {kills} kills landed (seed {seed}); the job finished too soon");
+    assert!(
+        kills >= 20,
+        "only {kills} kills landed (seed {seed}); the job finished too soon"
+    );
 
     // 4. Restart to completion.
     assert_ok(&run_sluice(&["run", job], &[]));
 
     // The same job, uninterrupted, over the same files.
     let reference = ws.path().join("reference");
-    let ref_job = write_job(&ws.path().join("ref.toml"), "crash_test", &input, &reference, MAX_FILES_PER_BATCH);
+    let ref_job = write_job(
+        &ws.path().join("ref.toml"),
+        "crash_test",
+        &input,
+        &reference,
+        MAX_FILES_PER_BATCH,
+    );
     assert_ok(&run_sluice(&["run", ref_job.to_str().unwrap()], &[]));
 
     // Same multiset of output rows, every expected row exactly once.
     let got = table_rows(&crashed).await;
     let want = table_rows(&reference).await;
     assert_eq!(got.len(), want.len(), "row counts differ (seed {seed})");
-    assert_eq!(got, want, "crashed run differs from the uninterrupted run (seed {seed})");
+    assert_eq!(
+        got, want,
+        "crashed run differs from the uninterrupted run (seed {seed})"
+    );
     let mut ids: BTreeMap<i64, usize> = BTreeMap::new();
     for row in table_values(&crashed, &[]).await {
         *ids.entry(row["id"].as_i64().unwrap()).or_default() += 1;
     }
-    assert!(ids.values().all(|n| *n == 1), "duplicated ids: {:?}", ids.iter().filter(|(_, n)| **n > 1).collect::<Vec<_>>());
-    assert_eq!(ids.keys().copied().collect::<std::collections::BTreeSet<_>>(), events.output_ids(), "lost or unexpected ids");
+    assert!(
+        ids.values().all(|n| *n == 1),
+        "duplicated ids: {:?}",
+        ids.iter().filter(|(_, n)| **n > 1).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        ids.keys()
+            .copied()
+            .collect::<std::collections::BTreeSet<_>>(),
+        events.output_ids(),
+        "lost or unexpected ids"
+    );
 
     // Dead letters: the same, once each (batch ids aside, which depend on batch boundaries).
     let got_dl = table_values(&dead_letter_table(&crashed), &["batch_id"]).await;
     let want_dl = table_values(&dead_letter_table(&reference), &["batch_id"]).await;
-    assert_eq!(got_dl.len(), events.bad_count(), "dead letters lost or duplicated");
+    assert_eq!(
+        got_dl.len(),
+        events.bad_count(),
+        "dead letters lost or duplicated"
+    );
     assert_eq!(got_dl, want_dl);
 
     // The txn versions of the output table are exactly 0, 1, 2, … — one commit per batch.
@@ -166,6 +198,14 @@ async fn sigkill_at_any_step_loses_and_duplicates_nothing() {
     let expected: Vec<i64> = (0..versions.len() as i64).collect();
     assert_eq!(versions, expected, "txn versions are not contiguous");
     let batches = (FIRST_FILES + LATER_FILES).div_ceil(MAX_FILES_PER_BATCH);
-    assert!(versions.len() >= batches, "{} commits for {batches} batches", versions.len());
-    eprintln!("crash test: {kills} kills ({random_kills} random, seed {seed}), {} batches, {} rows", versions.len(), got.len());
+    assert!(
+        versions.len() >= batches,
+        "{} commits for {batches} batches",
+        versions.len()
+    );
+    eprintln!(
+        "crash test: {kills} kills ({random_kills} random, seed {seed}), {} batches, {} rows",
+        versions.len(),
+        got.len()
+    );
 }

@@ -43,13 +43,24 @@ async fn bad_rows_go_to_dead_letters_and_every_good_row_to_the_output() {
     let rows = table["rows"].as_array().unwrap();
     let ids: BTreeSet<i64> = rows.iter().map(|r| r["id"].as_i64().unwrap()).collect();
     assert_eq!(rows.len(), ids.len(), "duplicate rows");
-    assert_eq!(ids, events.output_ids(), "good rows missing or bad rows present");
+    assert_eq!(
+        ids,
+        events.output_ids(),
+        "good rows missing or bad rows present"
+    );
     for r in rows {
         let i = r["id"].as_i64().unwrap() - 1;
         assert_eq!(r["user_id"].as_i64().unwrap(), i % 17);
         assert_eq!(r["code"].as_i64().unwrap(), i % 100);
-        assert_eq!(r["double_amount"].as_f64().unwrap(), ((i % 13) as f64 + 0.5) * 2.0);
-        assert_eq!(r["_source_offset"].as_i64().unwrap(), i / 20, "lineage offset = file position");
+        assert_eq!(
+            r["double_amount"].as_f64().unwrap(),
+            ((i % 13) as f64 + 0.5) * 2.0
+        );
+        assert_eq!(
+            r["_source_offset"].as_i64().unwrap(),
+            i / 20,
+            "lineage offset = file position"
+        );
         assert_eq!(r["_source_partition"], "0");
     }
 
@@ -82,8 +93,14 @@ async fn bad_rows_go_to_dead_letters_and_every_good_row_to_the_output() {
             LineKind::Poison => error.contains("Cannot cast") && raw.contains(&format!("x{id}")),
             LineKind::Good => unreachable!(),
         };
-        assert!(reason_ok, "{kind:?} line {id}: error {error:?}, raw {raw:?}");
-        assert!(raw.contains(&format!("\"id\":{id}")), "raw keeps the input: {raw}");
+        assert!(
+            reason_ok,
+            "{kind:?} line {id}: error {error:?}, raw {raw:?}"
+        );
+        assert!(
+            raw.contains(&format!("\"id\":{id}")),
+            "raw keeps the input: {raw}"
+        );
     }
 
     // The summary line counts them.
@@ -101,7 +118,10 @@ async fn bad_rows_go_to_dead_letters_and_every_good_row_to_the_output() {
     std::fs::remove_dir_all(dead_letter_table(&out)).unwrap();
     assert_ok(&run_sluice(&["run", job.to_str().unwrap()], &[]));
     assert_eq!(table_rows(&out).await, before);
-    assert_eq!(table_values(&dead_letter_table(&out), &[]).await, before_dead);
+    assert_eq!(
+        table_values(&dead_letter_table(&out), &[]).await,
+        before_dead
+    );
 
     // Running again with no new input commits nothing and changes nothing.
     let versions = txn_versions(&out, "dead_letters");

@@ -2,8 +2,11 @@
 //! files and real Delta tables, and reads the tables back with delta-rs (Rust) and with the
 //! Python `deltalake` package (an independent reader; installed by `./test`).
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod support;
 
 mod cli;
 mod crash;
 mod dead_letters;
+mod formats;

@@ -128,7 +128,10 @@ impl Events {
 
     /// How many lines must become dead letters.
     pub fn bad_count(&self) -> usize {
-        self.lines.iter().filter(|(_, _, k)| *k != LineKind::Good).count()
+        self.lines
+            .iter()
+            .filter(|(_, _, k)| *k != LineKind::Good)
+            .count()
     }
 }
 
@@ -177,7 +180,12 @@ pub async fn read_table(path: &Path) -> Vec<RecordBatch> {
     table.update_datafusion_session(&ctx.state()).unwrap();
     let provider = table.table_provider().await.unwrap();
     ctx.register_table("t", Arc::clone(&provider)).unwrap();
-    ctx.sql("SELECT * FROM t").await.unwrap().collect().await.unwrap()
+    ctx.sql("SELECT * FROM t")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap()
 }
 
 /// A table's rows as JSON objects, sorted, so two tables compare as multisets.

@@ -209,7 +209,10 @@ pub async fn load(path: &Path, trigger: Option<Trigger>) -> Result<(Job, JobFile
             let config: DeltaSinkConfig = rest.try_into().with_context(|| ctx("sink"))?;
             Box::new(DeltaSink::new(config).with_context(|| ctx("sink"))?)
         }
-        other => bail!("{}: kind = \"{other}\" is not a sink this build has (delta)", ctx("sink")),
+        other => bail!(
+            "{}: kind = \"{other}\" is not a sink this build has (delta)",
+            ctx("sink")
+        ),
     };
     let job = builder
         .with_sink(sink)

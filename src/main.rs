@@ -48,8 +48,7 @@ enum Command {
 
 /// Sluice at info; libraries at warn. delta-kernel logs an error while probing a table that does
 /// not exist yet (expected on first run; real failures reach us as errors), so it is silenced.
-const DEFAULT_LOG_FILTER: &str =
-    "warn,sluice=info,sluice_engine=info,sluice_connectors=info,sluice_sinks=info,\
+const DEFAULT_LOG_FILTER: &str = "warn,sluice=info,sluice_engine=info,sluice_connectors=info,sluice_sinks=info,\
      buoyant_kernel=off,deltalake_core::writer::stats=error";
 
 fn parse_trigger(s: &str) -> Result<Trigger, String> {

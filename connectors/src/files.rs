@@ -85,6 +85,21 @@ pub struct FilesSourceConfig {
     pub delimiter: String,
 }
 
+impl FilesSourceConfig {
+    /// Settings for `path` in `format`, everything else at its default (schema inferred, 100
+    /// files per batch, CSV with a header and `,`).
+    pub fn new(path: impl Into<String>, format: FileFormat) -> Self {
+        FilesSourceConfig {
+            path: path.into(),
+            format,
+            schema: None,
+            max_files_per_batch: default_max_files(),
+            header: true,
+            delimiter: default_delimiter(),
+        }
+    }
+}
+
 fn default_max_files() -> u64 {
     100
 }
@@ -135,7 +150,9 @@ struct Opened {
 
 impl std::fmt::Debug for FilesSource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FilesSource").field("url", &self.url.as_str()).finish()
+        f.debug_struct("FilesSource")
+            .field("url", &self.url.as_str())
+            .finish()
     }
 }
 
@@ -272,7 +289,13 @@ impl FilesSource {
     }
 
     /// Decodes one file into rows with lineage, and dead letters.
-    fn decode(&self, opened: &Opened, file: &RecordedFile, offset: i64, bytes: Bytes) -> Result<SourceRead> {
+    fn decode(
+        &self,
+        opened: &Opened,
+        file: &RecordedFile,
+        offset: i64,
+        bytes: Bytes,
+    ) -> Result<SourceRead> {
         let schema = &opened.data_schema;
         let lines_of = |bytes: &Bytes, skip_header: bool| -> Vec<Line> {
             let mut lines = split_lines(bytes);
@@ -313,8 +336,12 @@ impl FilesSource {
         };
         let mut read = SourceRead::default();
         for (batch, numbers) in decoded {
-            let positions = numbers.iter().map(|n| format!("{}:{n}", file.name)).collect();
-            read.batches.push(attach_lineage(batch, PARTITION, offset, Some(positions))?);
+            let positions = numbers
+                .iter()
+                .map(|n| format!("{}:{n}", file.name))
+                .collect();
+            read.batches
+                .push(attach_lineage(batch, PARTITION, offset, Some(positions))?);
         }
         for (line, raw, error) in bad {
             read.dead_letters.push(DeadLetter {
@@ -357,7 +384,9 @@ impl Source for FilesSource {
     }
 
     async fn available(&self) -> sluice_engine::Result<BTreeMap<PartitionId, AvailableRange>> {
-        let opened = self.opened().map_err(|e| sluice_engine::Error::source("files", e))?;
+        let opened = self
+            .opened()
+            .map_err(|e| sluice_engine::Error::source("files", e))?;
         let wrap = |e: ConnectorError| sluice_engine::Error::source(&opened.name, e);
         if let Some(schema) = opened.schema_to_record.lock().await.take() {
             let bytes = opened.checkpoint.to_json(SCHEMA_FILE, schema.as_ref())?;
@@ -391,7 +420,9 @@ impl Source for FilesSource {
         partition: &PartitionId,
         range: OffsetRange,
     ) -> sluice_engine::Result<SourceRead> {
-        let opened = self.opened().map_err(|e| sluice_engine::Error::source("files", e))?;
+        let opened = self
+            .opened()
+            .map_err(|e| sluice_engine::Error::source("files", e))?;
         let wrap = |e: ConnectorError| sluice_engine::Error::source(&opened.name, e);
         if partition != PARTITION {
             return Err(wrap(ConnectorError::Config(format!(
@@ -427,7 +458,11 @@ impl Source for FilesSource {
             read.batches.extend(part.batches);
             read.dead_letters.extend(part.dead_letters);
         }
-        debug_assert!(read.batches.iter().all(|b| b.schema() == opened.batch_schema));
+        debug_assert!(
+            read.batches
+                .iter()
+                .all(|b| b.schema() == opened.batch_schema)
+        );
         Ok(read)
     }
 
@@ -517,7 +552,10 @@ fn split_lines(bytes: &[u8]) -> Vec<Line> {
     lines
 }
 
-type Decoded = (Vec<(RecordBatch, Vec<usize>)>, Vec<(usize, Vec<u8>, String)>);
+type Decoded = (
+    Vec<(RecordBatch, Vec<usize>)>,
+    Vec<(usize, Vec<u8>, String)>,
+);
 
 /// Decodes `lines`, splitting in halves around failures until each bad line is alone.
 /// Returns decoded batches with their line numbers, in file order, and the bad lines.
@@ -585,7 +623,10 @@ fn decode_json(
         .unwrap_or_else(|| RecordBatch::new_empty(Arc::clone(schema))))
 }
 
-fn feed(decoder: &mut arrow::json::reader::Decoder, mut buf: &[u8]) -> std::result::Result<(), String> {
+fn feed(
+    decoder: &mut arrow::json::reader::Decoder,
+    mut buf: &[u8],
+) -> std::result::Result<(), String> {
     while !buf.is_empty() {
         let used = decoder.decode(buf).map_err(|e| e.to_string())?;
         if used == 0 {
@@ -627,7 +668,10 @@ fn decode_csv(
 }
 
 /// Reads a Parquet file and conforms its batches to `schema` by column name.
-fn decode_parquet(schema: &SchemaRef, bytes: Bytes) -> std::result::Result<Vec<RecordBatch>, String> {
+fn decode_parquet(
+    schema: &SchemaRef,
+    bytes: Bytes,
+) -> std::result::Result<Vec<RecordBatch>, String> {
     let reader = parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(bytes)
         .and_then(|b| b.build())
         .map_err(|e| e.to_string())?;
@@ -749,7 +793,14 @@ mod tests {
         let schema = infer_json(&samples).unwrap();
         let names: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
         assert_eq!(names, vec!["b", "a", "c"]);
-        let types: Vec<_> = schema.fields().iter().map(|f| f.data_type().clone()).collect();
-        assert_eq!(types, vec![DataType::Int64, DataType::Utf8, DataType::Float64]);
+        let types: Vec<_> = schema
+            .fields()
+            .iter()
+            .map(|f| f.data_type().clone())
+            .collect();
+        assert_eq!(
+            types,
+            vec![DataType::Int64, DataType::Utf8, DataType::Float64]
+        );
     }
 }

@@ -18,8 +18,8 @@ use std::sync::Arc;
 use futures::TryStreamExt;
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
-use serde::{Deserialize, Serialize};
 use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
 use url::Url;
 
 use crate::error::{Error, Result};
@@ -116,12 +116,14 @@ impl CheckpointStore {
     pub async fn get_json<T: DeserializeOwned>(&self, rel: &str) -> Result<Option<T>> {
         match self.get(rel).await? {
             None => Ok(None),
-            Some(bytes) => serde_json::from_slice(&bytes)
-                .map(Some)
-                .map_err(|source| Error::CheckpointFormat {
-                    path: self.display(rel),
-                    source,
-                }),
+            Some(bytes) => {
+                serde_json::from_slice(&bytes)
+                    .map(Some)
+                    .map_err(|source| Error::CheckpointFormat {
+                        path: self.display(rel),
+                        source,
+                    })
+            }
         }
     }
 
@@ -135,7 +137,10 @@ impl CheckpointStore {
 
     /// The names of the immediate sub-folders of `rel`.
     pub async fn list_folders(&self, rel: &str) -> Result<BTreeSet<String>> {
-        let listing = self.store.list_with_delimiter(Some(&self.path(rel))).await?;
+        let listing = self
+            .store
+            .list_with_delimiter(Some(&self.path(rel)))
+            .await?;
         Ok(listing
             .common_prefixes
             .iter()
@@ -220,7 +225,10 @@ impl CheckpointStore {
             return Ok(intent);
         }
         self.get_json(&rel).await?.ok_or_else(|| {
-            Error::InvalidJob(format!("intent {} vanished while being read", self.display(&rel)))
+            Error::InvalidJob(format!(
+                "intent {} vanished while being read",
+                self.display(&rel)
+            ))
         })
     }
 

@@ -40,7 +40,9 @@ pub fn dead_letter_batch(
             Arc::new(StringArray::from_iter_values(
                 letters.iter().map(|l| l.partition.as_str()),
             )),
-            Arc::new(Int64Array::from_iter_values(letters.iter().map(|l| l.offset))),
+            Arc::new(Int64Array::from_iter_values(
+                letters.iter().map(|l| l.offset),
+            )),
             Arc::new(StringArray::from_iter_values(
                 letters.iter().map(|l| l.position.as_str()),
             )),
@@ -59,8 +61,8 @@ pub fn dead_letter_batch(
 /// rejected after decoding — bad event time, or a query error. `raw` is the row's data columns as
 /// JSON, since the original bytes are no longer at hand.
 pub fn dead_letter_from_row(row: &RecordBatch, error: &str) -> Result<DeadLetter> {
-    use arrow::array::{Array, AsArray};
     use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_POSITION};
+    use arrow::array::{Array, AsArray};
 
     let schema = row.schema();
     let partition = schema
@@ -71,7 +73,11 @@ pub fn dead_letter_from_row(row: &RecordBatch, error: &str) -> Result<DeadLetter
     let offset = schema
         .index_of(SOURCE_OFFSET)
         .ok()
-        .map(|i| row.column(i).as_primitive::<arrow::datatypes::Int64Type>().value(0))
+        .map(|i| {
+            row.column(i)
+                .as_primitive::<arrow::datatypes::Int64Type>()
+                .value(0)
+        })
         .unwrap_or_default();
     let position = match schema.index_of(SOURCE_POSITION) {
         Ok(i) if !row.column(i).is_null(0) => row.column(i).as_string::<i32>().value(0).to_string(),
@@ -81,7 +87,9 @@ pub fn dead_letter_from_row(row: &RecordBatch, error: &str) -> Result<DeadLetter
         .fields()
         .iter()
         .enumerate()
-        .filter(|(_, f)| ![SOURCE_PARTITION, SOURCE_OFFSET, SOURCE_POSITION].contains(&f.name().as_str()))
+        .filter(|(_, f)| {
+            ![SOURCE_PARTITION, SOURCE_OFFSET, SOURCE_POSITION].contains(&f.name().as_str())
+        })
         .map(|(i, _)| i)
         .collect();
     let data = row.project(&data_columns)?;

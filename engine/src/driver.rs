@@ -107,7 +107,10 @@ impl Job {
         let (sources, query) =
             open_sources_and_query(self.sources, &self.sql, self.lineage, &checkpoint).await?;
         Ok(Validation {
-            sources: sources.iter().map(|s| (s.name.clone(), Arc::clone(&s.schema))).collect(),
+            sources: sources
+                .iter()
+                .map(|s| (s.name.clone(), Arc::clone(&s.schema)))
+                .collect(),
             output: query.output_schema(),
             plan: query.display_plan()?,
         })
@@ -173,7 +176,10 @@ async fn open_sources_and_query(
         let mut schema = source.open(ctx).await?;
         for col in [SOURCE_PARTITION, SOURCE_OFFSET] {
             if schema.index_of(col).is_err() {
-                return Err(Error::source(&spec.name, format!("its batches lack the column {col}")));
+                return Err(Error::source(
+                    &spec.name,
+                    format!("its batches lack the column {col}"),
+                ));
             }
         }
         if let Some(time) = &spec.event_time {
@@ -211,19 +217,20 @@ impl Pipeline {
         let (sources, query) = open_sources_and_query(sources, &sql, lineage, &checkpoint).await?;
         sink.open(&job_id, query.output_schema()).await?;
         let last = sink.last_committed().await?;
-        let (next_batch, committed) = match last {
-            None => (BatchId(0), SourceOffsets::new()),
-            Some(v) => {
-                let manifest = checkpoint.read_manifest(v).await?.ok_or_else(|| {
-                    Error::MissingManifest {
-                        job_id: job_id.clone(),
-                        batch_id: v,
-                        path: checkpoint.manifest_location(v),
-                    }
-                })?;
-                (v.next(), manifest.end_offsets)
-            }
-        };
+        let (next_batch, committed) =
+            match last {
+                None => (BatchId(0), SourceOffsets::new()),
+                Some(v) => {
+                    let manifest = checkpoint.read_manifest(v).await?.ok_or_else(|| {
+                        Error::MissingManifest {
+                            job_id: job_id.clone(),
+                            batch_id: v,
+                            path: checkpoint.manifest_location(v),
+                        }
+                    })?;
+                    (v.next(), manifest.end_offsets)
+                }
+            };
         info!(job_id, last_committed = ?last.map(|b| b.0), checkpoint = %checkpoint.url(), "job opened");
         let summary = RunSummary {
             last_batch: last,
@@ -307,17 +314,30 @@ impl Pipeline {
             let mut start = BTreeMap::new();
             let mut latest = BTreeMap::new();
             for (p, a) in available {
-                let from = committed.and_then(|c| c.get(&p)).copied().unwrap_or(a.initial);
+                let from = committed
+                    .and_then(|c| c.get(&p))
+                    .copied()
+                    .unwrap_or(a.initial);
                 let mut to = a.latest;
-                if let Some(cap) = limit.and_then(|l| l.get(&s.name)).map(|l| l.get(&p).copied().unwrap_or(from)) {
+                if let Some(cap) = limit
+                    .and_then(|l| l.get(&s.name))
+                    .map(|l| l.get(&p).copied().unwrap_or(from))
+                {
                     to = to.min(cap);
                 }
                 start.insert(p.clone(), from);
                 latest.insert(p, to.max(from));
             }
-            ranges.insert(s.name.clone(), plan_ranges(&start, &latest, s.source.max_per_batch()));
+            ranges.insert(
+                s.name.clone(),
+                plan_ranges(&start, &latest, s.source.max_per_batch()),
+            );
         }
-        if ranges.values().flat_map(|r| r.values()).all(OffsetRange::is_empty) {
+        if ranges
+            .values()
+            .flat_map(|r| r.values())
+            .all(OffsetRange::is_empty)
+        {
             return Ok(None);
         }
         let intent = BatchIntent {
@@ -387,10 +407,11 @@ impl Pipeline {
 
         // 9 commit: side tables, then one output commit carrying txn(job, batch).
         let t = Instant::now();
-        let manifest_json = serde_json::to_value(&manifest).map_err(|source| Error::CheckpointFormat {
-            path: self.checkpoint.manifest_location(batch_id),
-            source,
-        })?;
+        let manifest_json =
+            serde_json::to_value(&manifest).map_err(|source| Error::CheckpointFormat {
+                path: self.checkpoint.manifest_location(batch_id),
+                source,
+            })?;
         let outcome = self
             .sink
             .commit(BatchCommit {
@@ -467,8 +488,8 @@ async fn read_source(
             match &s.event_time {
                 None => batches.push(batch),
                 Some(time) => {
-                    let (parsed, bad) = extract_event_time(&batch, time)
-                        .map_err(|e| Error::source(&s.name, e))?;
+                    let (parsed, bad) =
+                        extract_event_time(&batch, time).map_err(|e| Error::source(&s.name, e))?;
                     if bad.is_empty() {
                         batches.push(parsed);
                         continue;

@@ -133,8 +133,17 @@ pub fn extract_event_time(
                 })
                 .collect()
         }
-        (DataType::Int8 | DataType::Int16 | DataType::Int32 | DataType::Int64 | DataType::UInt8
-            | DataType::UInt16 | DataType::UInt32 | DataType::UInt64, format) => {
+        (
+            DataType::Int8
+            | DataType::Int16
+            | DataType::Int32
+            | DataType::Int64
+            | DataType::UInt8
+            | DataType::UInt16
+            | DataType::UInt32
+            | DataType::UInt64,
+            format,
+        ) => {
             let scale = match format {
                 EventTimeFormat::EpochMillis => 1000,
                 EventTimeFormat::EpochMicros => 1,
@@ -191,9 +200,11 @@ fn missing(row: usize, column: &str) -> BadEventTime {
 
 fn parse_string(s: &str, format: &EventTimeFormat) -> std::result::Result<i64, String> {
     match format {
-        EventTimeFormat::Rfc3339 => arrow::compute::kernels::cast_utils::string_to_datetime(&Utc, s)
-            .map(|t| t.timestamp_micros())
-            .map_err(|_| "RFC 3339".to_string()),
+        EventTimeFormat::Rfc3339 => {
+            arrow::compute::kernels::cast_utils::string_to_datetime(&Utc, s)
+                .map(|t| t.timestamp_micros())
+                .map_err(|_| "RFC 3339".to_string())
+        }
         EventTimeFormat::EpochMillis | EventTimeFormat::EpochMicros => {
             let n: i64 = s.trim().parse().map_err(|_| format!("{format:?}"))?;
             Ok(if *format == EventTimeFormat::EpochMillis {
@@ -240,7 +251,9 @@ mod tests {
             None,
         ])));
         let (out, bad) = extract_event_time(&input, &config(EventTimeFormat::Rfc3339)).unwrap();
-        let ts = out.column(0).as_primitive::<arrow::datatypes::TimestampMicrosecondType>();
+        let ts = out
+            .column(0)
+            .as_primitive::<arrow::datatypes::TimestampMicrosecondType>();
         assert_eq!(ts.value(0), 1_714_564_800_000_000);
         assert_eq!(ts.value(1), ts.value(0));
         assert_eq!(bad.iter().map(|b| b.row).collect::<Vec<_>>(), vec![2, 3]);
@@ -253,14 +266,18 @@ mod tests {
         let input = batch(Arc::new(Int64Array::from(vec![1_714_564_800_000])));
         let (out, bad) = extract_event_time(&input, &config(EventTimeFormat::EpochMillis)).unwrap();
         assert!(bad.is_empty());
-        let ts = out.column(0).as_primitive::<arrow::datatypes::TimestampMicrosecondType>();
+        let ts = out
+            .column(0)
+            .as_primitive::<arrow::datatypes::TimestampMicrosecondType>();
         assert_eq!(ts.value(0), 1_714_564_800_000_000);
 
         let input = batch(Arc::new(StringArray::from(vec!["01/05/2024 12:00:00"])));
         let format: EventTimeFormat = "%d/%m/%Y %H:%M:%S".parse().unwrap();
         let (out, bad) = extract_event_time(&input, &config(format)).unwrap();
         assert!(bad.is_empty());
-        let ts = out.column(0).as_primitive::<arrow::datatypes::TimestampMicrosecondType>();
+        let ts = out
+            .column(0)
+            .as_primitive::<arrow::datatypes::TimestampMicrosecondType>();
         assert_eq!(ts.value(0), 1_714_564_800_000_000);
     }
 

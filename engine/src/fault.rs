@@ -32,10 +32,16 @@ pub fn crash_point(point: &str, batch_id: BatchId) {
         && armed_point == point
         && *armed_batch == batch_id.0
     {
-        tracing::warn!(point, batch_id = batch_id.0, "crash point reached: sending SIGKILL to self");
+        tracing::warn!(
+            point,
+            batch_id = batch_id.0,
+            "crash point reached: sending SIGKILL to self"
+        );
         let pid = std::process::id().to_string();
         // SIGKILL cannot be caught: nothing after this line runs once `kill` delivers it.
-        let _ = std::process::Command::new("kill").args(["-KILL", &pid]).status();
+        let _ = std::process::Command::new("kill")
+            .args(["-KILL", &pid])
+            .status();
         loop {
             std::thread::sleep(std::time::Duration::from_secs(1));
         }

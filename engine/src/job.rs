@@ -93,7 +93,10 @@ impl fmt::Debug for Job {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Job")
             .field("id", &self.id)
-            .field("sources", &self.sources.iter().map(|s| &s.name).collect::<Vec<_>>())
+            .field(
+                "sources",
+                &self.sources.iter().map(|s| &s.name).collect::<Vec<_>>(),
+            )
             .field("sql", &self.sql)
             .field("trigger", &self.trigger)
             .finish()
@@ -212,12 +215,18 @@ impl JobBuilder {
             )));
         }
         if self.sources.is_empty() {
-            return Err(Error::InvalidJob(format!("job '{}' has no source", self.id)));
+            return Err(Error::InvalidJob(format!(
+                "job '{}' has no source",
+                self.id
+            )));
         }
         let mut names: Vec<&str> = self.sources.iter().map(|s| s.name.as_str()).collect();
         names.sort_unstable();
         if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
-            return Err(Error::InvalidJob(format!("source '{}' is defined twice", w[0])));
+            return Err(Error::InvalidJob(format!(
+                "source '{}' is defined twice",
+                w[0]
+            )));
         }
         let sql = self
             .sql

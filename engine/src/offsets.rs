@@ -130,10 +130,8 @@ pub fn plan_ranges(
         Some(budget) => {
             let mut left = budget;
             loop {
-                let hungry: Vec<&PartitionId> = latest
-                    .keys()
-                    .filter(|p| take[*p] < available(p))
-                    .collect();
+                let hungry: Vec<&PartitionId> =
+                    latest.keys().filter(|p| take[*p] < available(p)).collect();
                 if hungry.is_empty() || left == 0 {
                     break;
                 }

@@ -15,8 +15,8 @@ use std::sync::Arc;
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use datafusion::catalog::MemTable;
-use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::common::Column;
+use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::logical_expr::{Expr, LogicalPlan, Projection};
 use datafusion::prelude::{SessionConfig, SessionContext};
 
@@ -117,7 +117,10 @@ impl StreamingQuery {
     /// # Errors
     /// Any DataFusion error; see [`StreamingQuery::execute_isolating`] for the caller that keeps
     /// going past bad rows.
-    pub async fn execute(&self, inputs: &BTreeMap<String, RecordBatch>) -> Result<Vec<RecordBatch>> {
+    pub async fn execute(
+        &self,
+        inputs: &BTreeMap<String, RecordBatch>,
+    ) -> Result<Vec<RecordBatch>> {
         for (name, (_, table)) in &self.tables {
             let rows = inputs.get(name);
             for (i, slot) in table.batches.iter().enumerate() {
@@ -291,7 +294,11 @@ mod tests {
         .await
         .unwrap();
         let out_schema = query.output_schema();
-        let names: Vec<&str> = out_schema.fields().iter().map(|f| f.name().as_str()).collect();
+        let names: Vec<&str> = out_schema
+            .fields()
+            .iter()
+            .map(|f| f.name().as_str())
+            .collect();
         assert_eq!(names, vec!["n", SOURCE_PARTITION, SOURCE_OFFSET]);
         let inputs = BTreeMap::from([("t".to_string(), batch)]);
         let out = query.execute_isolating(&inputs).await.unwrap();
@@ -300,10 +307,22 @@ mod tests {
         let failed: Vec<String> = out
             .failed
             .iter()
-            .map(|f| f.row.column(0).as_any().downcast_ref::<StringArray>().unwrap().value(0).to_string())
+            .map(|f| {
+                f.row
+                    .column(0)
+                    .as_any()
+                    .downcast_ref::<StringArray>()
+                    .unwrap()
+                    .value(0)
+                    .to_string()
+            })
             .collect();
         assert_eq!(failed, vec!["x", "y"]);
-        assert!(out.failed[0].error.contains("Cannot cast"), "{}", out.failed[0].error);
+        assert!(
+            out.failed[0].error.contains("Cannot cast"),
+            "{}",
+            out.failed[0].error
+        );
     }
 
     #[tokio::test]

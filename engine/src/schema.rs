@@ -27,7 +27,9 @@ pub async fn parse_schema(ddl: &str) -> Result<SchemaRef> {
         .map(|p| p.schema().as_arrow().clone())
         .ok_or_else(|| Error::InvalidJob(format!("schema \"{ddl}\" declares no columns")))?;
     if schema.fields().is_empty() {
-        return Err(Error::InvalidJob(format!("schema \"{ddl}\" declares no columns")));
+        return Err(Error::InvalidJob(format!(
+            "schema \"{ddl}\" declares no columns"
+        )));
     }
     Ok(Arc::new(Schema::new(schema.fields().clone())))
 }
@@ -44,7 +46,10 @@ mod tests {
             .unwrap();
         assert_eq!(schema.field(0).data_type(), &DataType::Int64);
         assert_eq!(schema.field(1).data_type(), &DataType::Float64);
-        assert!(matches!(schema.field(3).data_type(), DataType::Timestamp(_, None)));
+        assert!(matches!(
+            schema.field(3).data_type(),
+            DataType::Timestamp(_, None)
+        ));
     }
 
     #[tokio::test]

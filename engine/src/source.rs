@@ -5,7 +5,7 @@
 //! ([`Source::read`]). Because a read is a pure function of `(partition, range)`, a batch that
 //! crashed can be re-run from its intent and produce the same rows — the base of exactly-once.
 //!
-//! Every batch a source returns carries its data columns (the source's [`Source::schema`]) followed
+//! Every batch a source returns carries its data columns followed
 //! by the lineage columns [`SOURCE_PARTITION`] and [`SOURCE_OFFSET`], and optionally
 //! [`SOURCE_POSITION`] when a row's position is finer than its offset (a line in a file). Rows
 //! that cannot be decoded are never dropped: they come back as [`DeadLetter`]s.

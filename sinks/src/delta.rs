@@ -25,11 +25,11 @@ use std::num::NonZeroU64;
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use async_trait::async_trait;
+use deltalake::DeltaTable;
 use deltalake::kernel::engine::arrow_conversion::TryIntoKernel;
 use deltalake::kernel::transaction::{CommitBuilder, CommitProperties};
 use deltalake::kernel::{StructType, Transaction};
 use deltalake::protocol::{DeltaOperation, SaveMode};
-use deltalake::DeltaTable;
 use serde::Deserialize;
 use sluice_engine::dead_letter::dead_letter_schema;
 use sluice_engine::fault::crash_point;
@@ -73,6 +73,20 @@ pub struct DeltaSinkConfig {
     pub target_file_size: Option<String>,
 }
 
+impl DeltaSinkConfig {
+    /// Settings for an append-only table at `path`, everything else at its default.
+    pub fn new(path: impl Into<String>) -> Self {
+        DeltaSinkConfig {
+            path: path.into(),
+            mode: OutputMode::Append,
+            key: None,
+            dead_letter_path: None,
+            late_path: None,
+            target_file_size: None,
+        }
+    }
+}
+
 /// A Delta table as a [`Sink`]. See the module docs.
 #[derive(Debug)]
 pub struct DeltaSink {
@@ -106,7 +120,10 @@ impl DeltaSink {
         let output = table_url(&config.path)?;
         let dead = match &config.dead_letter_path {
             Some(p) => table_url(p)?,
-            None => table_url(&format!("{}_dead_letter", config.path.trim_end_matches('/')))?,
+            None => table_url(&format!(
+                "{}_dead_letter",
+                config.path.trim_end_matches('/')
+            ))?,
         };
         let target_file_size = match &config.target_file_size {
             None => None,
@@ -184,9 +201,9 @@ impl TableHandle {
     /// The table at its latest version.
     async fn latest(&self) -> Result<DeltaTable> {
         let mut guard = self.table.lock().await;
-        let table = guard.as_mut().ok_or_else(|| {
-            SinkError::Config(format!("table {} used before open()", self.url))
-        })?;
+        let table = guard
+            .as_mut()
+            .ok_or_else(|| SinkError::Config(format!("table {} used before open()", self.url)))?;
         table.update_state().await.map_err(|e| self.err(e))?;
         Ok(table.clone())
     }
@@ -280,13 +297,19 @@ impl Sink for DeltaSink {
     async fn open(&mut self, job_id: &str, output_schema: SchemaRef) -> sluice_engine::Result<()> {
         self.job_id = job_id.to_string();
         self.output.open_or_create(&output_schema).await?;
-        self.dead_letters.open_or_create(&dead_letter_schema()).await?;
+        self.dead_letters
+            .open_or_create(&dead_letter_schema())
+            .await?;
         Ok(())
     }
 
     async fn last_committed(&self) -> sluice_engine::Result<Option<BatchId>> {
         let table = self.output.latest().await?;
-        Ok(self.output.txn_version(&table, &self.job_id).await?.map(BatchId))
+        Ok(self
+            .output
+            .txn_version(&table, &self.job_id)
+            .await?
+            .map(BatchId))
     }
 
     async fn commit(&self, batch: BatchCommit) -> sluice_engine::Result<CommitOutcome> {
@@ -395,7 +418,12 @@ mod tests {
         assert_eq!(parse_size("128MB").unwrap(), 128_000_000);
         assert_eq!(parse_size("64 MiB").unwrap(), 64 << 20);
         assert_eq!(parse_size("10").unwrap(), 10);
-        assert!(parse_size("lots").unwrap_err().to_string().contains("'lots'"));
+        assert!(
+            parse_size("lots")
+                .unwrap_err()
+                .to_string()
+                .contains("'lots'")
+        );
     }
 
     #[test]

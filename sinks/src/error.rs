@@ -15,7 +15,9 @@ pub enum SinkError {
         source: deltalake::DeltaTableError,
     },
     /// The table's schema does not match the query's output.
-    #[error("delta table {table} has columns ({existing}) but the job writes ({wanted}); write to a new table or restore the old query")]
+    #[error(
+        "delta table {table} has columns ({existing}) but the job writes ({wanted}); write to a new table or restore the old query"
+    )]
     SchemaMismatch {
         /// The table.
         table: String,
@@ -25,7 +27,9 @@ pub enum SinkError {
         wanted: String,
     },
     /// Another writer committed batches of the same job.
-    #[error("delta table {table}: expected the last batch of job '{job_id}' to be {expected:?}, found {found:?}; only one instance of a job may run at a time")]
+    #[error(
+        "delta table {table}: expected the last batch of job '{job_id}' to be {expected:?}, found {found:?}; only one instance of a job may run at a time"
+    )]
     ConcurrentWriter {
         /// The table.
         table: String,

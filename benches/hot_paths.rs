@@ -1,0 +1,145 @@
+//! Criterion benchmarks of the per-batch hot paths: decoding JSON files, running the query over a
+//! batch, and committing a batch to Delta. Run with `cargo bench --bench hot_paths`; the figures
+//! (rows/s) are printed by criterion.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use arrow::array::{Float64Array, Int64Array, RecordBatch, StringArray};
+use arrow::datatypes::{DataType, Field, Schema};
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use sluice::connectors::files::{FileFormat, FilesSource, FilesSourceConfig};
+use sluice::engine::checkpoint::CheckpointStore;
+use sluice::engine::query::StreamingQuery;
+use sluice::engine::source::{SOURCE_OFFSET, SOURCE_PARTITION};
+use sluice::engine::{BatchCommit, BatchId, OffsetRange, Sink, Source, SourceContext};
+use sluice::sinks::delta::{DeltaSink, DeltaSinkConfig};
+
+const ROWS: usize = 100_000;
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Runtime::new().unwrap()
+}
+
+fn decode_json_files(c: &mut Criterion) {
+    let rt = runtime();
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("input");
+    std::fs::create_dir_all(&input).unwrap();
+    let files = 10;
+    for f in 0..files {
+        let mut text = String::new();
+        for i in 0..ROWS / files {
+            text.push_str(&format!(
+                "{{\"id\":{i},\"user_id\":{},\"page\":\"/p/{}\",\"amount\":{}.25,\"ts\":\"2026-11-01T10:00:{:02}Z\"}}\n",
+                i % 1000,
+                i % 7,
+                i % 100,
+                i % 60
+            ));
+        }
+        std::fs::write(input.join(format!("f{f:03}.json")), text).unwrap();
+    }
+    let mut source = FilesSource::new(FilesSourceConfig {
+        schema: Some("id BIGINT, user_id BIGINT, page VARCHAR, amount DOUBLE, ts TIMESTAMP".into()),
+        ..FilesSourceConfig::new(input.to_string_lossy(), FileFormat::Json)
+    })
+    .unwrap();
+    let checkpoint =
+        CheckpointStore::open(&url::Url::from_directory_path(dir.path().join("ckpt")).unwrap())
+            .unwrap();
+    rt.block_on(async {
+        source
+            .open(SourceContext {
+                name: "clicks".into(),
+                checkpoint,
+            })
+            .await
+            .unwrap();
+        source.available().await.unwrap();
+    });
+    let mut group = c.benchmark_group("files_source");
+    group.throughput(Throughput::Elements(ROWS as u64));
+    group.bench_function("read_json_100k_rows_10_files", |b| {
+        b.iter(|| {
+            rt.block_on(source.read(&"0".to_string(), OffsetRange::new(0, files as i64)))
+                .unwrap()
+        })
+    });
+    group.finish();
+}
+
+fn input_batch() -> RecordBatch {
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("id", DataType::Int64, false),
+        Field::new("page", DataType::Utf8, false),
+        Field::new("amount", DataType::Float64, false),
+        Field::new(SOURCE_PARTITION, DataType::Utf8, false),
+        Field::new(SOURCE_OFFSET, DataType::Int64, false),
+    ]));
+    RecordBatch::try_new(
+        schema,
+        vec![
+            Arc::new(Int64Array::from_iter_values(0..ROWS as i64)),
+            Arc::new(StringArray::from_iter_values(
+                (0..ROWS).map(|i| format!("/p/{}", i % 7)),
+            )),
+            Arc::new(Float64Array::from_iter_values(
+                (0..ROWS).map(|i| i as f64 * 0.5),
+            )),
+            Arc::new(StringArray::from(vec!["0"; ROWS])),
+            Arc::new(Int64Array::from(vec![0; ROWS])),
+        ],
+    )
+    .unwrap()
+}
+
+fn execute_query(c: &mut Criterion) {
+    let rt = runtime();
+    let batch = input_batch();
+    let query = rt
+        .block_on(StreamingQuery::plan(
+            "SELECT id, upper(page) AS page, amount * 2 AS amount2 FROM t WHERE amount > 10",
+            &[("t".into(), batch.schema())],
+            true,
+        ))
+        .unwrap();
+    let inputs = BTreeMap::from([("t".to_string(), batch)]);
+    let mut group = c.benchmark_group("query");
+    group.throughput(Throughput::Elements(ROWS as u64));
+    group.bench_function("stateless_projection_filter_100k_rows", |b| {
+        b.iter(|| rt.block_on(query.execute_isolating(&inputs)).unwrap())
+    });
+    group.finish();
+}
+
+fn delta_commit(c: &mut Criterion) {
+    let rt = runtime();
+    let dir = tempfile::tempdir().unwrap();
+    let batch = input_batch();
+    let mut sink =
+        DeltaSink::new(DeltaSinkConfig::new(dir.path().join("t").to_string_lossy())).unwrap();
+    rt.block_on(sink.open("bench", batch.schema())).unwrap();
+    let mut next = 0;
+    let mut group = c.benchmark_group("delta_sink");
+    group.sample_size(10);
+    group.throughput(Throughput::Elements(ROWS as u64));
+    group.bench_function("commit_100k_rows", |b| {
+        b.iter(|| {
+            let commit = BatchCommit {
+                batch_id: BatchId(next),
+                output: vec![batch.clone()],
+                dead_letters: vec![],
+                manifest: serde_json::json!({}),
+            };
+            next += 1;
+            rt.block_on(sink.commit(commit)).unwrap()
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, decode_json_files, execute_query, delta_commit);
+criterion_main!(benches);

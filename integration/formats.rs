@@ -1,0 +1,225 @@
+//! The files source end to end beyond plain JSON: gzipped CSV and Parquet with inferred schemas
+//! that stay fixed, and the `interval` trigger picking up files that arrive while it runs and
+//! stopping cleanly on SIGTERM.
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use arrow::array::{Float64Array, Int64Array, RecordBatch, StringArray};
+use arrow::datatypes::{DataType, Field, Schema};
+use flate2::Compression;
+use flate2::write::GzEncoder;
+
+use crate::support::*;
+
+fn job(
+    dir: &std::path::Path,
+    id: &str,
+    format: &str,
+    extra: &str,
+    sql: &str,
+) -> std::path::PathBuf {
+    let text = format!(
+        r#"
+[job]
+id = "{id}"
+
+[sources.input]
+kind = "files"
+path = "input"
+format = "{format}"
+max_files_per_batch = 1
+{extra}
+
+[sink]
+kind = "delta"
+path = "out"
+
+[query]
+sql = "{sql}"
+"#
+    );
+    let path = dir.join("job.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn gzipped_csv_with_an_inferred_schema_that_stays_fixed() {
+    let ws = tempfile::tempdir().unwrap();
+    let input = ws.path().join("input");
+    std::fs::create_dir_all(&input).unwrap();
+    let gz = |name: &str, text: &str| {
+        let mut enc = GzEncoder::new(Vec::new(), Compression::default());
+        enc.write_all(text.as_bytes()).unwrap();
+        std::fs::write(input.join(name), enc.finish().unwrap()).unwrap();
+    };
+    gz("a.csv.gz", "id,name,price\n1,apple,1.5\n3,plum,2.25\n");
+    let job = job(
+        ws.path(),
+        "csv_job",
+        "csv",
+        "",
+        "SELECT id, upper(name) AS name, price FROM input",
+    );
+    assert_ok(&run_sluice(&["run", job.to_str().unwrap()], &[]));
+    // A later file with an extra column: the schema fixed at the first run is kept. A line with
+    // a column beyond it, or a value that does not fit it, is dead-lettered, not lost.
+    gz(
+        "b.csv.gz",
+        "id,name,price,colour\n4,fig,3.0,purple\n2,pear,oops\n",
+    );
+    assert_ok(&run_sluice(&["run", job.to_str().unwrap()], &[]));
+
+    let out = ws.path().join("out");
+    let rows = table_values(&out, &["_source_partition"]).await;
+    let got: Vec<(i64, String, f64, i64)> = rows
+        .iter()
+        .map(|r| {
+            (
+                r["id"].as_i64().unwrap(),
+                r["name"].as_str().unwrap().to_string(),
+                r["price"].as_f64().unwrap(),
+                r["_source_offset"].as_i64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        got,
+        vec![(1, "APPLE".into(), 1.5, 0), (3, "PLUM".into(), 2.25, 0)]
+    );
+    let dead = table_values(&dead_letter_table(&out), &[]).await;
+    let positions: Vec<&str> = dead
+        .iter()
+        .map(|d| d["_source_position"].as_str().unwrap())
+        .collect();
+    assert_eq!(positions, vec!["b.csv.gz:2", "b.csv.gz:3"]);
+    assert!(dead.iter().all(|d| d["_source_offset"] == 1));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn parquet_files_are_read_and_conformed_by_column_name() {
+    let ws = tempfile::tempdir().unwrap();
+    let input = ws.path().join("input");
+    std::fs::create_dir_all(&input).unwrap();
+    let write = |name: &str, batch: RecordBatch| {
+        let file = std::fs::File::create(input.join(name)).unwrap();
+        let mut w =
+            deltalake::parquet::arrow::ArrowWriter::try_new(file, batch.schema(), None).unwrap();
+        w.write(&batch).unwrap();
+        w.close().unwrap();
+    };
+    let first = RecordBatch::try_new(
+        Arc::new(Schema::new(vec![
+            Field::new("id", DataType::Int64, false),
+            Field::new("city", DataType::Utf8, true),
+            Field::new("temp", DataType::Float64, true),
+        ])),
+        vec![
+            Arc::new(Int64Array::from(vec![1, 2])),
+            Arc::new(StringArray::from(vec!["Oslo", "Lima"])),
+            Arc::new(Float64Array::from(vec![-3.5, 19.0])),
+        ],
+    )
+    .unwrap();
+    write("part-0.parquet", first);
+    // Columns in another order, one missing: conformed by name, the missing one null.
+    let second = RecordBatch::try_new(
+        Arc::new(Schema::new(vec![
+            Field::new("city", DataType::Utf8, true),
+            Field::new("id", DataType::Int64, false),
+        ])),
+        vec![
+            Arc::new(StringArray::from(vec!["Pune"])),
+            Arc::new(Int64Array::from(vec![3])),
+        ],
+    )
+    .unwrap();
+    write("part-1.parquet", second);
+    std::fs::write(input.join("part-2.parquet"), b"not parquet at all").unwrap();
+    let job = job(
+        ws.path(),
+        "parquet_job",
+        "parquet",
+        "",
+        "SELECT id, city, temp FROM input",
+    );
+    let run = run_sluice(&["run", job.to_str().unwrap()], &[]);
+    assert_ok(&run);
+    let rows = table_values(
+        &ws.path().join("out"),
+        &["_source_partition", "_source_offset"],
+    )
+    .await;
+    let mut got: Vec<(i64, String, Option<f64>)> = rows
+        .iter()
+        .map(|r| {
+            (
+                r["id"].as_i64().unwrap(),
+                r["city"].as_str().unwrap().to_string(),
+                r.get("temp").and_then(|t| t.as_f64()),
+            )
+        })
+        .collect();
+    got.sort_by_key(|r| r.0);
+    assert_eq!(
+        got,
+        vec![
+            (1, "Oslo".to_string(), Some(-3.5)),
+            (2, "Lima".to_string(), Some(19.0)),
+            (3, "Pune".to_string(), None),
+        ]
+    );
+    let dead = table_values(&dead_letter_table(&ws.path().join("out")), &[]).await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0]["_source_position"], "part-2.parquet");
+    assert!(dead[0]["error"].as_str().unwrap().contains("whole file"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn interval_trigger_picks_up_new_files_and_stops_cleanly_on_sigterm() {
+    let ws = tempfile::tempdir().unwrap();
+    let input = ws.path().join("input");
+    let mut events = Events::write(&input, 0, 3, 4);
+    let out = ws.path().join("out");
+    let job = write_job(&ws.path().join("job.toml"), "interval_job", &input, &out, 2);
+    let child = Command::new(sluice_bin())
+        .args(["run", job.to_str().unwrap(), "--trigger", "interval:200ms"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    events.lines.extend(Events::write(&input, 3, 3, 4).lines);
+    // Wait until the new files are committed, then ask it to stop.
+    let want = events.output_ids().len();
+    let mut seen = 0;
+    for _ in 0..100 {
+        std::thread::sleep(Duration::from_millis(200));
+        if out.join("_delta_log").exists() {
+            seen = table_rows(&out).await.len();
+            if seen == want {
+                break;
+            }
+        }
+    }
+    assert_eq!(seen, want, "new files were not picked up");
+    let pid = child.id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let output = child.wait_with_output().unwrap();
+    assert!(
+        output.status.success(),
+        "SIGTERM should stop the job cleanly: {}",
+        output.status
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.contains(&format!("holds {want} rows")), "{stdout}");
+}
