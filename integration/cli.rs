@@ -37,6 +37,20 @@ async fn the_bundled_example_runs_and_reports_its_table() {
         stdout.contains(&format!("table {}/ holds {rows} rows", table.display())),
         "{stdout}"
     );
+    // `sluice status` reads the job's progress back from the table.
+    let status = run_sluice(&["status", table.to_str().unwrap()], &[]);
+    assert_ok(&status);
+    let status = String::from_utf8_lossy(&status.stdout);
+    assert!(status.contains(&format!("{rows} rows")), "{status}");
+    assert!(
+        status.contains("job clicks_clean: last committed batch 2"),
+        "{status}"
+    );
+    assert!(
+        status.contains(r#"end offsets: {"clicks":{"0":6}}"#),
+        "{status}"
+    );
+
     // Every batch logs one structured line.
     let stderr = String::from_utf8_lossy(&out.stderr);
     let batch_lines = stderr

@@ -37,6 +37,15 @@ enum Command {
         #[arg(long, value_parser = parse_trigger)]
         trigger: Option<Trigger>,
     },
+    /// Show what a Delta table written by Sluice says: its version and rows, and for each job
+    /// writing it the last committed batch, its end offsets, watermark and counters.
+    Status {
+        /// The output table (local path or URL).
+        table: String,
+        /// How many recent commits to search for Sluice jobs.
+        #[arg(long, default_value_t = 100)]
+        history: usize,
+    },
     /// Check a job file: parse it, open its sources, plan the SQL and print the plan.
     ///
     /// Writes nothing.
@@ -79,6 +88,7 @@ async fn dispatch(command: Command) -> Result<()> {
     match command {
         Command::Run { job, trigger } => run(job, trigger).await,
         Command::Validate { job } => validate(job).await,
+        Command::Status { table, history } => status(&table, history).await,
     }
 }
 
@@ -125,6 +135,35 @@ async fn validate(path: PathBuf) -> Result<()> {
         println!("  {} {}", f.name(), f.data_type());
     }
     println!("\nplan:\n{}", validation.plan);
+    Ok(())
+}
+
+async fn status(table: &str, history: usize) -> Result<()> {
+    let url = sluice::sinks::delta::table_url(table)?;
+    let status = sluice::sinks::delta::table_status(&url, history).await?;
+    let version = status
+        .version
+        .map(|v| v.to_string())
+        .unwrap_or_else(|| "none".into());
+    println!(
+        "table {table}: Delta version {version}, {} rows",
+        status.rows
+    );
+    if status.jobs.is_empty() {
+        println!("no Sluice job found in the last {history} commits");
+    }
+    for job in &status.jobs {
+        let last = job
+            .last_batch
+            .map(|b| b.to_string())
+            .unwrap_or_else(|| "none".into());
+        println!("job {}: last committed batch {last}", job.job_id);
+        if let Some(m) = &job.manifest {
+            println!("  end offsets: {}", m["end_offsets"]);
+            println!("  watermark (µs since epoch): {}", m["watermark_micros"]);
+            println!("  counters of that batch: {}", m["counters"]);
+        }
+    }
     Ok(())
 }
 

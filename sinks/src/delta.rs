@@ -282,10 +282,17 @@ impl TableHandle {
     }
 }
 
+/// The commitInfo key under which each commit records its job id and batch manifest, for humans
+/// and `sluice status` (restart never relies on it: checkpoints drop commitInfo).
+pub const COMMIT_METADATA_KEY: &str = "sluice";
+
 fn properties(job_id: &str, batch_id: BatchId, manifest: &serde_json::Value) -> CommitProperties {
     CommitProperties::default()
         .with_application_transaction(Transaction::new(job_id, batch_id.0))
-        .with_metadata([("sluice".to_string(), manifest.clone())])
+        .with_metadata([(
+            COMMIT_METADATA_KEY.to_string(),
+            serde_json::json!({ "job_id": job_id, "manifest": manifest }),
+        )])
 }
 
 #[async_trait]
@@ -372,6 +379,76 @@ pub async fn table_row_count(url: &Url) -> Result<u64> {
         .iter()
         .map(|f| f.num_records().unwrap_or(0) as u64)
         .sum())
+}
+
+/// What a table says about one job that writes it.
+#[derive(Debug, Clone)]
+pub struct JobStatus {
+    /// The job id (the txn app id).
+    pub job_id: String,
+    /// The last batch committed, from the table's txn version.
+    pub last_batch: Option<i64>,
+    /// The manifest recorded with the job's newest commit still in the log history.
+    pub manifest: Option<serde_json::Value>,
+}
+
+/// What `sluice status` shows about a table.
+#[derive(Debug, Clone)]
+pub struct TableStatus {
+    /// The table's Delta version.
+    pub version: Option<u64>,
+    /// Rows in the table (from file statistics).
+    pub rows: u64,
+    /// The Sluice jobs found in the table's recent history (newest commit first).
+    pub jobs: Vec<JobStatus>,
+}
+
+/// Reads the status of the Delta table at `url`: version, rows, and for every Sluice job in its
+/// last `history` commits, the committed batch (txn version) and that batch's manifest.
+///
+/// # Errors
+/// If the table cannot be loaded.
+pub async fn table_status(url: &Url, history: usize) -> Result<TableStatus> {
+    use futures::TryStreamExt;
+    let err = |source| SinkError::Delta {
+        table: url.to_string(),
+        source,
+    };
+    let table = deltalake::open_table(url.clone()).await.map_err(err)?;
+    let rows = table_row_count(url).await?;
+    let infos: Vec<_> = table
+        .history(Some(history))
+        .try_collect()
+        .await
+        .map_err(err)?;
+    let mut jobs: Vec<JobStatus> = Vec::new();
+    for info in infos {
+        let Some(meta) = info.info.get(COMMIT_METADATA_KEY) else {
+            continue;
+        };
+        let Some(job_id) = meta.get("job_id").and_then(|j| j.as_str()) else {
+            continue;
+        };
+        if jobs.iter().any(|j| j.job_id == job_id) {
+            continue;
+        }
+        let last_batch = table
+            .snapshot()
+            .map_err(err)?
+            .transaction_version(table.log_store().as_ref(), job_id)
+            .await
+            .map_err(err)?;
+        jobs.push(JobStatus {
+            job_id: job_id.to_string(),
+            last_batch,
+            manifest: meta.get("manifest").cloned(),
+        });
+    }
+    Ok(TableStatus {
+        version: table.version(),
+        rows,
+        jobs,
+    })
 }
 
 /// Turns a path or URL into a table URL; local paths become absolute `file://` URLs.
