@@ -377,9 +377,16 @@ impl Pipeline {
         let t = Instant::now();
         let output = self.query.execute_isolating(&inputs).await?;
         drop(inputs);
+        let mut failed_by_source: BTreeMap<&str, Vec<DeadLetter>> = BTreeMap::new();
         for failed in &output.failed {
             let letter = dead_letter_from_row(&failed.row, &failed.error)?;
-            dead_letters.push(dead_letter_batch(&failed.source, batch_id, &[letter])?);
+            failed_by_source
+                .entry(&failed.source)
+                .or_default()
+                .push(letter);
+        }
+        for (source, letters) in failed_by_source {
+            dead_letters.push(dead_letter_batch(source, batch_id, &letters)?);
         }
         counters.rows_dead_lettered += output.failed.len() as u64;
         counters.rows_out = output.batches.iter().map(|b| b.num_rows() as u64).sum();

@@ -325,6 +325,81 @@ mod tests {
         );
     }
 
+    fn rows_of(batches: &[RecordBatch]) -> Vec<String> {
+        let mut rows = Vec::new();
+        for b in batches {
+            let formatted =
+                arrow::util::pretty::pretty_format_batches(std::slice::from_ref(b)).unwrap();
+            rows.extend(
+                formatted
+                    .to_string()
+                    .lines()
+                    .skip(3)
+                    .filter(|l| !l.starts_with('+'))
+                    .map(str::to_string),
+            );
+        }
+        rows.sort();
+        rows
+    }
+
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(proptest::test_runner::Config::with_cases(32))]
+        /// However the input is split into batches, the streamed output (the union of the
+        /// batches' outputs) and the dead-lettered rows equal one run over all the input.
+        #[test]
+        fn any_batch_split_gives_the_batch_result(
+            codes in proptest::collection::vec(prop_oneof![
+                (0i32..1000).prop_map(|n| n.to_string()),
+                "[a-z]{1,3}",
+            ], 1..60),
+            cuts in proptest::collection::vec(0usize..60, 0..6),
+        ) {
+            let n = codes.len();
+            let schema = Arc::new(Schema::new(vec![
+                Field::new("code", DataType::Utf8, false),
+                Field::new(SOURCE_PARTITION, DataType::Utf8, false),
+                Field::new(SOURCE_OFFSET, DataType::Int64, false),
+            ]));
+            let all = RecordBatch::try_new(
+                Arc::clone(&schema),
+                vec![
+                    Arc::new(StringArray::from(codes.clone())),
+                    Arc::new(StringArray::from(vec!["0"; n])),
+                    Arc::new(Int64Array::from_iter_values(0..n as i64)),
+                ],
+            ).unwrap();
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let query = rt.block_on(StreamingQuery::plan(
+                "SELECT CAST(code AS INT) * 2 AS doubled, upper(code) AS code FROM t WHERE length(code) < 4",
+                &[("t".into(), schema)],
+                true,
+            )).unwrap();
+            let run = |batch: RecordBatch| {
+                let out = rt.block_on(query.execute_isolating(&BTreeMap::from([("t".to_string(), batch)]))).unwrap();
+                let failed: Vec<i64> = out.failed.iter().map(|f| f.row.column(2).as_any().downcast_ref::<Int64Array>().unwrap().value(0)).collect();
+                (out.batches, failed)
+            };
+            let (whole, mut whole_failed) = run(all.clone());
+            let mut bounds: Vec<usize> = cuts.into_iter().map(|c| c.min(n)).chain([0, n]).collect();
+            bounds.sort_unstable();
+            bounds.dedup();
+            let mut streamed = Vec::new();
+            let mut streamed_failed = Vec::new();
+            for w in bounds.windows(2) {
+                let (out, failed) = run(all.slice(w[0], w[1] - w[0]));
+                streamed.extend(out);
+                streamed_failed.extend(failed);
+            }
+            whole_failed.sort_unstable();
+            streamed_failed.sort_unstable();
+            prop_assert_eq!(rows_of(&streamed), rows_of(&whole));
+            prop_assert_eq!(streamed_failed, whole_failed);
+        }
+    }
+
     #[tokio::test]
     async fn stateful_queries_are_refused_with_a_reason() {
         let (schema, _) = source();
