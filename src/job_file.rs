@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, bail};
 use serde::Deserialize;
 use sluice_connectors::files::{FilesSource, FilesSourceConfig};
 use sluice_engine::{EventTimeConfig, EventTimeFormat, Job, Trigger, parse_duration};
@@ -167,7 +167,8 @@ pub async fn load(path: &Path, trigger: Option<Trigger>) -> Result<(Job, JobFile
         .with_sql(file.query.sql.clone())
         .with_trigger(trigger);
     if let Some(checkpoint) = &file.job.checkpoint {
-        let url = location_url(&resolve(&base, checkpoint)).with_context(|| ctx("job"))?;
+        let url = sluice_engine::location::directory_url(&resolve(&base, checkpoint))
+            .with_context(|| ctx("job"))?;
         builder = builder.with_checkpoint(url);
     }
 
@@ -267,12 +268,4 @@ fn event_time_config(common: &SourceCommon) -> Result<Option<EventTimeConfig>> {
         max_out_of_orderness,
         idle_timeout,
     }))
-}
-
-fn location_url(path: &str) -> Result<url::Url> {
-    if path.contains("://") {
-        return url::Url::parse(path).map_err(|e| anyhow!("'{path}' is not a URL: {e}"));
-    }
-    let abs = std::path::absolute(path)?;
-    url::Url::from_directory_path(&abs).map_err(|_| anyhow!("'{path}' is not a directory path"))
 }

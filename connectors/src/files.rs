@@ -162,7 +162,7 @@ impl FilesSource {
     /// # Errors
     /// If the path is not a usable location or the CSV delimiter is not one byte.
     pub fn new(config: FilesSourceConfig) -> Result<Self> {
-        let url = location_url(&config.path)?;
+        let url = sluice_engine::location::directory_url(&config.path)?;
         if url.scheme() == "file" {
             let dir = url.to_file_path().map_err(|_| {
                 ConnectorError::Config(format!("path '{}' is not a local directory", config.path))
@@ -469,22 +469,6 @@ impl Source for FilesSource {
     fn max_per_batch(&self) -> Option<u64> {
         Some(self.config.max_files_per_batch.max(1))
     }
-}
-
-/// Turns a path or URL into a directory URL.
-fn location_url(path: &str) -> Result<Url> {
-    if path.contains("://") {
-        let mut url = Url::parse(path)
-            .map_err(|e| ConnectorError::Config(format!("path '{path}' is not a URL: {e}")))?;
-        if !url.path().ends_with('/') {
-            let p = format!("{}/", url.path());
-            url.set_path(&p);
-        }
-        return Ok(url);
-    }
-    let abs = std::path::absolute(path)?;
-    Url::from_directory_path(&abs)
-        .map_err(|_| ConnectorError::Config(format!("path '{path}' is not a valid directory path")))
 }
 
 fn relative_name(prefix: &Path, location: &Path) -> String {

@@ -30,6 +30,7 @@ pub mod error;
 pub mod event_time;
 pub mod fault;
 pub mod job;
+pub mod location;
 pub mod offsets;
 pub mod query;
 pub mod schema;

@@ -451,15 +451,9 @@ pub async fn table_status(url: &Url, history: usize) -> Result<TableStatus> {
     })
 }
 
-/// Turns a path or URL into a table URL; local paths become absolute `file://` URLs.
-pub fn table_url(path: &str) -> Result<Url> {
-    if path.contains("://") {
-        return Url::parse(path)
-            .map_err(|e| SinkError::Config(format!("path '{path}' is not a URL: {e}")));
-    }
-    let abs = std::path::absolute(path)?;
-    Url::from_directory_path(&abs)
-        .map_err(|_| SinkError::Config(format!("path '{path}' is not a valid directory path")))
+/// Turns a path or URL into a table URL (see [`sluice_engine::location::directory_url`]).
+pub fn table_url(path: &str) -> sluice_engine::Result<Url> {
+    sluice_engine::location::directory_url(path)
 }
 
 /// Parses a size such as `128MB`, `64MiB`, `1GB` or `1048576`.

@@ -43,11 +43,17 @@ pub enum SinkError {
     /// Local I/O failed.
     #[error("io: {0}")]
     Io(#[from] std::io::Error),
+    /// The engine refused an input (a location).
+    #[error(transparent)]
+    Engine(#[from] sluice_engine::Error),
 }
 
 impl From<SinkError> for sluice_engine::Error {
     fn from(e: SinkError) -> Self {
-        sluice_engine::Error::Sink(e.to_string())
+        match e {
+            SinkError::Engine(inner) => inner,
+            other => sluice_engine::Error::Sink(other.to_string()),
+        }
     }
 }
 
