@@ -390,7 +390,17 @@ impl Source for FilesSource {
         let wrap = |e: ConnectorError| sluice_engine::Error::source(&opened.name, e);
         if let Some(schema) = opened.schema_to_record.lock().await.take() {
             let bytes = opened.checkpoint.to_json(SCHEMA_FILE, schema.as_ref())?;
-            opened.checkpoint.put_if_absent(SCHEMA_FILE, bytes).await?;
+            if !opened.checkpoint.put_if_absent(SCHEMA_FILE, bytes).await? {
+                // Another run fixed a schema first; this run must not write under another one.
+                let recorded: Option<Schema> = opened.checkpoint.get_json(SCHEMA_FILE).await?;
+                if recorded.as_ref() != Some(schema.as_ref()) {
+                    return Err(wrap(ConnectorError::Schema(format!(
+                        "another run fixed a different inferred schema in {}/{SCHEMA_FILE}; \
+                         restart the job to use it",
+                        opened.checkpoint.url()
+                    ))));
+                }
+            }
         }
         let mut log = opened.log.lock().await;
         let known: HashSet<String> = log.files.iter().map(|f| f.name.clone()).collect();
