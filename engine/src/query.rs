@@ -265,22 +265,29 @@ mod tests {
     use arrow::array::{Int64Array, StringArray};
     use arrow::datatypes::{DataType, Field, Schema};
 
-    fn source() -> (SchemaRef, RecordBatch) {
+    /// A source batch of `code` strings with lineage columns (partition "0", given offsets).
+    fn code_batch(codes: Vec<String>, offsets: Vec<i64>) -> (SchemaRef, RecordBatch) {
         let schema = Arc::new(Schema::new(vec![
             Field::new("code", DataType::Utf8, true),
             Field::new(SOURCE_PARTITION, DataType::Utf8, false),
             Field::new(SOURCE_OFFSET, DataType::Int64, false),
         ]));
+        let n = codes.len();
         let batch = RecordBatch::try_new(
             Arc::clone(&schema),
             vec![
-                Arc::new(StringArray::from(vec!["1", "2", "x", "4", "y", "6"])),
-                Arc::new(StringArray::from(vec!["0"; 6])),
-                Arc::new(Int64Array::from(vec![0, 0, 1, 1, 2, 2])),
+                Arc::new(StringArray::from(codes)),
+                Arc::new(StringArray::from(vec!["0"; n])),
+                Arc::new(Int64Array::from(offsets)),
             ],
         )
         .unwrap();
         (schema, batch)
+    }
+
+    fn source() -> (SchemaRef, RecordBatch) {
+        let codes = ["1", "2", "x", "4", "y", "6"].map(String::from).to_vec();
+        code_batch(codes, vec![0, 0, 1, 1, 2, 2])
     }
 
     #[tokio::test]
@@ -358,19 +365,7 @@ mod tests {
             cuts in proptest::collection::vec(0usize..60, 0..6),
         ) {
             let n = codes.len();
-            let schema = Arc::new(Schema::new(vec![
-                Field::new("code", DataType::Utf8, false),
-                Field::new(SOURCE_PARTITION, DataType::Utf8, false),
-                Field::new(SOURCE_OFFSET, DataType::Int64, false),
-            ]));
-            let all = RecordBatch::try_new(
-                Arc::clone(&schema),
-                vec![
-                    Arc::new(StringArray::from(codes.clone())),
-                    Arc::new(StringArray::from(vec!["0"; n])),
-                    Arc::new(Int64Array::from_iter_values(0..n as i64)),
-                ],
-            ).unwrap();
+            let (schema, all) = code_batch(codes, (0..n as i64).collect());
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
             let query = rt.block_on(StreamingQuery::plan(
                 "SELECT CAST(code AS INT) * 2 AS doubled, upper(code) AS code FROM t WHERE length(code) < 4",

@@ -370,11 +370,16 @@ pub async fn table_row_count(url: &Url) -> Result<u64> {
             table: url.to_string(),
             source,
         })?;
-    let snapshot = table.snapshot().map_err(|source| SinkError::Delta {
+    row_count(&table).map_err(|source| SinkError::Delta {
         table: url.to_string(),
         source,
-    })?;
-    Ok(snapshot
+    })
+}
+
+/// Rows of a loaded table, from its file statistics.
+fn row_count(table: &DeltaTable) -> deltalake::DeltaResult<u64> {
+    Ok(table
+        .snapshot()?
         .log_data()
         .iter()
         .map(|f| f.num_records().unwrap_or(0) as u64)
@@ -415,7 +420,7 @@ pub async fn table_status(url: &Url, history: usize) -> Result<TableStatus> {
         source,
     };
     let table = deltalake::open_table(url.clone()).await.map_err(err)?;
-    let rows = table_row_count(url).await?;
+    let rows = row_count(&table).map_err(err)?;
     let infos: Vec<_> = table
         .history(Some(history))
         .try_collect()
