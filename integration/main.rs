@@ -1,5 +1,5 @@
 //! Sluice's end-to-end tests: one test binary that runs the real `sluice` binary against real
-//! files and real Delta tables, and reads the tables back with delta-rs (Rust) and with the
+//! files, a real Kafka-protocol broker (`tansu`) and real Delta tables, and reads the tables back with delta-rs (Rust) and with the
 //! Python `deltalake` package (an independent reader; installed by `./test`).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -10,3 +10,4 @@ mod cli;
 mod crash;
 mod dead_letters;
 mod formats;
+mod kafka;

@@ -13,6 +13,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use serde::Deserialize;
 use sluice_connectors::files::{FilesSource, FilesSourceConfig};
+use sluice_connectors::kafka::{KafkaSource, KafkaSourceConfig};
 use sluice_engine::{EventTimeConfig, EventTimeFormat, Job, Trigger, parse_duration};
 use sluice_sinks::delta::{DeltaSink, DeltaSinkConfig};
 
@@ -188,9 +189,14 @@ pub async fn load(path: &Path, trigger: Option<Trigger>) -> Result<(Job, JobFile
                 }
                 let config: FilesSourceConfig = rest.try_into().with_context(|| ctx(&section))?;
                 Box::new(FilesSource::new(config).with_context(|| ctx(&section))?)
+                    as Box<dyn sluice_engine::Source>
+            }
+            "kafka" => {
+                let config: KafkaSourceConfig = rest.try_into().with_context(|| ctx(&section))?;
+                Box::new(KafkaSource::new(config).with_context(|| ctx(&section))?)
             }
             other => bail!(
-                "{}: kind = \"{other}\" is not a source this build has (files)",
+                "{}: kind = \"{other}\" is not a source this build has (files, kafka)",
                 ctx(&section)
             ),
         };

@@ -38,7 +38,7 @@ enum Command {
         trigger: Option<Trigger>,
     },
     /// Show what a Delta table written by Sluice says: its version and rows, and for each job
-    /// writing it the last committed batch, its end offsets, watermark and counters.
+    /// writing it the last committed batch, its end offsets, watermark, counters and consumer lag.
     Status {
         /// The output table (local path or URL).
         table: String,
@@ -57,8 +57,10 @@ enum Command {
 
 /// Sluice at info; libraries at warn. delta-kernel logs an error while probing a table that does
 /// not exist yet (expected on first run; real failures reach us as errors), so it is silenced.
+/// The Kafka client warns at every reconnect attempt; the Kafka source logs one line per retry
+/// with the same error, so the client is kept to errors.
 const DEFAULT_LOG_FILTER: &str = "warn,sluice=info,sluice_engine=info,sluice_connectors=info,sluice_sinks=info,\
-     buoyant_kernel=off,deltalake_core::writer::stats=error";
+     buoyant_kernel=off,deltalake_core::writer::stats=error,rskafka=error";
 
 fn parse_trigger(s: &str) -> Result<Trigger, String> {
     s.parse().map_err(|e: sluice::engine::Error| e.to_string())
@@ -162,6 +164,9 @@ async fn status(table: &str, history: usize) -> Result<()> {
             println!("  end offsets: {}", m["end_offsets"]);
             println!("  watermark (µs since epoch): {}", m["watermark_micros"]);
             println!("  counters of that batch: {}", m["counters"]);
+            if let Some(lag) = m.get("lag") {
+                println!("  consumer lag when that batch was planned: {lag}");
+            }
         }
     }
     Ok(())

@@ -19,6 +19,48 @@ pub enum ConnectorError {
         /// What differs.
         detail: String,
     },
+    /// The Kafka broker refused a request in a way retrying cannot fix.
+    #[error("kafka ({brokers}): {what}: {detail}")]
+    Kafka {
+        /// The bootstrap servers.
+        brokers: String,
+        /// What was being done.
+        what: String,
+        /// The broker's or client's error.
+        detail: String,
+    },
+    /// Offsets the job still needs were deleted from a Kafka partition (retention, truncation).
+    #[error(
+        "data loss on {partition}: offset {wanted} is needed but the earliest offset the broker \
+         still holds is {earliest} (retention or deletion removed records this job has not \
+         read); set fail_on_data_loss = false to skip such gaps (they are counted and logged \
+         as dead letters)"
+    )]
+    DataLoss {
+        /// `topic` partition `n`.
+        partition: String,
+        /// The first offset that is gone.
+        wanted: i64,
+        /// The earliest offset still there.
+        earliest: i64,
+    },
+    /// An offset past what a Kafka partition holds.
+    #[error(
+        "{partition}: offset {wanted} is out of range: the broker holds offsets \
+         {earliest}..{latest} ({detail})"
+    )]
+    OffsetOutOfRange {
+        /// `topic` partition `n`.
+        partition: String,
+        /// The offset asked for.
+        wanted: i64,
+        /// The earliest offset held.
+        earliest: i64,
+        /// One past the last offset held.
+        latest: i64,
+        /// Why this offset was wanted.
+        detail: String,
+    },
     /// The schema could not be determined.
     #[error("schema: {0}")]
     Schema(String),

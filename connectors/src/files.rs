@@ -27,7 +27,7 @@ use std::sync::Arc;
 
 use arrow::array::{RecordBatch, new_null_array};
 use arrow::compute::kernels::cast;
-use arrow::datatypes::{Field, Schema, SchemaRef};
+use arrow::datatypes::{Schema, SchemaRef};
 use async_trait::async_trait;
 use bytes::Bytes;
 use futures::TryStreamExt;
@@ -43,13 +43,13 @@ use sluice_engine::{
 use tokio::sync::Mutex;
 use url::Url;
 
+use crate::decode::{
+    INFER_RECORDS, Line, decode_csv, decode_json, decode_lines, infer_csv, infer_json, split_lines,
+};
 use crate::error::{ConnectorError, Result};
 
 /// The only partition of a files source.
 pub const PARTITION: &str = "0";
-
-/// How many records schema inference looks at.
-const INFER_RECORDS: usize = 1000;
 
 /// File format of a files source.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
@@ -267,8 +267,12 @@ impl FilesSource {
             }
         }
         let schema = match self.config.format {
-            FileFormat::Json => infer_json(&samples)?,
-            FileFormat::Csv => infer_csv(&samples, self.config.header, self.delimiter)?,
+            FileFormat::Json => infer_json(
+                samples
+                    .iter()
+                    .flat_map(|(_, bytes)| bytes.split(|b| *b == b'\n')),
+            )?,
+            FileFormat::Csv => infer_csv(&samples[0].1, self.config.header, self.delimiter)?,
             FileFormat::Parquet => {
                 let (name, bytes) = &samples[0];
                 let builder =
@@ -520,147 +524,6 @@ fn whole_file_dead_letter(file: &RecordedFile, offset: i64, error: String) -> So
     }
 }
 
-/// A line of a file: 1-based number and byte span (without the newline).
-#[derive(Debug, Clone, Copy)]
-struct Line {
-    number: usize,
-    start: usize,
-    end: usize,
-}
-
-fn split_lines(bytes: &[u8]) -> Vec<Line> {
-    let mut lines = Vec::new();
-    let mut start = 0;
-    for (number, chunk) in bytes.split(|b| *b == b'\n').enumerate() {
-        let mut end = start + chunk.len();
-        if end > start && bytes[end - 1] == b'\r' {
-            end -= 1;
-        }
-        lines.push(Line {
-            number: number + 1,
-            start,
-            end,
-        });
-        start += chunk.len() + 1;
-    }
-    lines
-}
-
-type Decoded = (
-    Vec<(RecordBatch, Vec<usize>)>,
-    Vec<(usize, Vec<u8>, String)>,
-);
-
-/// Decodes `lines`, splitting in halves around failures until each bad line is alone.
-/// Returns decoded batches with their line numbers, in file order, and the bad lines.
-fn decode_lines(
-    bytes: &[u8],
-    lines: &[Line],
-    decode: impl Fn(&[Line]) -> std::result::Result<RecordBatch, String>,
-) -> Decoded {
-    let mut good = Vec::new();
-    let mut bad = Vec::new();
-    let mut pending = vec![(0, lines.len())];
-    while let Some((from, to)) = pending.pop() {
-        if from == to {
-            continue;
-        }
-        let chunk = &lines[from..to];
-        let result = decode(chunk).and_then(|batch| {
-            if batch.num_rows() == chunk.len() {
-                Ok(batch)
-            } else {
-                Err(format!(
-                    "expected one record per line, the line holds {}",
-                    batch.num_rows()
-                ))
-            }
-        });
-        match result {
-            Ok(batch) => good.push((batch, chunk.iter().map(|l| l.number).collect())),
-            Err(error) if chunk.len() == 1 => {
-                let l = chunk[0];
-                bad.push((l.number, bytes[l.start..l.end].to_vec(), error));
-            }
-            Err(_) => {
-                let mid = from + (to - from) / 2;
-                pending.push((mid, to));
-                pending.push((from, mid));
-            }
-        }
-    }
-    (good, bad)
-}
-
-fn decode_json(
-    schema: &SchemaRef,
-    bytes: &[u8],
-    lines: &[Line],
-) -> std::result::Result<RecordBatch, String> {
-    let mut decoder = arrow::json::ReaderBuilder::new(Arc::clone(schema))
-        .with_batch_size(lines.len() + 1)
-        .build_decoder()
-        .map_err(|e| e.to_string())?;
-    let contiguous = lines.windows(2).all(|w| w[1].number == w[0].number + 1);
-    if contiguous {
-        let span = &bytes[lines[0].start..lines[lines.len() - 1].end];
-        feed(&mut decoder, span)?;
-    } else {
-        for l in lines {
-            feed(&mut decoder, &bytes[l.start..l.end])?;
-            feed(&mut decoder, b"\n")?;
-        }
-    }
-    Ok(decoder
-        .flush()
-        .map_err(|e| e.to_string())?
-        .unwrap_or_else(|| RecordBatch::new_empty(Arc::clone(schema))))
-}
-
-fn feed(
-    decoder: &mut arrow::json::reader::Decoder,
-    mut buf: &[u8],
-) -> std::result::Result<(), String> {
-    while !buf.is_empty() {
-        let used = decoder.decode(buf).map_err(|e| e.to_string())?;
-        if used == 0 {
-            return Err("the JSON decoder made no progress".into());
-        }
-        buf = &buf[used..];
-    }
-    Ok(())
-}
-
-fn decode_csv(
-    schema: &SchemaRef,
-    delimiter: u8,
-    bytes: &[u8],
-    lines: &[Line],
-) -> std::result::Result<RecordBatch, String> {
-    let mut decoder = arrow::csv::ReaderBuilder::new(Arc::clone(schema))
-        .with_header(false)
-        .with_delimiter(delimiter)
-        .with_batch_size(lines.len() + 1)
-        .build_decoder();
-    let mut buf = Vec::new();
-    for l in lines {
-        buf.extend_from_slice(&bytes[l.start..l.end]);
-        buf.push(b'\n');
-    }
-    let mut rest = buf.as_slice();
-    while !rest.is_empty() {
-        let used = decoder.decode(rest).map_err(|e| e.to_string())?;
-        if used == 0 {
-            break;
-        }
-        rest = &rest[used..];
-    }
-    Ok(decoder
-        .flush()
-        .map_err(|e| e.to_string())?
-        .unwrap_or_else(|| RecordBatch::new_empty(Arc::clone(schema))))
-}
-
 /// Reads a Parquet file and conforms its batches to `schema` by column name.
 fn decode_parquet(
     schema: &SchemaRef,
@@ -691,110 +554,4 @@ fn decode_parquet(
         out.push(RecordBatch::try_new(Arc::clone(schema), columns).map_err(|e| e.to_string())?);
     }
     Ok(out)
-}
-
-/// Infers a JSON schema from sample lines, keeping fields in first-seen order.
-fn infer_json(samples: &[(String, Bytes)]) -> Result<Schema> {
-    let mut values = Vec::new();
-    let mut order: Vec<String> = Vec::new();
-    let mut seen = HashSet::new();
-    'files: for (_, bytes) in samples {
-        for line in bytes.split(|b| *b == b'\n') {
-            if values.len() >= INFER_RECORDS {
-                break 'files;
-            }
-            if let Ok(serde_json::Value::Object(map)) = serde_json::from_slice(line) {
-                for key in map.keys() {
-                    if seen.insert(key.clone()) {
-                        order.push(key.clone());
-                    }
-                }
-                values.push(serde_json::Value::Object(map));
-            }
-        }
-    }
-    let inferred = arrow::json::reader::infer_json_schema_from_iterator(values.iter().map(Ok))?;
-    let fields: Vec<Field> = order
-        .iter()
-        .filter_map(|name| inferred.field_with_name(name).ok().cloned())
-        .collect();
-    Ok(Schema::new(fields))
-}
-
-fn infer_csv(samples: &[(String, Bytes)], header: bool, delimiter: u8) -> Result<Schema> {
-    let (_, bytes) = &samples[0];
-    let format = arrow::csv::reader::Format::default()
-        .with_header(header)
-        .with_delimiter(delimiter);
-    let (schema, _) = format.infer_schema(bytes.as_ref(), Some(INFER_RECORDS))?;
-    Ok(schema)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use arrow::array::AsArray;
-    use arrow::datatypes::{DataType, Int64Type};
-
-    fn schema() -> SchemaRef {
-        Arc::new(Schema::new(vec![
-            Field::new("id", DataType::Int64, true),
-            Field::new("name", DataType::Utf8, true),
-        ]))
-    }
-
-    #[test]
-    fn bad_json_lines_are_isolated_and_good_lines_kept_in_order() {
-        let text = b"{\"id\":1,\"name\":\"a\"}\n{\"id\":\n\n{\"id\":\"x\"}\n{\"id\":4}{\"id\":5}\n{\"id\":6}\n";
-        let bytes = Bytes::from_static(text);
-        let mut lines = split_lines(&bytes);
-        lines.retain(|l| !bytes[l.start..l.end].iter().all(u8::is_ascii_whitespace));
-        let s = schema();
-        let (good, bad) = decode_lines(&bytes, &lines, |c| decode_json(&s, &bytes, c));
-        let ids: Vec<i64> = good
-            .iter()
-            .flat_map(|(b, _)| b.column(0).as_primitive::<Int64Type>().values().to_vec())
-            .collect();
-        assert_eq!(ids, vec![1, 6]);
-        let numbers: Vec<usize> = good.iter().flat_map(|(_, n)| n.clone()).collect();
-        assert_eq!(numbers, vec![1, 6]);
-        let bad_lines: Vec<usize> = bad.iter().map(|(n, _, _)| *n).collect();
-        assert_eq!(bad_lines, vec![2, 4, 5]);
-        assert_eq!(bad[1].1, b"{\"id\":\"x\"}".to_vec());
-    }
-
-    #[test]
-    fn csv_decodes_and_rejects_bad_values() {
-        let bytes = Bytes::from_static(b"1,a\nnot-a-number,b\n3,c\n");
-        let lines = split_lines(&bytes)
-            .into_iter()
-            .filter(|l| l.end > l.start)
-            .collect::<Vec<_>>();
-        let s = schema();
-        let (good, bad) = decode_lines(&bytes, &lines, |c| decode_csv(&s, b',', &bytes, c));
-        let rows: usize = good.iter().map(|(b, _)| b.num_rows()).sum();
-        assert_eq!(rows, 2);
-        assert_eq!(bad.len(), 1);
-        assert_eq!(bad[0].0, 2);
-    }
-
-    #[test]
-    fn json_inference_keeps_first_seen_order() {
-        let samples = vec![(
-            "a.json".to_string(),
-            Bytes::from_static(b"{\"b\":1,\"a\":\"x\"}\nnot json\n{\"c\":1.5}\n"),
-        )];
-        let schema = infer_json(&samples).unwrap();
-        let names: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
-        assert_eq!(names, vec!["b", "a", "c"]);
-        let types: Vec<_> = schema
-            .fields()
-            .iter()
-            .map(|f| f.data_type().clone())
-            .collect();
-        assert_eq!(
-            types,
-            vec![DataType::Int64, DataType::Utf8, DataType::Float64]
-        );
-    }
 }

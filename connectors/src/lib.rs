@@ -8,6 +8,9 @@
 //!   in the recorded order in which files were first seen.
 
 pub mod files;
+pub mod kafka;
+
+mod decode;
 
 mod error;
 pub use error::{ConnectorError, Result};

@@ -12,7 +12,7 @@
 //! live (see [`crate::driver`]). Files of a batch that never committed are simply overwritten or
 //! garbage-collected.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use futures::TryStreamExt;
@@ -193,6 +193,11 @@ pub struct BatchManifest {
     pub state_files: Vec<String>,
     /// Per-batch counters (rows in, out, dead-lettered, …).
     pub counters: BatchCounters,
+    /// Consumer lag after this batch: per source and partition, the offsets available when the
+    /// batch was planned minus the batch's end offset. Empty for a batch rerun from its intent
+    /// (the offsets available at planning time are not recorded).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub lag: SourceOffsets,
 }
 
 /// Row counts of one batch.
@@ -302,6 +307,7 @@ mod tests {
                     watermark_micros: None,
                     state_files: vec![],
                     counters: BatchCounters::default(),
+                    lag: SourceOffsets::new(),
                 })
                 .await
                 .unwrap();

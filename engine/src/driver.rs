@@ -40,7 +40,8 @@ use crate::event_time::{EventTimeConfig, extract_event_time, schema_with_event_t
 use crate::fault::crash_point;
 use crate::job::{Job, SourceSpec, Trigger};
 use crate::offsets::{
-    BatchId, OffsetRange, PartitionId, SourceOffsets, SourceRanges, display_ranges, plan_ranges,
+    BatchId, OffsetRange, PartitionId, SourceOffsets, SourceRanges, display_offsets,
+    display_ranges, plan_ranges,
 };
 use crate::query::StreamingQuery;
 use crate::sink::{BatchCommit, CommitOutcome, Sink};
@@ -138,6 +139,8 @@ struct Pipeline {
     next_batch: BatchId,
     /// End offsets of the last committed batch.
     committed: SourceOffsets,
+    /// The latest offsets the sources reported when the pending batch was planned, for its lag.
+    latest_at_plan: SourceOffsets,
     summary: RunSummary,
 }
 
@@ -246,6 +249,7 @@ impl Pipeline {
             keep_batches,
             next_batch,
             committed,
+            latest_at_plan: SourceOffsets::new(),
             summary,
         })
     }
@@ -303,6 +307,7 @@ impl Pipeline {
     /// planned afresh (capped at `limit`) and recorded put-if-absent. `None` if there is nothing
     /// to read.
     async fn plan(&mut self, limit: Option<&SourceOffsets>) -> Result<Option<BatchIntent>> {
+        self.latest_at_plan.clear();
         if let Some(intent) = self.checkpoint.read_intent(self.next_batch).await? {
             info!(batch_id = intent.batch_id.0, ranges = %display_ranges(&intent.ranges), "rerunning the intent of an uncommitted batch");
             return Ok(Some(intent));
@@ -313,7 +318,9 @@ impl Pipeline {
             let committed = self.committed.get(&s.name);
             let mut start = BTreeMap::new();
             let mut latest = BTreeMap::new();
+            let seen = self.latest_at_plan.entry(s.name.clone()).or_default();
             for (p, a) in available {
+                seen.insert(p.clone(), a.latest);
                 let from = committed
                     .and_then(|c| c.get(&p))
                     .copied()
@@ -401,12 +408,14 @@ impl Pipeline {
                 ends.insert(p.clone(), r.end);
             }
         }
+        let lag = consumer_lag(&self.latest_at_plan, &end_offsets);
         let manifest = BatchManifest {
             batch_id,
             end_offsets,
             watermark_micros: None,
             state_files: vec![],
             counters: counters.clone(),
+            lag,
         };
         self.checkpoint.write_manifest(&manifest).await?;
         crash_point("after_manifest", batch_id);
@@ -452,6 +461,7 @@ impl Pipeline {
             job_id = %self.job_id,
             batch_id = batch_id.0,
             ranges = %display_ranges(&intent.ranges),
+            lag = %display_offsets(&manifest.lag),
             rows_in = counters.rows_in,
             rows_out = counters.rows_out,
             rows_dead_lettered = counters.rows_dead_lettered,
@@ -468,6 +478,23 @@ impl Pipeline {
         );
         Ok(())
     }
+}
+
+/// Per partition: offsets available at planning minus where this batch ended.
+fn consumer_lag(latest: &SourceOffsets, ends: &SourceOffsets) -> SourceOffsets {
+    latest
+        .iter()
+        .map(|(source, parts)| {
+            let lag = parts
+                .iter()
+                .filter_map(|(p, l)| {
+                    let end = ends.get(source)?.get(p)?;
+                    Some((p.clone(), (l - end).max(0)))
+                })
+                .collect();
+            (source.clone(), lag)
+        })
+        .collect()
 }
 
 fn ms(d: Duration) -> u64 {

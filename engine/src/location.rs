@@ -8,8 +8,8 @@ use url::Url;
 
 use crate::error::{Error, Result};
 
-/// Turns a local path (made absolute against the working directory) or a URL into a directory
-/// URL ending in `/`.
+/// Turns a local path (made absolute against the working directory, `.` and `..` resolved
+/// lexically) or a URL into a directory URL ending in `/`.
 ///
 /// # Errors
 /// If the text looks like a URL but does not parse, or the path cannot be made absolute; the
@@ -19,7 +19,16 @@ pub fn directory_url(location: &str) -> Result<Url> {
         Url::parse(location)
             .map_err(|e| Error::InvalidJob(format!("location '{location}' is not a URL: {e}")))?
     } else {
-        let abs = std::path::absolute(location)?;
+        let mut abs = std::path::PathBuf::new();
+        for part in std::path::absolute(location)?.components() {
+            match part {
+                std::path::Component::ParentDir => {
+                    abs.pop();
+                }
+                std::path::Component::CurDir => {}
+                other => abs.push(other),
+            }
+        }
         Url::from_directory_path(&abs).map_err(|_| {
             Error::InvalidJob(format!(
                 "location '{location}' is not a valid directory path"
@@ -46,6 +55,10 @@ mod tests {
         assert_eq!(
             directory_url("s3://bucket/x").unwrap().as_str(),
             "s3://bucket/x/"
+        );
+        assert_eq!(
+            directory_url("/data/jobs/../out/./t").unwrap().as_str(),
+            "file:///data/out/t/"
         );
         let relative = directory_url("rel/dir").unwrap();
         assert!(relative.path().ends_with("/rel/dir/"), "{relative}");

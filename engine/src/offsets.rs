@@ -104,6 +104,18 @@ pub fn display_ranges(ranges: &SourceRanges) -> String {
     out
 }
 
+/// `clicks{0=12,1=0}`: one offset (or count) per partition, for log lines.
+pub fn display_offsets(offsets: &SourceOffsets) -> String {
+    offsets
+        .iter()
+        .map(|(source, parts)| {
+            let parts: Vec<String> = parts.iter().map(|(p, o)| format!("{p}={o}")).collect();
+            format!("{source}{{{}}}", parts.join(","))
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 /// Plans one batch's ranges for the partitions of one source.
 ///
 /// Each partition starts at `start[p]` and may read up to `latest[p]`. With a budget

@@ -1,0 +1,257 @@
+//! Decoding records of text (JSON objects, CSV rows) into Arrow, shared by the sources.
+//!
+//! A source hands over a buffer and the spans of its records (lines of a file, values of Kafka
+//! messages). They are decoded in one go; if that fails, the spans are split in halves until each
+//! bad record is alone, so one bad record costs a few extra decodes, never the batch, and every
+//! good record is kept in order.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use arrow::array::RecordBatch;
+use arrow::datatypes::{Field, Schema, SchemaRef};
+
+use crate::error::Result;
+
+/// How many records schema inference looks at.
+pub(crate) const INFER_RECORDS: usize = 1000;
+
+/// A line of a file: 1-based number and byte span (without the newline).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Line {
+    pub number: usize,
+    pub start: usize,
+    pub end: usize,
+}
+
+pub(crate) fn split_lines(bytes: &[u8]) -> Vec<Line> {
+    let mut lines = Vec::new();
+    let mut start = 0;
+    for (number, chunk) in bytes.split(|b| *b == b'\n').enumerate() {
+        let mut end = start + chunk.len();
+        if end > start && bytes[end - 1] == b'\r' {
+            end -= 1;
+        }
+        lines.push(Line {
+            number: number + 1,
+            start,
+            end,
+        });
+        start += chunk.len() + 1;
+    }
+    lines
+}
+
+pub(crate) type Decoded = (
+    Vec<(RecordBatch, Vec<usize>)>,
+    Vec<(usize, Vec<u8>, String)>,
+);
+
+/// Decodes `lines`, splitting in halves around failures until each bad line is alone.
+/// Returns decoded batches with their line numbers, in file order, and the bad lines.
+pub(crate) fn decode_lines(
+    bytes: &[u8],
+    lines: &[Line],
+    decode: impl Fn(&[Line]) -> std::result::Result<RecordBatch, String>,
+) -> Decoded {
+    let mut good = Vec::new();
+    let mut bad = Vec::new();
+    let mut pending = vec![(0, lines.len())];
+    while let Some((from, to)) = pending.pop() {
+        if from == to {
+            continue;
+        }
+        let chunk = &lines[from..to];
+        let result = decode(chunk).and_then(|batch| {
+            if batch.num_rows() == chunk.len() {
+                Ok(batch)
+            } else {
+                Err(format!(
+                    "expected one record per line, the line holds {}",
+                    batch.num_rows()
+                ))
+            }
+        });
+        match result {
+            Ok(batch) => good.push((batch, chunk.iter().map(|l| l.number).collect())),
+            Err(error) if chunk.len() == 1 => {
+                let l = chunk[0];
+                bad.push((l.number, bytes[l.start..l.end].to_vec(), error));
+            }
+            Err(_) => {
+                let mid = from + (to - from) / 2;
+                pending.push((mid, to));
+                pending.push((from, mid));
+            }
+        }
+    }
+    (good, bad)
+}
+
+pub(crate) fn decode_json(
+    schema: &SchemaRef,
+    bytes: &[u8],
+    lines: &[Line],
+) -> std::result::Result<RecordBatch, String> {
+    let mut decoder = arrow::json::ReaderBuilder::new(Arc::clone(schema))
+        .with_batch_size(lines.len() + 1)
+        .build_decoder()
+        .map_err(|e| e.to_string())?;
+    let contiguous = lines.windows(2).all(|w| w[1].number == w[0].number + 1);
+    if contiguous {
+        let span = &bytes[lines[0].start..lines[lines.len() - 1].end];
+        feed(&mut decoder, span)?;
+    } else {
+        for l in lines {
+            feed(&mut decoder, &bytes[l.start..l.end])?;
+            feed(&mut decoder, b"\n")?;
+        }
+    }
+    Ok(decoder
+        .flush()
+        .map_err(|e| e.to_string())?
+        .unwrap_or_else(|| RecordBatch::new_empty(Arc::clone(schema))))
+}
+
+pub(crate) fn feed(
+    decoder: &mut arrow::json::reader::Decoder,
+    mut buf: &[u8],
+) -> std::result::Result<(), String> {
+    while !buf.is_empty() {
+        let used = decoder.decode(buf).map_err(|e| e.to_string())?;
+        if used == 0 {
+            return Err("the JSON decoder made no progress".into());
+        }
+        buf = &buf[used..];
+    }
+    Ok(())
+}
+
+pub(crate) fn decode_csv(
+    schema: &SchemaRef,
+    delimiter: u8,
+    bytes: &[u8],
+    lines: &[Line],
+) -> std::result::Result<RecordBatch, String> {
+    let mut decoder = arrow::csv::ReaderBuilder::new(Arc::clone(schema))
+        .with_header(false)
+        .with_delimiter(delimiter)
+        .with_batch_size(lines.len() + 1)
+        .build_decoder();
+    let mut buf = Vec::new();
+    for l in lines {
+        buf.extend_from_slice(&bytes[l.start..l.end]);
+        buf.push(b'\n');
+    }
+    let mut rest = buf.as_slice();
+    while !rest.is_empty() {
+        let used = decoder.decode(rest).map_err(|e| e.to_string())?;
+        if used == 0 {
+            break;
+        }
+        rest = &rest[used..];
+    }
+    Ok(decoder
+        .flush()
+        .map_err(|e| e.to_string())?
+        .unwrap_or_else(|| RecordBatch::new_empty(Arc::clone(schema))))
+}
+
+/// Infers a JSON schema from sample records (one JSON object each; others are skipped), keeping
+/// fields in first-seen order. Looks at no more than [`INFER_RECORDS`] records.
+pub(crate) fn infer_json<'a>(records: impl IntoIterator<Item = &'a [u8]>) -> Result<Schema> {
+    let mut values = Vec::new();
+    let mut order: Vec<String> = Vec::new();
+    let mut seen = HashSet::new();
+    for record in records.into_iter().take(INFER_RECORDS) {
+        if let Ok(serde_json::Value::Object(map)) = serde_json::from_slice(record) {
+            for key in map.keys() {
+                if seen.insert(key.clone()) {
+                    order.push(key.clone());
+                }
+            }
+            values.push(serde_json::Value::Object(map));
+        }
+    }
+    let inferred = arrow::json::reader::infer_json_schema_from_iterator(values.iter().map(Ok))?;
+    let fields: Vec<Field> = order
+        .iter()
+        .filter_map(|name| inferred.field_with_name(name).ok().cloned())
+        .collect();
+    Ok(Schema::new(fields))
+}
+
+/// Infers a CSV schema from sample text (records separated by newlines).
+pub(crate) fn infer_csv(sample: &[u8], header: bool, delimiter: u8) -> Result<Schema> {
+    let format = arrow::csv::reader::Format::default()
+        .with_header(header)
+        .with_delimiter(delimiter);
+    let (schema, _) = format.infer_schema(sample, Some(INFER_RECORDS))?;
+    Ok(schema)
+}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::AsArray;
+    use arrow::datatypes::{DataType, Int64Type};
+    use bytes::Bytes;
+
+    fn schema() -> SchemaRef {
+        Arc::new(Schema::new(vec![
+            Field::new("id", DataType::Int64, true),
+            Field::new("name", DataType::Utf8, true),
+        ]))
+    }
+
+    #[test]
+    fn bad_json_lines_are_isolated_and_good_lines_kept_in_order() {
+        let text = b"{\"id\":1,\"name\":\"a\"}\n{\"id\":\n\n{\"id\":\"x\"}\n{\"id\":4}{\"id\":5}\n{\"id\":6}\n";
+        let bytes = Bytes::from_static(text);
+        let mut lines = split_lines(&bytes);
+        lines.retain(|l| !bytes[l.start..l.end].iter().all(u8::is_ascii_whitespace));
+        let s = schema();
+        let (good, bad) = decode_lines(&bytes, &lines, |c| decode_json(&s, &bytes, c));
+        let ids: Vec<i64> = good
+            .iter()
+            .flat_map(|(b, _)| b.column(0).as_primitive::<Int64Type>().values().to_vec())
+            .collect();
+        assert_eq!(ids, vec![1, 6]);
+        let numbers: Vec<usize> = good.iter().flat_map(|(_, n)| n.clone()).collect();
+        assert_eq!(numbers, vec![1, 6]);
+        let bad_lines: Vec<usize> = bad.iter().map(|(n, _, _)| *n).collect();
+        assert_eq!(bad_lines, vec![2, 4, 5]);
+        assert_eq!(bad[1].1, b"{\"id\":\"x\"}".to_vec());
+    }
+
+    #[test]
+    fn csv_decodes_and_rejects_bad_values() {
+        let bytes = Bytes::from_static(b"1,a\nnot-a-number,b\n3,c\n");
+        let lines = split_lines(&bytes)
+            .into_iter()
+            .filter(|l| l.end > l.start)
+            .collect::<Vec<_>>();
+        let s = schema();
+        let (good, bad) = decode_lines(&bytes, &lines, |c| decode_csv(&s, b',', &bytes, c));
+        let rows: usize = good.iter().map(|(b, _)| b.num_rows()).sum();
+        assert_eq!(rows, 2);
+        assert_eq!(bad.len(), 1);
+        assert_eq!(bad[0].0, 2);
+    }
+
+    #[test]
+    fn json_inference_keeps_first_seen_order() {
+        let sample = b"{\"b\":1,\"a\":\"x\"}\nnot json\n{\"c\":1.5}\n";
+        let schema = infer_json(sample.split(|b| *b == b'\n')).unwrap();
+        let names: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
+        assert_eq!(names, vec!["b", "a", "c"]);
+        let types: Vec<_> = schema
+            .fields()
+            .iter()
+            .map(|f| f.data_type().clone())
+            .collect();
+        assert_eq!(
+            types,
+            vec![DataType::Int64, DataType::Utf8, DataType::Float64]
+        );
+    }
+}

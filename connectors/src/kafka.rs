@@ -1,0 +1,1244 @@
+//! The Kafka source: topics of a Kafka-protocol broker, read by exact offset ranges.
+//!
+//! ## Offsets
+//! A Kafka partition is a Sluice partition and a Kafka offset is a Sluice offset, so a batch's
+//! `[start, end)` per partition is exactly what the driver recorded in its intent. The offsets of
+//! record are the ones in the Delta commit; the broker's consumer-group offsets are never read
+//! (nor written: this client has no group support, and monitoring reads the lag from the batch
+//! log line and the manifest instead). Partition ids are the partition numbers (`"0"`, `"1"`, …)
+//! for one topic, and `topic:n` when the source reads several topics (a list or a pattern).
+//!
+//! ## Where a partition starts
+//! `starting_offsets` (`"earliest"`, `"latest"`, an RFC 3339 time, or `{ "0" = 42 }`) is
+//! resolved once, the first time the job opens, and recorded in the checkpoint
+//! (`sources/<name>/starting_offsets.json`), so `"latest"` means "latest when the job first
+//! started", not "latest at each restart". Partitions that appear later (added to the topic, or a
+//! new topic matching the pattern) start at their earliest offset. An explicit starting offset
+//! outside what the broker holds is an error naming the partition, the offset and the range held.
+//!
+//! ## Data loss
+//! If records the job still needs are gone (retention deleted them, the topic was deleted or
+//! recreated), the job stops with an error naming partition, wanted offset and earliest offset —
+//! unless `fail_on_data_loss = false`, where the gap becomes one dead letter (`raw` empty, the
+//! error says which offsets were skipped) and the read continues at the earliest offset.
+//!
+//! ## A broker that goes away
+//! Every broker call is retried with exponential backoff (0.2 s doubling to 10 s), forever, with a
+//! `warn` line per attempt naming the brokers and the error, and an `info` line when the broker
+//! answers again. Nothing is skipped meanwhile: the batch in flight simply waits.
+//!
+//! ## Columns
+//! The value is decoded as JSON or CSV into the declared (or inferred, then fixed) schema, or
+//! given as bytes (`format = "raw"`: columns `key`, `value`). Each row also carries `_topic`,
+//! `_partition`, `_offset`, `_kafka_timestamp`, `_key` and `_headers`, then the lineage columns.
+//! Event time comes from a payload field, or from the broker's timestamp only if the job says
+//! `event_time = "_kafka_timestamp"`.
+//!
+//! ## The client
+//! [`rskafka`]: pure Rust, async on tokio, no C library to build or install, and built around
+//! exactly our access pattern — fetch records of one partition from an offset, list offsets —
+//! with no consumer-group machinery we would have to switch off. See ARCHITECTURE.md.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arrow::array::{
+    Array, ArrayRef, BinaryArray, Int32Array, Int64Array, ListArray, RecordBatch, StringArray,
+    StructArray, TimestampMicrosecondArray,
+};
+use arrow::buffer::OffsetBuffer;
+use arrow::datatypes::{DataType, Field, Fields, Schema, SchemaRef, TimeUnit};
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use rskafka::BackoffConfig;
+use rskafka::client::error::{Error as KafkaError, ProtocolError};
+use rskafka::client::partition::{OffsetAt, PartitionClient, UnknownTopicHandling};
+use rskafka::client::{Client, ClientBuilder};
+use rskafka::record::RecordAndOffset;
+use serde::{Deserialize, Serialize};
+use sluice_engine::checkpoint::CheckpointStore;
+use sluice_engine::source::{SOURCE_OFFSET, SOURCE_PARTITION, with_lineage_fields};
+use sluice_engine::{
+    AvailableRange, DeadLetter, Offset, OffsetRange, PartitionId, Source, SourceContext, SourceRead,
+};
+use tokio::sync::{Mutex, OnceCell};
+use tracing::{info, warn};
+
+use crate::decode::{INFER_RECORDS, Line, decode_csv, decode_json, decode_lines, infer_csv};
+use crate::error::{ConnectorError, Result};
+
+/// Metadata column: the topic a record came from.
+pub const TOPIC: &str = "_topic";
+/// Metadata column: the Kafka partition number.
+pub const PARTITION: &str = "_partition";
+/// Metadata column: the Kafka offset.
+pub const OFFSET: &str = "_offset";
+/// Metadata column: the record's broker timestamp (create or log-append time).
+pub const KAFKA_TIMESTAMP: &str = "_kafka_timestamp";
+/// Metadata column: the record key, as bytes.
+pub const KEY: &str = "_key";
+/// Metadata column: the record headers, a list of `{key, value}`.
+pub const HEADERS: &str = "_headers";
+
+const STARTING_OFFSETS_FILE: &str = "starting_offsets.json";
+const SCHEMA_FILE: &str = "schema.json";
+/// Upper bound of one fetch response; a single larger record batch is still returned whole.
+const FETCH_MAX_BYTES: i32 = 16 * 1024 * 1024;
+/// How long the broker may wait to fill a fetch. Our ranges end at offsets the broker already
+/// has, so there is nothing to wait for; some brokers (tansu) wait this long regardless.
+const FETCH_MAX_WAIT_MS: i32 = 50;
+/// Empty fetches in a row, below the high watermark, before offsets count as holding no data
+/// records (compacted away, or transaction markers).
+const EMPTY_FETCHES_BEFORE_SKIP: u32 = 5;
+const RETRY_FIRST_DELAY: Duration = Duration::from_millis(200);
+const RETRY_MAX_DELAY: Duration = Duration::from_secs(10);
+
+/// One topic name or several.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum Topics {
+    /// `topic = "clicks"`: partition ids are the partition numbers.
+    One(String),
+    /// `topic = ["a", "b"]`: partition ids are `topic:n`.
+    Many(Vec<String>),
+}
+
+/// Where a partition starts (`starting_offsets`) or ends (`ending_offsets`), as written in the
+/// job file: `"earliest"`, `"latest"`, an RFC 3339 time, or a table of partition → offset.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum OffsetSpec {
+    /// `"earliest"`, `"latest"` or an RFC 3339 time.
+    Named(String),
+    /// `{ "0" = 42, "1" = 7 }`: explicit offsets by partition id.
+    Partitions(BTreeMap<String, i64>),
+}
+
+impl OffsetSpec {
+    fn earliest() -> Self {
+        OffsetSpec::Named("earliest".into())
+    }
+
+    /// Checks the spec and turns a named one into what to ask the broker.
+    fn resolve(&self, key: &str) -> Result<ResolvedSpec> {
+        match self {
+            OffsetSpec::Partitions(map) => {
+                if let Some((p, o)) = map.iter().find(|(_, o)| **o < 0) {
+                    return Err(ConnectorError::Config(format!(
+                        "{key}: offset {o} for partition {p} is negative"
+                    )));
+                }
+                Ok(ResolvedSpec::Explicit(map.clone()))
+            }
+            OffsetSpec::Named(s) => match s.as_str() {
+                "earliest" => Ok(ResolvedSpec::At(OffsetAt::Earliest)),
+                "latest" => Ok(ResolvedSpec::At(OffsetAt::Latest)),
+                other => DateTime::parse_from_rfc3339(other)
+                    .map(|t| ResolvedSpec::At(OffsetAt::Timestamp(t.with_timezone(&Utc))))
+                    .map_err(|e| {
+                        ConnectorError::Config(format!(
+                            "{key} = \"{other}\": expected \"earliest\", \"latest\", an RFC 3339 \
+                             time or a table of partition offsets ({e})"
+                        ))
+                    }),
+            },
+        }
+    }
+}
+
+enum ResolvedSpec {
+    At(OffsetAt),
+    Explicit(BTreeMap<String, i64>),
+}
+
+/// How a message value is decoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ValueFormat {
+    /// One JSON object per message.
+    Json,
+    /// One CSV row per message (no header).
+    Csv,
+    /// No decoding: binary columns `key` and `value`.
+    Raw,
+}
+
+/// The `[sources.<name>]` settings of `kind = "kafka"` (besides the engine's event-time keys).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KafkaSourceConfig {
+    /// `host:port` of one or more brokers, comma-separated.
+    pub bootstrap_servers: String,
+    /// The topic, or a list of topics. Exactly one of `topic` and `topic_pattern`.
+    #[serde(default)]
+    pub topic: Option<Topics>,
+    /// A regular expression; every topic whose whole name matches is read, including topics
+    /// created while the job runs.
+    #[serde(default)]
+    pub topic_pattern: Option<String>,
+    /// Where partitions start the first time the job runs (default `"earliest"`).
+    #[serde(default = "OffsetSpec::earliest")]
+    pub starting_offsets: OffsetSpec,
+    /// For bounded runs: where partitions end (exclusive). `"latest"` = the latest offsets when
+    /// the run opens the source; a table caps the partitions it lists.
+    #[serde(default)]
+    pub ending_offsets: Option<OffsetSpec>,
+    /// At most this many records per batch, split fairly across partitions (default 100 000).
+    #[serde(default = "default_max_records")]
+    pub max_records_per_batch: u64,
+    /// How values are decoded (default `json`).
+    #[serde(default = "default_format")]
+    pub format: ValueFormat,
+    /// Column definitions of the value, e.g. `"id BIGINT, ts TIMESTAMP"`; inferred from the
+    /// first records (JSON, CSV) when absent.
+    #[serde(default)]
+    pub schema: Option<String>,
+    /// CSV: the field delimiter, one character (default `,`).
+    #[serde(default = "default_delimiter")]
+    pub delimiter: String,
+    /// Stop with an error when records the job needs were deleted (default true).
+    #[serde(default = "default_true")]
+    pub fail_on_data_loss: bool,
+}
+
+fn default_max_records() -> u64 {
+    100_000
+}
+fn default_format() -> ValueFormat {
+    ValueFormat::Json
+}
+fn default_delimiter() -> String {
+    ",".into()
+}
+fn default_true() -> bool {
+    true
+}
+
+impl KafkaSourceConfig {
+    /// Settings for one topic on `bootstrap_servers`, everything else at its default (JSON values
+    /// with an inferred schema, from the earliest offsets, 100 000 records per batch).
+    pub fn new(bootstrap_servers: impl Into<String>, topic: impl Into<String>) -> Self {
+        KafkaSourceConfig {
+            bootstrap_servers: bootstrap_servers.into(),
+            topic: Some(Topics::One(topic.into())),
+            topic_pattern: None,
+            starting_offsets: OffsetSpec::earliest(),
+            ending_offsets: None,
+            max_records_per_batch: default_max_records(),
+            format: default_format(),
+            schema: None,
+            delimiter: default_delimiter(),
+            fail_on_data_loss: true,
+        }
+    }
+}
+
+/// Which topics the source reads.
+#[derive(Debug, Clone)]
+enum TopicSelection {
+    /// One topic: partition ids are bare numbers.
+    Single(String),
+    /// Named topics.
+    List(Vec<String>),
+    /// Every topic whose whole name matches.
+    Pattern(regex::Regex),
+}
+
+impl TopicSelection {
+    fn matches(&self, topic: &str) -> bool {
+        match self {
+            TopicSelection::Single(t) => t == topic,
+            TopicSelection::List(ts) => ts.iter().any(|t| t == topic),
+            TopicSelection::Pattern(re) => re.is_match(topic),
+        }
+    }
+
+    /// Topics that must exist.
+    fn required(&self) -> Vec<&str> {
+        match self {
+            TopicSelection::Single(t) => vec![t],
+            TopicSelection::List(ts) => ts.iter().map(String::as_str).collect(),
+            TopicSelection::Pattern(_) => vec![],
+        }
+    }
+}
+
+/// A Kafka partition: topic and number.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+struct TopicPartition {
+    topic: String,
+    partition: i32,
+}
+
+impl std::fmt::Display for TopicPartition {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "topic {} partition {}", self.topic, self.partition)
+    }
+}
+
+/// Offsets the job resolved the first time it opened, recorded in the checkpoint.
+#[derive(Debug, Default, Clone, Serialize, Deserialize)]
+struct StartingOffsets {
+    partitions: BTreeMap<PartitionId, Offset>,
+}
+
+/// Topics of a Kafka-protocol broker as a [`Source`]. See the module docs.
+pub struct KafkaSource {
+    config: KafkaSourceConfig,
+    selection: TopicSelection,
+    delimiter: u8,
+    client: OnceCell<Client>,
+    partition_clients: Mutex<HashMap<TopicPartition, Arc<PartitionClient>>>,
+    opened: Option<Opened>,
+}
+
+struct Opened {
+    name: String,
+    checkpoint: CheckpointStore,
+    decoder: Arc<RecordDecoder>,
+    starts: StartingOffsets,
+    /// Caps from `ending_offsets`, resolved at open.
+    ends: Option<BTreeMap<PartitionId, Offset>>,
+    /// What the first `available()` must still record in the checkpoint (`validate` writes
+    /// nothing, so recording waits until the job really runs).
+    to_record: Mutex<Option<(StartingOffsets, Option<Schema>)>>,
+    /// Partitions seen so far; one that disappears means the topic was deleted.
+    known: Mutex<BTreeSet<PartitionId>>,
+}
+
+impl std::fmt::Debug for KafkaSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaSource")
+            .field("bootstrap_servers", &self.config.bootstrap_servers)
+            .field("topics", &self.selection)
+            .finish()
+    }
+}
+
+impl KafkaSource {
+    /// A Kafka source; nothing is contacted until the job opens it.
+    ///
+    /// # Errors
+    /// If the settings are inconsistent: no topic or both `topic` and `topic_pattern`, a bad
+    /// pattern, offsets spec or delimiter, or a `schema` with `format = "raw"`.
+    pub fn new(config: KafkaSourceConfig) -> Result<Self> {
+        let bad = |m: String| Err(ConnectorError::Config(m));
+        let selection = match (&config.topic, &config.topic_pattern) {
+            (Some(Topics::One(t)), None) => TopicSelection::Single(t.clone()),
+            (Some(Topics::Many(ts)), None) if !ts.is_empty() => TopicSelection::List(ts.clone()),
+            (None, Some(p)) => {
+                let re = regex::Regex::new(&format!("^(?:{p})$")).map_err(|e| {
+                    ConnectorError::Config(format!("topic_pattern '{p}' is not a regex: {e}"))
+                })?;
+                TopicSelection::Pattern(re)
+            }
+            (Some(_), Some(_)) => return bad("set either topic or topic_pattern, not both".into()),
+            _ => return bad("topic (a name or a list) or topic_pattern is required".into()),
+        };
+        if config
+            .bootstrap_servers
+            .split(',')
+            .all(|s| s.trim().is_empty())
+        {
+            return bad("bootstrap_servers is empty; give host:port of a broker".into());
+        }
+        config.starting_offsets.resolve("starting_offsets")?;
+        if let Some(end) = &config.ending_offsets {
+            end.resolve("ending_offsets")?;
+            if matches!(end, OffsetSpec::Named(n) if n != "latest") {
+                return bad("ending_offsets must be \"latest\" or a table of offsets".into());
+            }
+        }
+        let delimiter = match config.delimiter.as_bytes() {
+            [b] => *b,
+            _ => {
+                return bad(format!(
+                    "delimiter '{}' must be exactly one character",
+                    config.delimiter
+                ));
+            }
+        };
+        if config.format == ValueFormat::Raw && config.schema.is_some() {
+            return bad("format = \"raw\" has fixed columns key and value; drop schema".into());
+        }
+        Ok(KafkaSource {
+            config,
+            selection,
+            delimiter,
+            client: OnceCell::new(),
+            partition_clients: Mutex::new(HashMap::new()),
+            opened: None,
+        })
+    }
+
+    fn opened(&self) -> Result<&Opened> {
+        self.opened
+            .as_ref()
+            .ok_or_else(|| ConnectorError::Config("the kafka source was used before open()".into()))
+    }
+
+    /// The partition id of `tp` as the engine sees it.
+    fn partition_id(&self, tp: &TopicPartition) -> PartitionId {
+        match self.selection {
+            TopicSelection::Single(_) => tp.partition.to_string(),
+            _ => format!("{}:{}", tp.topic, tp.partition),
+        }
+    }
+
+    fn topic_partition(&self, id: &str) -> Result<TopicPartition> {
+        let parsed = match &self.selection {
+            TopicSelection::Single(topic) => id.parse().ok().map(|p| (topic.clone(), p)),
+            _ => id
+                .rsplit_once(':')
+                .and_then(|(t, p)| Some((t.to_string(), p.parse().ok()?))),
+        };
+        match parsed {
+            Some((topic, partition)) if partition >= 0 => Ok(TopicPartition { topic, partition }),
+            _ => Err(ConnectorError::Config(format!(
+                "'{id}' is not a partition id of this source (expected {})",
+                match self.selection {
+                    TopicSelection::Single(_) => "a partition number",
+                    _ => "topic:number",
+                }
+            ))),
+        }
+    }
+
+    /// Runs one broker call, retrying transient failures with backoff until it succeeds.
+    async fn retry<T, F, Fut>(&self, what: &str, call: F) -> Result<T, KafkaError>
+    where
+        F: Fn() -> Fut,
+        Fut: Future<Output = Result<T, KafkaError>>,
+    {
+        let started = Instant::now();
+        let mut delay = RETRY_FIRST_DELAY;
+        let mut attempt = 1u32;
+        loop {
+            match call().await {
+                Ok(v) => {
+                    if attempt > 1 {
+                        info!(
+                            brokers = %self.config.bootstrap_servers,
+                            what,
+                            attempts = attempt,
+                            waited_ms = started.elapsed().as_millis() as u64,
+                            "kafka broker answers again"
+                        );
+                    }
+                    return Ok(v);
+                }
+                Err(e) if is_transient(&e) => {
+                    warn!(
+                        brokers = %self.config.bootstrap_servers,
+                        what,
+                        attempt,
+                        retry_in_ms = delay.as_millis() as u64,
+                        error = %e,
+                        "kafka broker unavailable; retrying"
+                    );
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(RETRY_MAX_DELAY);
+                    attempt += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn kafka_error(&self, what: impl Into<String>, e: KafkaError) -> ConnectorError {
+        ConnectorError::Kafka {
+            brokers: self.config.bootstrap_servers.clone(),
+            what: what.into(),
+            detail: e.to_string(),
+        }
+    }
+
+    async fn client(&self) -> Result<&Client> {
+        self.client
+            .get_or_try_init(|| async {
+                let brokers: Vec<String> = self
+                    .config
+                    .bootstrap_servers
+                    .split(',')
+                    .map(|s| s.trim().to_string())
+                    .filter(|s| !s.is_empty())
+                    .collect();
+                self.retry("connect", || {
+                    ClientBuilder::new(brokers.clone())
+                        .client_id("sluice")
+                        .backoff_config(client_backoff())
+                        .build()
+                })
+                .await
+                .map_err(|e| self.kafka_error("connect", e))
+            })
+            .await
+    }
+
+    async fn partition_client(&self, tp: &TopicPartition) -> Result<Arc<PartitionClient>> {
+        if let Some(c) = self.partition_clients.lock().await.get(tp) {
+            return Ok(Arc::clone(c));
+        }
+        let client = self.client().await?;
+        let pc = self
+            .retry(&format!("find the leader of {tp}"), || {
+                client.partition_client(tp.topic.clone(), tp.partition, UnknownTopicHandling::Error)
+            })
+            .await
+            .map_err(|e| self.kafka_error(format!("find the leader of {tp}"), e))?;
+        let pc = Arc::new(pc);
+        self.partition_clients
+            .lock()
+            .await
+            .insert(tp.clone(), Arc::clone(&pc));
+        Ok(pc)
+    }
+
+    async fn offset_at(&self, tp: &TopicPartition, at: OffsetAt) -> Result<Offset> {
+        let pc = self.partition_client(tp).await?;
+        let what = format!("list the {at:?} offset of {tp}");
+        self.retry(&what, || pc.get_offset(at))
+            .await
+            .map_err(|e| self.kafka_error(what.clone(), e))
+    }
+
+    /// The partitions of the selected topics that exist now, by partition id.
+    async fn partitions(&self) -> Result<BTreeMap<PartitionId, TopicPartition>> {
+        let client = self.client().await?;
+        let topics = self
+            .retry("list topics", || client.list_topics())
+            .await
+            .map_err(|e| self.kafka_error("list topics", e))?;
+        for required in self.selection.required() {
+            if !topics.iter().any(|t| t.name == required) {
+                return Err(ConnectorError::Kafka {
+                    brokers: self.config.bootstrap_servers.clone(),
+                    what: format!("topic '{required}'"),
+                    detail: "no such topic (create it first; Sluice does not create topics)".into(),
+                });
+            }
+        }
+        let mut out = BTreeMap::new();
+        for topic in topics.iter().filter(|t| self.selection.matches(&t.name)) {
+            for &partition in &topic.partitions {
+                let tp = TopicPartition {
+                    topic: topic.name.clone(),
+                    partition,
+                };
+                out.insert(self.partition_id(&tp), tp);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Resolves `starting_offsets` for the partitions that exist now, checking explicit offsets
+    /// against what the broker holds.
+    async fn resolve_starts(
+        &self,
+        partitions: &BTreeMap<PartitionId, TopicPartition>,
+    ) -> Result<StartingOffsets> {
+        let mut starts = StartingOffsets::default();
+        match self.config.starting_offsets.resolve("starting_offsets")? {
+            ResolvedSpec::At(at) => {
+                for (id, tp) in partitions {
+                    let offset = match at {
+                        // No record at or after the time: start at the end.
+                        OffsetAt::Timestamp(_) => match self.offset_at(tp, at).await? {
+                            o if o >= 0 => o,
+                            _ => self.offset_at(tp, OffsetAt::Latest).await?,
+                        },
+                        _ => self.offset_at(tp, at).await?,
+                    };
+                    starts.partitions.insert(id.clone(), offset);
+                }
+            }
+            ResolvedSpec::Explicit(map) => {
+                if let Some(unknown) = map.keys().find(|k| !partitions.contains_key(*k)) {
+                    return Err(ConnectorError::Config(format!(
+                        "starting_offsets names partition '{unknown}', which the topic does not \
+                         have (partitions: {})",
+                        partitions.keys().cloned().collect::<Vec<_>>().join(", ")
+                    )));
+                }
+                for (id, tp) in partitions {
+                    let earliest = self.offset_at(tp, OffsetAt::Earliest).await?;
+                    let Some(&wanted) = map.get(id) else {
+                        starts.partitions.insert(id.clone(), earliest);
+                        continue;
+                    };
+                    let latest = self.offset_at(tp, OffsetAt::Latest).await?;
+                    if wanted > latest || (wanted < earliest && self.config.fail_on_data_loss) {
+                        return Err(ConnectorError::OffsetOutOfRange {
+                            partition: tp.to_string(),
+                            wanted,
+                            earliest,
+                            latest,
+                            detail: format!("starting_offsets.\"{id}\" = {wanted}"),
+                        });
+                    }
+                    if wanted < earliest {
+                        warn!(partition = %tp, wanted, earliest, "starting offset is below the earliest held; starting at the earliest (fail_on_data_loss = false)");
+                    }
+                    starts.partitions.insert(id.clone(), wanted.max(earliest));
+                }
+            }
+        }
+        Ok(starts)
+    }
+
+    /// Samples up to [`INFER_RECORDS`] values from the start of the partitions.
+    async fn sample_values(
+        &self,
+        partitions: &BTreeMap<PartitionId, TopicPartition>,
+        starts: &StartingOffsets,
+    ) -> Result<Vec<Vec<u8>>> {
+        let mut values = Vec::new();
+        for (id, tp) in partitions {
+            let from = starts.partitions.get(id).copied().unwrap_or(0);
+            let latest = self.offset_at(tp, OffsetAt::Latest).await?;
+            let wanted = (INFER_RECORDS - values.len()) as i64;
+            let (records, _) = self
+                .fetch(tp, OffsetRange::new(from, latest.min(from + wanted)))
+                .await?;
+            values.extend(records.into_iter().filter_map(|r| r.record.value));
+            if values.len() >= INFER_RECORDS {
+                break;
+            }
+        }
+        Ok(values)
+    }
+
+    /// Fetches the records of `range`. Returns them and, when `fail_on_data_loss = false`,
+    /// the gaps skipped as dead letters.
+    async fn fetch(
+        &self,
+        tp: &TopicPartition,
+        range: OffsetRange,
+    ) -> Result<(Vec<RecordAndOffset>, Vec<DeadLetter>)> {
+        let pc = self.partition_client(tp).await?;
+        let id = self.partition_id(tp);
+        let mut records = Vec::new();
+        let mut gaps = Vec::new();
+        let mut next = range.start;
+        let mut empty_fetches = 0;
+        while next < range.end {
+            let what = format!("fetch {tp} from offset {next}");
+            let fetched = match self
+                .retry(&what, || {
+                    pc.fetch_records(next, 1..FETCH_MAX_BYTES, FETCH_MAX_WAIT_MS)
+                })
+                .await
+            {
+                Ok((batch, _high_watermark)) => batch,
+                Err(KafkaError::ServerError {
+                    protocol_error: ProtocolError::OffsetOutOfRange,
+                    ..
+                }) => Vec::new(),
+                Err(e) => return Err(self.kafka_error(what, e)),
+            };
+            let in_range: Vec<RecordAndOffset> = fetched
+                .into_iter()
+                .filter(|r| r.offset >= next && r.offset < range.end)
+                .collect();
+            // Nothing at `next`: deleted (retention), truncated, or offsets without data
+            // records (compaction, transaction markers). Only the first is data loss.
+            let mut earliest = None;
+            if in_range.first().map(|r| r.offset) != Some(next) {
+                earliest = Some(self.offset_at(tp, OffsetAt::Earliest).await?);
+            }
+            if let Some(earliest) = earliest.filter(|e| next < *e) {
+                if self.config.fail_on_data_loss {
+                    return Err(ConnectorError::DataLoss {
+                        partition: tp.to_string(),
+                        wanted: next,
+                        earliest,
+                    });
+                }
+                let skipped_to = earliest.min(range.end);
+                warn!(partition = %tp, from = next, to = skipped_to, "data loss: offsets deleted before the job read them were skipped (fail_on_data_loss = false)");
+                gaps.push(DeadLetter {
+                    partition: id.clone(),
+                    offset: next,
+                    position: format!("{id}@{next}"),
+                    raw: Vec::new(),
+                    error: format!(
+                        "data loss: offsets {next}..{skipped_to} of {tp} were deleted from \
+                         the broker before this job read them; skipped \
+                         (fail_on_data_loss = false)"
+                    ),
+                });
+                next = skipped_to;
+                continue;
+            }
+            if let Some(last) = in_range.last() {
+                next = last.offset + 1;
+                empty_fetches = 0;
+                records.extend(in_range);
+                continue;
+            }
+            let latest = self.offset_at(tp, OffsetAt::Latest).await?;
+            if latest < range.end {
+                return Err(ConnectorError::OffsetOutOfRange {
+                    partition: tp.to_string(),
+                    wanted: range.end - 1,
+                    earliest: earliest.unwrap_or(next),
+                    latest,
+                    detail: "this batch read up to it before; was the topic deleted or recreated?"
+                        .into(),
+                });
+            }
+            empty_fetches += 1;
+            if empty_fetches >= EMPTY_FETCHES_BEFORE_SKIP {
+                info!(partition = %tp, from = next, to = range.end, "these offsets hold no data records (compacted away or transaction markers); moving on");
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20 * u64::from(empty_fetches))).await;
+        }
+        Ok((records, gaps))
+    }
+}
+
+/// Errors worth retrying: the broker is unreachable, restarting, or moving leadership.
+fn is_transient(e: &KafkaError) -> bool {
+    match e {
+        KafkaError::Connection(_)
+        | KafkaError::Request(_)
+        | KafkaError::RetryFailed(_)
+        | KafkaError::Timeout => true,
+        KafkaError::ServerError { protocol_error, .. } => matches!(
+            protocol_error,
+            ProtocolError::UnknownServerError
+                | ProtocolError::LeaderNotAvailable
+                | ProtocolError::NotLeaderOrFollower
+                | ProtocolError::RequestTimedOut
+                | ProtocolError::BrokerNotAvailable
+                | ProtocolError::ReplicaNotAvailable
+                | ProtocolError::NetworkException
+                | ProtocolError::NotEnoughReplicas
+                | ProtocolError::NotEnoughReplicasAfterAppend
+                | ProtocolError::CoordinatorLoadInProgress
+                | ProtocolError::CoordinatorNotAvailable
+                | ProtocolError::KafkaStorageError
+                | ProtocolError::OffsetNotAvailable
+        ),
+        _ => false,
+    }
+}
+
+/// The client's own retries (nested: a request retries its connection attempts) give up after a
+/// second or two, so that an outage surfaces in [`KafkaSource::retry`], which logs it.
+fn client_backoff() -> BackoffConfig {
+    BackoffConfig {
+        init_backoff: Duration::from_millis(100),
+        max_backoff: Duration::from_millis(500),
+        base: 2.0,
+        deadline: Some(Duration::from_millis(500)),
+    }
+}
+
+#[async_trait]
+impl Source for KafkaSource {
+    async fn open(&mut self, ctx: SourceContext) -> sluice_engine::Result<SchemaRef> {
+        let name = ctx.name.clone();
+        let wrap = |e: ConnectorError| sluice_engine::Error::source(&name, e);
+        let partitions = self.partitions().await.map_err(wrap)?;
+        let recorded_starts: Option<StartingOffsets> =
+            ctx.checkpoint.get_json(STARTING_OFFSETS_FILE).await?;
+        let (starts, record_starts) = match recorded_starts {
+            Some(s) => (s, false),
+            None => (self.resolve_starts(&partitions).await.map_err(wrap)?, true),
+        };
+        let recorded_schema: Option<Schema> = ctx.checkpoint.get_json(SCHEMA_FILE).await?;
+        let (value_schema, record_schema) = match (&self.config.format, &self.config.schema) {
+            (ValueFormat::Raw, _) => (raw_value_schema(), None),
+            (_, Some(ddl)) => (sluice_engine::schema::parse_schema(ddl).await?, None),
+            (_, None) => match recorded_schema {
+                Some(s) => (Arc::new(s), None),
+                None => {
+                    let schema = self
+                        .infer_schema(&partitions, &starts)
+                        .await
+                        .map_err(wrap)?;
+                    (Arc::new(schema.clone()), Some(schema))
+                }
+            },
+        };
+        let decoder =
+            RecordDecoder::new(value_schema, self.config.format, self.delimiter).map_err(wrap)?;
+        let batch_schema = Arc::clone(&decoder.batch_schema);
+        let ends = match &self.config.ending_offsets {
+            None => None,
+            Some(OffsetSpec::Partitions(map)) => Some(map.clone()),
+            Some(OffsetSpec::Named(_)) => {
+                let mut ends = BTreeMap::new();
+                for (id, tp) in &partitions {
+                    let latest = self.offset_at(tp, OffsetAt::Latest).await.map_err(wrap)?;
+                    ends.insert(id.clone(), latest);
+                }
+                Some(ends)
+            }
+        };
+        let to_record = (record_starts || record_schema.is_some())
+            .then(|| (starts.clone(), record_schema))
+            .map(|(s, schema)| (if record_starts { s } else { Default::default() }, schema));
+        self.opened = Some(Opened {
+            name: ctx.name,
+            checkpoint: ctx.checkpoint,
+            decoder: Arc::new(decoder),
+            starts,
+            ends,
+            to_record: Mutex::new(to_record),
+            known: Mutex::new(BTreeSet::new()),
+        });
+        Ok(batch_schema)
+    }
+
+    async fn available(&self) -> sluice_engine::Result<BTreeMap<PartitionId, AvailableRange>> {
+        let opened = self
+            .opened()
+            .map_err(|e| sluice_engine::Error::source("kafka", e))?;
+        let wrap = |e: ConnectorError| sluice_engine::Error::source(&opened.name, e);
+        if let Some((starts, schema)) = opened.to_record.lock().await.take() {
+            if !starts.partitions.is_empty() {
+                let bytes = opened.checkpoint.to_json(STARTING_OFFSETS_FILE, &starts)?;
+                opened
+                    .checkpoint
+                    .put_if_absent(STARTING_OFFSETS_FILE, bytes)
+                    .await?;
+            }
+            if let Some(schema) = schema {
+                let bytes = opened.checkpoint.to_json(SCHEMA_FILE, &schema)?;
+                if !opened.checkpoint.put_if_absent(SCHEMA_FILE, bytes).await? {
+                    let recorded: Option<Schema> = opened.checkpoint.get_json(SCHEMA_FILE).await?;
+                    if recorded.as_ref() != Some(&schema) {
+                        return Err(wrap(ConnectorError::Schema(format!(
+                            "another run fixed a different inferred schema in \
+                             {}/{SCHEMA_FILE}; restart the job to use it",
+                            opened.checkpoint.url()
+                        ))));
+                    }
+                }
+            }
+        }
+        let partitions = self.partitions().await.map_err(wrap)?;
+        let mut known = opened.known.lock().await;
+        let expected = known.iter().chain(opened.starts.partitions.keys());
+        if let Some(gone) = expected.clone().find(|id| !partitions.contains_key(*id)) {
+            return Err(wrap(ConnectorError::Kafka {
+                brokers: self.config.bootstrap_servers.clone(),
+                what: format!("partition '{gone}'"),
+                detail: "it no longer exists (was the topic deleted?); the offsets this job has \
+                         committed for it can no longer be continued"
+                    .into(),
+            }));
+        }
+        let latest = futures::future::try_join_all(
+            partitions
+                .values()
+                .map(|tp| self.offset_at(tp, OffsetAt::Latest)),
+        )
+        .await
+        .map_err(wrap)?;
+        let mut out = BTreeMap::new();
+        for ((id, tp), mut latest) in partitions.iter().zip(latest) {
+            let initial = match opened.starts.partitions.get(id) {
+                Some(&start) => start,
+                None => {
+                    if !known.contains(id) {
+                        info!(source = %opened.name, partition = %tp, "new partition; reading it from its earliest offset");
+                    }
+                    self.offset_at(tp, OffsetAt::Earliest).await.map_err(wrap)?
+                }
+            };
+            if let Some(&end) = opened.ends.as_ref().and_then(|ends| ends.get(id)) {
+                latest = latest.min(end);
+            }
+            out.insert(id.clone(), AvailableRange { initial, latest });
+        }
+        known.extend(partitions.into_keys());
+        Ok(out)
+    }
+
+    async fn read(
+        &self,
+        partition: &PartitionId,
+        range: OffsetRange,
+    ) -> sluice_engine::Result<SourceRead> {
+        let opened = self
+            .opened()
+            .map_err(|e| sluice_engine::Error::source("kafka", e))?;
+        let wrap = |e: ConnectorError| sluice_engine::Error::source(&opened.name, e);
+        let tp = self.topic_partition(partition).map_err(wrap)?;
+        let (records, gaps) = self.fetch(&tp, range).await.map_err(wrap)?;
+        let decoder = Arc::clone(&opened.decoder);
+        let id = partition.clone();
+        let mut read = tokio::task::spawn_blocking(move || decoder.decode(&id, &tp, &records))
+            .await
+            .map_err(|e| wrap(ConnectorError::Config(format!("decoding task failed: {e}"))))?
+            .map_err(wrap)?;
+        read.dead_letters.extend(gaps);
+        Ok(read)
+    }
+
+    fn max_per_batch(&self) -> Option<u64> {
+        Some(self.config.max_records_per_batch.max(1))
+    }
+}
+
+impl KafkaSource {
+    async fn infer_schema(
+        &self,
+        partitions: &BTreeMap<PartitionId, TopicPartition>,
+        starts: &StartingOffsets,
+    ) -> Result<Schema> {
+        let values = self.sample_values(partitions, starts).await?;
+        if values.is_empty() {
+            return Err(ConnectorError::Schema(format!(
+                "cannot infer the schema: {:?} holds no messages yet; produce some or declare \
+                 `schema`",
+                self.selection
+            )));
+        }
+        let schema = match self.config.format {
+            ValueFormat::Json => crate::decode::infer_json(values.iter().map(Vec::as_slice))?,
+            ValueFormat::Csv => infer_csv(&values.join(&b'\n'), false, self.delimiter)?,
+            ValueFormat::Raw => Schema::clone(&raw_value_schema()),
+        };
+        if schema.fields().is_empty() {
+            return Err(ConnectorError::Schema(
+                "no columns could be inferred from the first messages; declare `schema`".into(),
+            ));
+        }
+        Ok(schema)
+    }
+}
+
+fn raw_value_schema() -> SchemaRef {
+    Arc::new(Schema::new(vec![
+        Field::new("key", DataType::Binary, true),
+        Field::new("value", DataType::Binary, true),
+    ]))
+}
+
+fn header_fields() -> Fields {
+    Fields::from(vec![
+        Field::new("key", DataType::Utf8, false),
+        Field::new("value", DataType::Binary, true),
+    ])
+}
+
+fn metadata_fields() -> Vec<Field> {
+    vec![
+        Field::new(TOPIC, DataType::Utf8, false),
+        Field::new(PARTITION, DataType::Int32, false),
+        Field::new(OFFSET, DataType::Int64, false),
+        Field::new(
+            KAFKA_TIMESTAMP,
+            DataType::Timestamp(TimeUnit::Microsecond, Some("UTC".into())),
+            false,
+        ),
+        Field::new(KEY, DataType::Binary, true),
+        Field::new(
+            HEADERS,
+            DataType::List(Arc::new(Field::new(
+                "item",
+                DataType::Struct(header_fields()),
+                false,
+            ))),
+            false,
+        ),
+    ]
+}
+
+/// Turns fetched records into rows (value columns, metadata, lineage) and dead letters.
+struct RecordDecoder {
+    value_schema: SchemaRef,
+    batch_schema: SchemaRef,
+    format: ValueFormat,
+    delimiter: u8,
+}
+
+impl RecordDecoder {
+    fn new(value_schema: SchemaRef, format: ValueFormat, delimiter: u8) -> Result<Self> {
+        let metadata = metadata_fields();
+        for f in value_schema.fields() {
+            let reserved = metadata.iter().any(|m| m.name() == f.name())
+                || [SOURCE_PARTITION, SOURCE_OFFSET].contains(&f.name().as_str());
+            if reserved {
+                return Err(ConnectorError::Schema(format!(
+                    "value column '{}' clashes with a metadata column of the kafka source; \
+                     rename it in the producer or declare a schema without it",
+                    f.name()
+                )));
+            }
+        }
+        let mut fields: Vec<Field> = value_schema
+            .fields()
+            .iter()
+            .map(|f| f.as_ref().clone())
+            .collect();
+        fields.extend(metadata);
+        let batch_schema = with_lineage_fields(&Schema::new(fields), false);
+        Ok(RecordDecoder {
+            value_schema,
+            batch_schema,
+            format,
+            delimiter,
+        })
+    }
+
+    fn decode(
+        &self,
+        id: &PartitionId,
+        tp: &TopicPartition,
+        records: &[RecordAndOffset],
+    ) -> Result<SourceRead> {
+        let mut read = SourceRead::default();
+        let letter = |r: &RecordAndOffset, error: String| DeadLetter {
+            partition: id.clone(),
+            offset: r.offset,
+            position: format!("{id}@{}", r.offset),
+            raw: r.record.value.clone().unwrap_or_default(),
+            error,
+        };
+        if self.format == ValueFormat::Raw {
+            if !records.is_empty() {
+                let all: Vec<&RecordAndOffset> = records.iter().collect();
+                let key = BinaryArray::from_iter(all.iter().map(|r| r.record.key.as_deref()));
+                let value = BinaryArray::from_iter(all.iter().map(|r| r.record.value.as_deref()));
+                let values: Vec<ArrayRef> = vec![Arc::new(key), Arc::new(value)];
+                read.batches.push(self.with_metadata(values, id, tp, &all)?);
+            }
+            return Ok(read);
+        }
+        // Lay the values out one per line; record `i` is line number `i`.
+        let mut buffer = Vec::new();
+        let mut lines = Vec::new();
+        for (i, r) in records.iter().enumerate() {
+            match &r.record.value {
+                None => read.dead_letters.push(letter(
+                    r,
+                    "the message has no value (a tombstone); nothing to decode".into(),
+                )),
+                Some(v) => {
+                    let v = v.trim_ascii_end();
+                    let start = buffer.len();
+                    buffer.extend_from_slice(v);
+                    lines.push(Line {
+                        number: i,
+                        start,
+                        end: buffer.len(),
+                    });
+                    buffer.push(b'\n');
+                }
+            }
+        }
+        let schema = &self.value_schema;
+        let (good, bad) = match self.format {
+            ValueFormat::Json => decode_lines(&buffer, &lines, |c| decode_json(schema, &buffer, c)),
+            _ => decode_lines(&buffer, &lines, |c| {
+                decode_csv(schema, self.delimiter, &buffer, c)
+            }),
+        };
+        for (batch, numbers) in good {
+            let rows: Vec<&RecordAndOffset> = numbers.iter().map(|&i| &records[i]).collect();
+            read.batches
+                .push(self.with_metadata(batch.columns().to_vec(), id, tp, &rows)?);
+        }
+        for (i, _, error) in bad {
+            read.dead_letters.push(letter(&records[i], error));
+        }
+        read.dead_letters.sort_by_key(|d| d.offset);
+        Ok(read)
+    }
+
+    /// Appends the metadata and lineage columns of `rows` to their decoded value columns.
+    fn with_metadata(
+        &self,
+        mut columns: Vec<ArrayRef>,
+        id: &PartitionId,
+        tp: &TopicPartition,
+        rows: &[&RecordAndOffset],
+    ) -> Result<RecordBatch> {
+        let n = rows.len();
+        columns.push(Arc::new(StringArray::from(vec![tp.topic.as_str(); n])));
+        columns.push(Arc::new(Int32Array::from(vec![tp.partition; n])));
+        columns.push(Arc::new(Int64Array::from_iter_values(
+            rows.iter().map(|r| r.offset),
+        )));
+        columns.push(Arc::new(
+            TimestampMicrosecondArray::from_iter_values(
+                rows.iter().map(|r| r.record.timestamp.timestamp_micros()),
+            )
+            .with_timezone("UTC"),
+        ));
+        columns.push(Arc::new(BinaryArray::from_iter(
+            rows.iter().map(|r| r.record.key.as_deref()),
+        )));
+        columns.push(headers_array(rows)?);
+        columns.push(Arc::new(StringArray::from(vec![id.as_str(); n])));
+        columns.push(Arc::new(Int64Array::from_iter_values(
+            rows.iter().map(|r| r.offset),
+        )));
+        Ok(RecordBatch::try_new(
+            Arc::clone(&self.batch_schema),
+            columns,
+        )?)
+    }
+}
+
+fn headers_array(rows: &[&RecordAndOffset]) -> Result<ArrayRef> {
+    let mut keys = Vec::new();
+    let mut values: Vec<&[u8]> = Vec::new();
+    let mut lengths = Vec::with_capacity(rows.len());
+    for r in rows {
+        lengths.push(r.record.headers.len());
+        for (k, v) in &r.record.headers {
+            keys.push(k.as_str());
+            values.push(v);
+        }
+    }
+    let entries = StructArray::try_new(
+        header_fields(),
+        vec![
+            Arc::new(StringArray::from(keys)) as ArrayRef,
+            Arc::new(BinaryArray::from_iter_values(values)) as ArrayRef,
+        ],
+        None,
+    )?;
+    let item = Arc::new(Field::new("item", DataType::Struct(header_fields()), false));
+    let list = ListArray::try_new(
+        item,
+        OffsetBuffer::from_lengths(lengths),
+        Arc::new(entries),
+        None,
+    )?;
+    debug_assert_eq!(list.len(), rows.len());
+    Ok(Arc::new(list))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::AsArray;
+    use arrow::datatypes::Int64Type;
+    use rskafka::record::Record;
+
+    fn record(offset: i64, value: Option<&str>) -> RecordAndOffset {
+        RecordAndOffset {
+            record: Record {
+                key: Some(format!("k{offset}").into_bytes()),
+                value: value.map(|v| v.as_bytes().to_vec()),
+                headers: BTreeMap::from([("trace".to_string(), b"t".to_vec())]),
+                timestamp: DateTime::from_timestamp_millis(1_700_000_000_000 + offset)
+                    .unwrap_or_default(),
+            },
+            offset,
+        }
+    }
+
+    fn decoder(format: ValueFormat) -> RecordDecoder {
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("id", DataType::Int64, true),
+            Field::new("name", DataType::Utf8, true),
+        ]));
+        RecordDecoder::new(schema, format, b',').unwrap()
+    }
+
+    fn tp() -> TopicPartition {
+        TopicPartition {
+            topic: "clicks".into(),
+            partition: 2,
+        }
+    }
+
+    #[test]
+    fn json_values_decode_with_metadata_and_bad_ones_become_dead_letters() {
+        let records = vec![
+            record(10, Some("{\"id\":1,\"name\":\"a\"}")),
+            record(11, Some("{\"id\":")),
+            record(12, None),
+            record(13, Some("{\"id\":3,\n \"name\":\"multi-line\"}\n")),
+        ];
+        let read = decoder(ValueFormat::Json)
+            .decode(&"2".to_string(), &tp(), &records)
+            .unwrap();
+        let rows: Vec<(i64, i64)> = read
+            .batches
+            .iter()
+            .flat_map(|b| {
+                let ids = b.column_by_name("id").unwrap().as_primitive::<Int64Type>();
+                let offs = b
+                    .column_by_name(OFFSET)
+                    .unwrap()
+                    .as_primitive::<Int64Type>();
+                (0..b.num_rows())
+                    .map(|i| (ids.value(i), offs.value(i)))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        assert_eq!(rows, vec![(1, 10), (3, 13)]);
+        let b = &read.batches[0];
+        assert_eq!(
+            b.schema().field(b.num_columns() - 2).name(),
+            SOURCE_PARTITION
+        );
+        let headers = b.column_by_name(HEADERS).unwrap().as_list::<i32>();
+        assert_eq!(headers.value(0).len(), 1);
+        let letters: Vec<(i64, &str)> = read
+            .dead_letters
+            .iter()
+            .map(|d| (d.offset, d.position.as_str()))
+            .collect();
+        assert_eq!(letters, vec![(11, "2@11"), (12, "2@12")]);
+        assert_eq!(read.dead_letters[0].raw, b"{\"id\":".to_vec());
+    }
+
+    #[test]
+    fn raw_values_keep_key_and_value_bytes() {
+        let records = vec![record(0, Some("not json")), record(1, None)];
+        let read = RecordDecoder::new(raw_value_schema(), ValueFormat::Raw, b',')
+            .unwrap()
+            .decode(&"0".to_string(), &tp(), &records)
+            .unwrap();
+        assert!(read.dead_letters.is_empty());
+        let b = &read.batches[0];
+        assert_eq!(b.num_rows(), 2);
+        let value = b.column_by_name("value").unwrap().as_binary::<i32>();
+        assert_eq!(value.value(0), b"not json");
+        assert!(value.is_null(1));
+    }
+
+    #[test]
+    fn partition_ids_name_the_topic_only_for_several_topics() {
+        let one = KafkaSource::new(KafkaSourceConfig::new("127.0.0.1:9092", "clicks")).unwrap();
+        assert_eq!(one.partition_id(&tp()), "2");
+        assert_eq!(one.topic_partition("2").unwrap(), tp());
+        assert!(one.topic_partition("x").is_err());
+        let mut config = KafkaSourceConfig::new("127.0.0.1:9092", "clicks");
+        config.topic = None;
+        config.topic_pattern = Some("click.*".into());
+        let many = KafkaSource::new(config).unwrap();
+        assert_eq!(many.partition_id(&tp()), "clicks:2");
+        assert_eq!(many.topic_partition("clicks:2").unwrap(), tp());
+        assert!(many.selection.matches("clicks"));
+        assert!(!many.selection.matches("xclicks"));
+    }
+
+    #[test]
+    fn bad_settings_are_named() {
+        let mut c = KafkaSourceConfig::new("127.0.0.1:9092", "clicks");
+        c.starting_offsets = OffsetSpec::Named("yesterday".into());
+        let e = KafkaSource::new(c).unwrap_err().to_string();
+        assert!(e.contains("starting_offsets = \"yesterday\""), "{e}");
+        let mut c = KafkaSourceConfig::new("127.0.0.1:9092", "clicks");
+        c.topic_pattern = Some("x".into());
+        assert!(KafkaSource::new(c).is_err());
+        let mut c = KafkaSourceConfig::new("127.0.0.1:9092", "clicks");
+        c.format = ValueFormat::Raw;
+        c.schema = Some("id BIGINT".into());
+        assert!(KafkaSource::new(c).is_err());
+    }
+}

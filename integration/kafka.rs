@@ -1,0 +1,694 @@
+//! The Kafka source end to end against a real Kafka-protocol broker: `tansu` with its SQLite
+//! storage engine, started by each test on a free port (`./test` installs the binary). Messages
+//! are produced with the `rskafka` client, the same one the source uses to read.
+//!
+//! Exactly-once is checked by lineage: every good message's `(partition, offset)` appears in the
+//! output exactly once, every malformed one in the dead-letter table exactly once.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rskafka::client::partition::{Compression, UnknownTopicHandling};
+use rskafka::client::{Client, ClientBuilder};
+use rskafka::record::Record;
+
+use crate::support::*;
+
+/// A `tansu` broker with SQLite storage in a temporary folder; killed when dropped.
+struct Broker {
+    port: u16,
+    dir: tempfile::TempDir,
+    child: Option<Child>,
+}
+
+impl Broker {
+    fn start() -> Broker {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut broker = Broker {
+            port,
+            dir: tempfile::tempdir().unwrap(),
+            child: None,
+        };
+        broker.restart();
+        broker
+    }
+
+    fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    fn db(&self) -> PathBuf {
+        self.dir.path().join("tansu.db")
+    }
+
+    /// Starts the broker process (again) on the same port and storage, and waits until it
+    /// accepts connections.
+    fn restart(&mut self) {
+        assert!(self.child.is_none(), "the broker is already running");
+        let bin = std::env::var("TANSU").unwrap_or_else(|_| "tansu".into());
+        let url = format!("tcp://{}", self.addr());
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join("tansu.log"))
+            .unwrap();
+        let child = Command::new(&bin)
+            .args([
+                "broker",
+                "--listener-url",
+                &url,
+                "--advertised-listener-url",
+                &url,
+            ])
+            .arg("--storage-engine")
+            // tansu takes the part after `sqlite://` minus one `/` as the path.
+            .arg(format!("sqlite:///{}", self.db().display()))
+            .env("RUST_LOG", "warn")
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot start the Kafka broker '{bin}' ({e}); ./test installs it with \
+                     `cargo install tansu --version 0.6.0 --locked --features libsql`"
+                )
+            });
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(self.addr()).is_err() {
+            let exited = self.child.as_mut().and_then(|c| c.try_wait().unwrap());
+            if exited.is_some() || Instant::now() > deadline {
+                panic!(
+                    "tansu did not start listening ({exited:?}):\n{}",
+                    std::fs::read_to_string(self.dir.path().join("tansu.log")).unwrap_or_default()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            child.kill().unwrap();
+            child.wait().unwrap();
+        }
+    }
+
+    async fn client(&self) -> Client {
+        ClientBuilder::new(vec![self.addr()]).build().await.unwrap()
+    }
+
+    /// Creates a topic whose records the broker deletes once older than `retention_ms`
+    /// (checked when the broker starts, then every 10 minutes).
+    fn create_topic_with_retention(&self, topic: &str, retention_ms: u64) {
+        let bin = std::env::var("TANSU").unwrap_or_else(|_| "tansu".into());
+        let status = Command::new(bin)
+            .args(["topic", "create", "--partitions", "1", "--broker"])
+            .arg(format!("tcp://{}", self.addr()))
+            .args(["--config", "cleanup.policy=delete", "--config"])
+            .arg(format!("retention.ms={retention_ms}"))
+            .arg(topic)
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    async fn earliest(&self, topic: &str, partition: i32) -> i64 {
+        let client = self.client().await;
+        let pc = client
+            .partition_client(topic, partition, UnknownTopicHandling::Retry)
+            .await
+            .unwrap();
+        pc.get_offset(rskafka::client::partition::OffsetAt::Earliest)
+            .await
+            .unwrap()
+    }
+
+    async fn create_topic(&self, topic: &str, partitions: i32) {
+        let client = self.client().await;
+        client
+            .controller_client()
+            .unwrap()
+            .create_topic(topic, partitions, 1, 5_000)
+            .await
+            .unwrap();
+    }
+
+    /// Adds one partition to `topic`. tansu 0.6 does not implement the CreatePartitions API, so
+    /// this does in its store what its own topic creation does for each partition, while the
+    /// broker runs; the broker reads topic metadata from the store on every request.
+    fn add_partition(&self, topic: &str) {
+        let script = r#"
+import sqlite3, sys
+db = sqlite3.connect(sys.argv[1], timeout=30)
+with db:
+    tid, n = db.execute("select id, partitions from topic where name = ?", (sys.argv[2],)).fetchone()
+    db.execute("update topic set partitions = ? where id = ?", (n + 1, tid))
+    cur = db.execute("insert into topition (topic, partition) values (?, ?)", (tid, n))
+    db.execute("insert into watermark (topition, low, high) values (?, 0, 0)", (cur.lastrowid,))
+"#;
+        let status = Command::new("python3")
+            .args(["-c", script])
+            .arg(self.db())
+            .arg(topic)
+            .status()
+            .unwrap();
+        assert!(status.success(), "adding a partition failed");
+    }
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// What a produced message should become.
+#[derive(Debug, Default)]
+struct Produced {
+    /// `(partition, offset)` of every good message, with its id.
+    good: BTreeMap<(String, i64), i64>,
+    /// `(partition, offset)` of every malformed message.
+    bad: BTreeSet<(String, i64)>,
+}
+
+/// Produces `count` keyed JSON messages with ids `first..first + count`, round-robin over
+/// `partitions`; every 23rd is malformed.
+async fn produce(
+    broker: &Broker,
+    topic: &str,
+    partitions: &[i32],
+    first: i64,
+    count: i64,
+    produced: &mut Produced,
+) {
+    let now = chrono::Utc::now();
+    produce_at(broker, topic, partitions, first, count, now, produced).await;
+}
+
+/// [`produce`] with a given broker timestamp on every message.
+async fn produce_at(
+    broker: &Broker,
+    topic: &str,
+    partitions: &[i32],
+    first: i64,
+    count: i64,
+    timestamp: chrono::DateTime<chrono::Utc>,
+    produced: &mut Produced,
+) {
+    let client = broker.client().await;
+    let mut by_partition: BTreeMap<i32, Vec<(i64, Record)>> = BTreeMap::new();
+    for id in first..first + count {
+        let p = partitions[(id as usize) % partitions.len()];
+        let value = if id % 23 == 5 {
+            format!("{{\"id\": {id}, \"user\": ")
+        } else {
+            format!(
+                "{{\"id\": {id}, \"user\": \"u{}\", \"amount\": {}.5, \"ts\": \"2026-11-29T10:{:02}:{:02}Z\"}}",
+                id % 7,
+                id % 100,
+                (id / 60) % 60,
+                id % 60
+            )
+        };
+        let record = Record {
+            key: Some(format!("u{}", id % 7).into_bytes()),
+            value: Some(value.into_bytes()),
+            headers: BTreeMap::from([("source".to_string(), b"test".to_vec())]),
+            timestamp,
+        };
+        by_partition.entry(p).or_default().push((id, record));
+    }
+    for (p, records) in by_partition {
+        let pc = client
+            .partition_client(topic, p, UnknownTopicHandling::Retry)
+            .await
+            .unwrap();
+        let (ids, records): (Vec<i64>, Vec<Record>) = records.into_iter().unzip();
+        let offsets = pc
+            .produce(records, Compression::NoCompression)
+            .await
+            .unwrap();
+        for (id, offset) in ids.into_iter().zip(offsets) {
+            let key = (p.to_string(), offset);
+            if id % 23 == 5 {
+                produced.bad.insert(key);
+            } else {
+                produced.good.insert(key, id);
+            }
+        }
+    }
+}
+
+/// A job reading `topic` (40 records per batch unless `extra` says otherwise) into `out/`.
+fn write_kafka_job(dir: &Path, broker: &Broker, topic: &str, extra: &str, trigger: &str) -> String {
+    let budget = if extra.contains("max_records_per_batch") {
+        ""
+    } else {
+        "max_records_per_batch = 40"
+    };
+    let text = format!(
+        r#"
+[job]
+id = "kafka_{topic}"
+
+[sources.clicks]
+kind = "kafka"
+bootstrap_servers = "{addr}"
+topic = "{topic}"
+{budget}
+schema = "id BIGINT, user VARCHAR, amount DOUBLE, ts VARCHAR"
+event_time = "ts"
+{extra}
+
+[sink]
+kind = "delta"
+path = "out"
+
+[trigger]
+{trigger}
+
+[query]
+sql = "SELECT id, user, amount, ts, _partition, _offset, CAST(_key AS VARCHAR) AS key FROM clicks"
+"#,
+        addr = broker.addr()
+    );
+    let path = dir.join(format!("{topic}.toml"));
+    std::fs::write(&path, text).unwrap();
+    path.to_str().unwrap().to_string()
+}
+
+/// Asserts the output holds every good message exactly once (by lineage and by id) and the
+/// dead-letter table every malformed one exactly once.
+async fn assert_exactly_once(out: &Path, produced: &Produced) {
+    let mut seen: BTreeMap<(String, i64), Vec<i64>> = BTreeMap::new();
+    for row in table_values(out, &[]).await {
+        let partition = row["_source_partition"].as_str().unwrap().to_string();
+        let offset = row["_source_offset"].as_i64().unwrap();
+        assert_eq!(row["_partition"].to_string(), partition, "{row:?}");
+        assert_eq!(row["_offset"].as_i64(), Some(offset), "{row:?}");
+        seen.entry((partition, offset))
+            .or_default()
+            .push(row["id"].as_i64().unwrap());
+    }
+    let duplicated: Vec<_> = seen.iter().filter(|(_, ids)| ids.len() > 1).collect();
+    assert!(duplicated.is_empty(), "duplicated messages: {duplicated:?}");
+    let got: BTreeMap<(String, i64), i64> = seen.into_iter().map(|(k, v)| (k, v[0])).collect();
+    let missing: Vec<_> = produced
+        .good
+        .keys()
+        .filter(|k| !got.contains_key(*k))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "lost {} messages: {missing:?}",
+        missing.len()
+    );
+    assert_eq!(got, produced.good, "output differs from what was produced");
+
+    let letters: Vec<(String, i64)> = table_values(&dead_letter_table(out), &[])
+        .await
+        .iter()
+        .map(|r| {
+            (
+                r["_source_partition"].as_str().unwrap().to_string(),
+                r["_source_offset"].as_i64().unwrap(),
+            )
+        })
+        .collect();
+    let unique: BTreeSet<(String, i64)> = letters.iter().cloned().collect();
+    assert_eq!(letters.len(), unique.len(), "duplicated dead letters");
+    assert_eq!(
+        unique, produced.bad,
+        "dead letters differ from the malformed messages"
+    );
+}
+
+/// Spawns `sluice run JOB` with its log going to `log`.
+fn spawn_job(job: &str, log: &Path) -> Child {
+    let log = std::fs::File::create(log).unwrap();
+    Command::new(sluice_bin())
+        .args(["run", job])
+        .env_remove("RUST_LOG")
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap()
+}
+
+/// SIGTERM, then the exit status.
+fn terminate(mut child: Child) -> std::process::ExitStatus {
+    Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    child.wait().unwrap()
+}
+
+/// Waits until the output table holds `rows` rows.
+async fn wait_for_rows(out: &Path, rows: usize, child: &mut Child, log: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        if out.join("_delta_log").exists()
+            && read_table(out)
+                .await
+                .iter()
+                .map(|b| b.num_rows())
+                .sum::<usize>()
+                >= rows
+        {
+            return;
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!(
+                "the job exited ({status}) before writing {rows} rows:\n{}",
+                std::fs::read_to_string(log).unwrap_or_default()
+            );
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {rows} rows:\n{}",
+            std::fs::read_to_string(log).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigkill_and_restart_while_producing_gives_every_message_exactly_once() {
+    let broker = Broker::start();
+    let ws = tempfile::tempdir().unwrap();
+    broker.create_topic("orders", 4).await;
+    let partitions = [0, 1, 2, 3];
+    let mut produced = Produced::default();
+    produce(&broker, "orders", &partitions, 0, 1200, &mut produced).await;
+    let job = write_kafka_job(ws.path(), &broker, "orders", "", "mode = \"available-now\"");
+
+    // Kills at named steps of the commit protocol.
+    for (point, batch) in [
+        ("after_intent", 1),
+        ("after_manifest", 3),
+        ("after_commit", 5),
+    ] {
+        let out = run_sluice(
+            &["run", &job],
+            &[("SLUICE_CRASH_AT", &format!("{point}:{batch}"))],
+        );
+        assert_eq!(
+            out.status.signal(),
+            Some(9),
+            "expected a SIGKILL at {point}:{batch}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // Kills at arbitrary moments, with more messages produced between runs.
+    let mut kills = 0;
+    for round in 0..6 {
+        let mut child = Command::new(sluice_bin())
+            .args(["run", &job])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(700 + 250 * round)).await;
+        if child.try_wait().unwrap().is_none() {
+            child.kill().unwrap();
+            kills += 1;
+        }
+        child.wait().unwrap();
+        produce(
+            &broker,
+            "orders",
+            &partitions,
+            1200 + round as i64 * 100,
+            100,
+            &mut produced,
+        )
+        .await;
+    }
+    assert!(
+        kills >= 3,
+        "only {kills} random kills landed; the job finished too soon"
+    );
+    assert_ok(&run_sluice(&["run", &job], &[]));
+
+    let out = ws.path().join("out");
+    assert_exactly_once(&out, &produced).await;
+    assert_eq!(produced.good.len() + produced.bad.len(), 1800);
+    let versions = txn_versions(&out, "kafka_orders");
+    assert_eq!(versions, (0..versions.len() as i64).collect::<Vec<_>>());
+
+    // `status` shows the committed offsets and the consumer lag per partition.
+    let status = run_sluice(&["status", out.to_str().unwrap()], &[]);
+    assert_ok(&status);
+    let text = String::from_utf8_lossy(&status.stdout);
+    assert!(text.contains("consumer lag"), "{text}");
+    assert!(text.contains("\"3\":450"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_broker_outage_mid_run_is_waited_out_and_nothing_is_lost() {
+    let mut broker = Broker::start();
+    let ws = tempfile::tempdir().unwrap();
+    broker.create_topic("payments", 4).await;
+    let partitions = [0, 1, 2, 3];
+    let mut produced = Produced::default();
+    produce(&broker, "payments", &partitions, 0, 600, &mut produced).await;
+    let job = write_kafka_job(
+        ws.path(),
+        &broker,
+        "payments",
+        "",
+        "mode = \"interval\"\ninterval = \"200ms\"",
+    );
+    let log = ws.path().join("job.log");
+    let mut child = spawn_job(&job, &log);
+    let out = ws.path().join("out");
+    wait_for_rows(&out, 40, &mut child, &log).await;
+
+    broker.stop();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the job gave up while the broker was down"
+    );
+    broker.restart();
+    produce(&broker, "payments", &partitions, 600, 200, &mut produced).await;
+
+    wait_for_rows(&out, produced.good.len(), &mut child, &log).await;
+    let status = terminate(child);
+    let log_text = std::fs::read_to_string(&log).unwrap();
+    assert!(status.success(), "{status}:\n{log_text}");
+    assert!(
+        log_text.contains("kafka broker unavailable; retrying"),
+        "no retry line in the log:\n{log_text}"
+    );
+    assert!(
+        log_text.contains("kafka broker answers again"),
+        "{log_text}"
+    );
+    for line in log_text.lines().filter(|l| l.contains("kafka broker")) {
+        println!("{line}");
+    }
+    assert_exactly_once(&out, &produced).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_partition_added_while_running_is_read_from_its_start() {
+    let broker = Broker::start();
+    let ws = tempfile::tempdir().unwrap();
+    broker.create_topic("growing", 2).await;
+    let mut produced = Produced::default();
+    produce(&broker, "growing", &[0, 1], 0, 100, &mut produced).await;
+    let job = write_kafka_job(
+        ws.path(),
+        &broker,
+        "growing",
+        "",
+        "mode = \"interval\"\ninterval = \"200ms\"",
+    );
+    let log = ws.path().join("job.log");
+    let mut child = spawn_job(&job, &log);
+    let out = ws.path().join("out");
+    wait_for_rows(&out, produced.good.len(), &mut child, &log).await;
+
+    broker.add_partition("growing");
+    produce(&broker, "growing", &[2], 100, 60, &mut produced).await;
+    produce(&broker, "growing", &[0, 1, 2], 160, 30, &mut produced).await;
+    wait_for_rows(&out, produced.good.len(), &mut child, &log).await;
+    assert!(terminate(child).success());
+    assert!(
+        produced.good.keys().any(|(p, _)| p == "2"),
+        "nothing was produced to the new partition"
+    );
+    assert_exactly_once(&out, &produced).await;
+    let log_text = std::fs::read_to_string(&log).unwrap();
+    assert!(log_text.contains("new partition"), "{log_text}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn out_of_range_starting_offsets_and_missing_topics_are_clear_errors() {
+    let broker = Broker::start();
+    let ws = tempfile::tempdir().unwrap();
+    broker.create_topic("small", 2).await;
+    let mut produced = Produced::default();
+    produce(&broker, "small", &[0, 1], 0, 20, &mut produced).await;
+
+    let job = write_kafka_job(
+        ws.path(),
+        &broker,
+        "small",
+        "starting_offsets = { \"0\" = 1000 }",
+        "mode = \"once\"",
+    );
+    let out = run_sluice(&["run", &job], &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains(
+            "topic small partition 0: offset 1000 is out of range: the broker holds offsets \
+             0..10 (starting_offsets.\"0\" = 1000)"
+        ),
+        "{stderr}"
+    );
+    assert!(
+        !ws.path().join("out").join("_delta_log").exists(),
+        "nothing may be written"
+    );
+
+    let job = write_kafka_job(
+        ws.path(),
+        &broker,
+        "small",
+        "starting_offsets = { \"7\" = 0 }",
+        "mode = \"once\"",
+    );
+    let stderr = String::from_utf8_lossy(&run_sluice(&["run", &job], &[]).stderr).to_string();
+    assert!(
+        stderr.contains("starting_offsets names partition '7', which the topic does not have"),
+        "{stderr}"
+    );
+
+    let missing = write_kafka_job(ws.path(), &broker, "absent", "", "mode = \"once\"");
+    let out = run_sluice(&["run", &missing], &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("topic 'absent': no such topic"), "{stderr}");
+
+    // Within range: a bounded run from offset 5 of partition 0 reads exactly 5..10 there.
+    let job = write_kafka_job(
+        ws.path(),
+        &broker,
+        "small",
+        "starting_offsets = { \"0\" = 5 }",
+        "mode = \"available-now\"",
+    );
+    assert_ok(&run_sluice(&["run", &job], &[]));
+    let rows = table_values(&ws.path().join("out"), &[]).await;
+    let offsets: BTreeSet<(String, i64)> = rows
+        .iter()
+        .map(|r| {
+            (
+                r["_source_partition"].as_str().unwrap().to_string(),
+                r["_source_offset"].as_i64().unwrap(),
+            )
+        })
+        .collect();
+    let want: BTreeSet<(String, i64)> = produced
+        .good
+        .keys()
+        .filter(|(p, o)| p == "1" || *o >= 5)
+        .cloned()
+        .collect();
+    assert_eq!(offsets, want);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn records_deleted_by_retention_before_they_were_read_stop_the_job_or_become_a_counted_gap() {
+    let mut broker = Broker::start();
+    let ws = tempfile::tempdir().unwrap();
+    broker.create_topic_with_retention("retained", 3_600_000);
+    let mut produced = Produced::default();
+    let two_days_ago = chrono::Utc::now() - chrono::Duration::days(2);
+    produce_at(
+        &broker,
+        "retained",
+        &[0],
+        0,
+        20,
+        two_days_ago,
+        &mut produced,
+    )
+    .await;
+    produce(&broker, "retained", &[0], 20, 10, &mut produced).await;
+
+    let job = write_kafka_job(
+        ws.path(),
+        &broker,
+        "retained",
+        "max_records_per_batch = 10",
+        "mode = \"once\"",
+    );
+    assert_ok(&run_sluice(&["run", &job], &[]));
+
+    // The broker restarts and its retention deletes the 20 old records; the job has read 0..10.
+    broker.stop();
+    broker.restart();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while broker.earliest("retained", 0).await != 20 {
+        assert!(Instant::now() < deadline, "retention did not run");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let out = run_sluice(&["run", &job], &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains(
+            "data loss on topic retained partition 0: offset 10 is needed but the earliest \
+             offset the broker still holds is 20"
+        ),
+        "{stderr}"
+    );
+
+    // With fail_on_data_loss = false the gap is skipped, counted as one dead letter per batch
+    // that met it, and everything still held is read.
+    let lenient = std::fs::read_to_string(&job)
+        .unwrap()
+        .replace("[sink]", "fail_on_data_loss = false\n\n[sink]");
+    std::fs::write(&job, lenient).unwrap();
+    let out = run_sluice(&["run", &job, "--trigger", "available-now"], &[]);
+    assert_ok(&out);
+    let rows = table_values(&ws.path().join("out"), &[]).await;
+    let offsets: BTreeSet<i64> = rows
+        .iter()
+        .map(|r| r["_source_offset"].as_i64().unwrap())
+        .collect();
+    let want: BTreeSet<i64> = produced
+        .good
+        .keys()
+        .map(|(_, o)| *o)
+        .filter(|o| *o < 10 || *o >= 20)
+        .collect();
+    assert_eq!(offsets, want);
+    let letters = table_values(&dead_letter_table(&ws.path().join("out")), &[]).await;
+    let gaps: Vec<&str> = letters
+        .iter()
+        .filter_map(|r| r["error"].as_str())
+        .filter(|e| e.starts_with("data loss"))
+        .collect();
+    assert_eq!(
+        gaps,
+        vec![
+            "data loss: offsets 10..20 of topic retained partition 0 were deleted from the \
+             broker before this job read them; skipped (fail_on_data_loss = false)"
+        ]
+    );
+}
