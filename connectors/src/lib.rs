@@ -6,11 +6,15 @@
 //! - [`files::FilesSource`] (`kind = "files"`): a directory of newline-delimited JSON, CSV or
 //!   Parquet files (JSON and CSV may be gzipped); one partition `"0"` whose offsets are positions
 //!   in the recorded order in which files were first seen.
+//! - [`kafka::KafkaSource`] (`kind = "kafka"`): topics of a Kafka-protocol broker; Kafka
+//!   partitions and offsets are the source's partitions and offsets.
+//!
+//! Both decode text records through the shared `decode` module (bad records isolated by
+//! bisection, schema inference).
 
 pub mod files;
 pub mod kafka;
 
 mod decode;
-
 mod error;
 pub use error::{ConnectorError, Result};

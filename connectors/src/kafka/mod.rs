@@ -44,14 +44,8 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use arrow::array::{
-    Array, ArrayRef, BinaryArray, Int32Array, Int64Array, ListArray, RecordBatch, StringArray,
-    StructArray, TimestampMicrosecondArray,
-};
-use arrow::buffer::OffsetBuffer;
-use arrow::datatypes::{DataType, Field, Fields, Schema, SchemaRef, TimeUnit};
+use arrow::datatypes::{Schema, SchemaRef};
 use async_trait::async_trait;
-use chrono::{DateTime, Utc};
 use rskafka::BackoffConfig;
 use rskafka::client::error::{Error as KafkaError, ProtocolError};
 use rskafka::client::partition::{OffsetAt, PartitionClient, UnknownTopicHandling};
@@ -59,28 +53,22 @@ use rskafka::client::{Client, ClientBuilder};
 use rskafka::record::RecordAndOffset;
 use serde::{Deserialize, Serialize};
 use sluice_engine::checkpoint::CheckpointStore;
-use sluice_engine::source::{SOURCE_OFFSET, SOURCE_PARTITION, with_lineage_fields};
 use sluice_engine::{
     AvailableRange, DeadLetter, Offset, OffsetRange, PartitionId, Source, SourceContext, SourceRead,
 };
 use tokio::sync::{Mutex, OnceCell};
 use tracing::{info, warn};
 
-use crate::decode::{INFER_RECORDS, Line, decode_csv, decode_json, decode_lines, infer_csv};
+use crate::decode::{INFER_RECORDS, infer_csv};
 use crate::error::{ConnectorError, Result};
+mod config;
+mod records;
 
-/// Metadata column: the topic a record came from.
-pub const TOPIC: &str = "_topic";
-/// Metadata column: the Kafka partition number.
-pub const PARTITION: &str = "_partition";
-/// Metadata column: the Kafka offset.
-pub const OFFSET: &str = "_offset";
-/// Metadata column: the record's broker timestamp (create or log-append time).
-pub const KAFKA_TIMESTAMP: &str = "_kafka_timestamp";
-/// Metadata column: the record key, as bytes.
-pub const KEY: &str = "_key";
-/// Metadata column: the record headers, a list of `{key, value}`.
-pub const HEADERS: &str = "_headers";
+pub use config::{KafkaSourceConfig, OffsetSpec, Topics, ValueFormat};
+pub use records::{HEADERS, KAFKA_TIMESTAMP, KEY, OFFSET, PARTITION, TOPIC};
+
+use config::{ResolvedSpec, TopicSelection};
+use records::{RecordDecoder, raw_value_schema};
 
 const STARTING_OFFSETS_FILE: &str = "starting_offsets.json";
 const SCHEMA_FILE: &str = "schema.json";
@@ -94,177 +82,6 @@ const FETCH_MAX_WAIT_MS: i32 = 50;
 const EMPTY_FETCHES_BEFORE_SKIP: u32 = 5;
 const RETRY_FIRST_DELAY: Duration = Duration::from_millis(200);
 const RETRY_MAX_DELAY: Duration = Duration::from_secs(10);
-
-/// One topic name or several.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(untagged)]
-pub enum Topics {
-    /// `topic = "clicks"`: partition ids are the partition numbers.
-    One(String),
-    /// `topic = ["a", "b"]`: partition ids are `topic:n`.
-    Many(Vec<String>),
-}
-
-/// Where a partition starts (`starting_offsets`) or ends (`ending_offsets`), as written in the
-/// job file: `"earliest"`, `"latest"`, an RFC 3339 time, or a table of partition → offset.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(untagged)]
-pub enum OffsetSpec {
-    /// `"earliest"`, `"latest"` or an RFC 3339 time.
-    Named(String),
-    /// `{ "0" = 42, "1" = 7 }`: explicit offsets by partition id.
-    Partitions(BTreeMap<String, i64>),
-}
-
-impl OffsetSpec {
-    fn earliest() -> Self {
-        OffsetSpec::Named("earliest".into())
-    }
-
-    /// Checks the spec and turns a named one into what to ask the broker.
-    fn resolve(&self, key: &str) -> Result<ResolvedSpec> {
-        match self {
-            OffsetSpec::Partitions(map) => {
-                if let Some((p, o)) = map.iter().find(|(_, o)| **o < 0) {
-                    return Err(ConnectorError::Config(format!(
-                        "{key}: offset {o} for partition {p} is negative"
-                    )));
-                }
-                Ok(ResolvedSpec::Explicit(map.clone()))
-            }
-            OffsetSpec::Named(s) => match s.as_str() {
-                "earliest" => Ok(ResolvedSpec::At(OffsetAt::Earliest)),
-                "latest" => Ok(ResolvedSpec::At(OffsetAt::Latest)),
-                other => DateTime::parse_from_rfc3339(other)
-                    .map(|t| ResolvedSpec::At(OffsetAt::Timestamp(t.with_timezone(&Utc))))
-                    .map_err(|e| {
-                        ConnectorError::Config(format!(
-                            "{key} = \"{other}\": expected \"earliest\", \"latest\", an RFC 3339 \
-                             time or a table of partition offsets ({e})"
-                        ))
-                    }),
-            },
-        }
-    }
-}
-
-enum ResolvedSpec {
-    At(OffsetAt),
-    Explicit(BTreeMap<String, i64>),
-}
-
-/// How a message value is decoded.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum ValueFormat {
-    /// One JSON object per message.
-    Json,
-    /// One CSV row per message (no header).
-    Csv,
-    /// No decoding: binary columns `key` and `value`.
-    Raw,
-}
-
-/// The `[sources.<name>]` settings of `kind = "kafka"` (besides the engine's event-time keys).
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct KafkaSourceConfig {
-    /// `host:port` of one or more brokers, comma-separated.
-    pub bootstrap_servers: String,
-    /// The topic, or a list of topics. Exactly one of `topic` and `topic_pattern`.
-    #[serde(default)]
-    pub topic: Option<Topics>,
-    /// A regular expression; every topic whose whole name matches is read, including topics
-    /// created while the job runs.
-    #[serde(default)]
-    pub topic_pattern: Option<String>,
-    /// Where partitions start the first time the job runs (default `"earliest"`).
-    #[serde(default = "OffsetSpec::earliest")]
-    pub starting_offsets: OffsetSpec,
-    /// For bounded runs: where partitions end (exclusive). `"latest"` = the latest offsets when
-    /// the run opens the source; a table caps the partitions it lists.
-    #[serde(default)]
-    pub ending_offsets: Option<OffsetSpec>,
-    /// At most this many records per batch, split fairly across partitions (default 100 000).
-    #[serde(default = "default_max_records")]
-    pub max_records_per_batch: u64,
-    /// How values are decoded (default `json`).
-    #[serde(default = "default_format")]
-    pub format: ValueFormat,
-    /// Column definitions of the value, e.g. `"id BIGINT, ts TIMESTAMP"`; inferred from the
-    /// first records (JSON, CSV) when absent.
-    #[serde(default)]
-    pub schema: Option<String>,
-    /// CSV: the field delimiter, one character (default `,`).
-    #[serde(default = "default_delimiter")]
-    pub delimiter: String,
-    /// Stop with an error when records the job needs were deleted (default true).
-    #[serde(default = "default_true")]
-    pub fail_on_data_loss: bool,
-}
-
-fn default_max_records() -> u64 {
-    100_000
-}
-fn default_format() -> ValueFormat {
-    ValueFormat::Json
-}
-fn default_delimiter() -> String {
-    ",".into()
-}
-fn default_true() -> bool {
-    true
-}
-
-impl KafkaSourceConfig {
-    /// Settings for one topic on `bootstrap_servers`, everything else at its default (JSON values
-    /// with an inferred schema, from the earliest offsets, 100 000 records per batch).
-    pub fn new(bootstrap_servers: impl Into<String>, topic: impl Into<String>) -> Self {
-        KafkaSourceConfig {
-            bootstrap_servers: bootstrap_servers.into(),
-            topic: Some(Topics::One(topic.into())),
-            topic_pattern: None,
-            starting_offsets: OffsetSpec::earliest(),
-            ending_offsets: None,
-            max_records_per_batch: default_max_records(),
-            format: default_format(),
-            schema: None,
-            delimiter: default_delimiter(),
-            fail_on_data_loss: true,
-        }
-    }
-}
-
-/// Which topics the source reads.
-#[derive(Debug, Clone)]
-enum TopicSelection {
-    /// One topic: partition ids are bare numbers.
-    Single(String),
-    /// Named topics.
-    List(Vec<String>),
-    /// Every topic whose whole name matches.
-    Pattern(regex::Regex),
-}
-
-impl TopicSelection {
-    fn matches(&self, topic: &str) -> bool {
-        match self {
-            TopicSelection::Single(t) => t == topic,
-            TopicSelection::List(ts) => ts.iter().any(|t| t == topic),
-            TopicSelection::Pattern(re) => re.is_match(topic),
-        }
-    }
-
-    /// Topics that must exist.
-    fn required(&self) -> Vec<&str> {
-        match self {
-            TopicSelection::Single(t) => vec![t],
-            TopicSelection::List(ts) => ts.iter().map(String::as_str).collect(),
-            TopicSelection::Pattern(_) => vec![],
-        }
-    }
-}
-
 /// A Kafka partition: topic and number.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 struct TopicPartition {
@@ -282,6 +99,15 @@ impl std::fmt::Display for TopicPartition {
 #[derive(Debug, Default, Clone, Serialize, Deserialize)]
 struct StartingOffsets {
     partitions: BTreeMap<PartitionId, Offset>,
+}
+
+/// What the first `available()` must still record in the checkpoint.
+#[derive(Debug, Default)]
+struct ToRecord {
+    /// Starting offsets resolved by this run (none if a previous run recorded them).
+    starts: Option<StartingOffsets>,
+    /// A schema inferred by this run.
+    schema: Option<Schema>,
 }
 
 /// Topics of a Kafka-protocol broker as a [`Source`]. See the module docs.
@@ -303,7 +129,7 @@ struct Opened {
     ends: Option<BTreeMap<PartitionId, Offset>>,
     /// What the first `available()` must still record in the checkpoint (`validate` writes
     /// nothing, so recording waits until the job really runs).
-    to_record: Mutex<Option<(StartingOffsets, Option<Schema>)>>,
+    to_record: Mutex<ToRecord>,
     /// Partitions seen so far; one that disappears means the topic was deleted.
     known: Mutex<BTreeSet<PartitionId>>,
 }
@@ -780,9 +606,10 @@ impl Source for KafkaSource {
                 Some(ends)
             }
         };
-        let to_record = (record_starts || record_schema.is_some())
-            .then(|| (starts.clone(), record_schema))
-            .map(|(s, schema)| (if record_starts { s } else { Default::default() }, schema));
+        let to_record = ToRecord {
+            starts: record_starts.then(|| starts.clone()),
+            schema: record_schema,
+        };
         self.opened = Some(Opened {
             name: ctx.name,
             checkpoint: ctx.checkpoint,
@@ -800,25 +627,24 @@ impl Source for KafkaSource {
             .opened()
             .map_err(|e| sluice_engine::Error::source("kafka", e))?;
         let wrap = |e: ConnectorError| sluice_engine::Error::source(&opened.name, e);
-        if let Some((starts, schema)) = opened.to_record.lock().await.take() {
-            if !starts.partitions.is_empty() {
-                let bytes = opened.checkpoint.to_json(STARTING_OFFSETS_FILE, &starts)?;
-                opened
-                    .checkpoint
-                    .put_if_absent(STARTING_OFFSETS_FILE, bytes)
-                    .await?;
-            }
-            if let Some(schema) = schema {
-                let bytes = opened.checkpoint.to_json(SCHEMA_FILE, &schema)?;
-                if !opened.checkpoint.put_if_absent(SCHEMA_FILE, bytes).await? {
-                    let recorded: Option<Schema> = opened.checkpoint.get_json(SCHEMA_FILE).await?;
-                    if recorded.as_ref() != Some(&schema) {
-                        return Err(wrap(ConnectorError::Schema(format!(
-                            "another run fixed a different inferred schema in \
-                             {}/{SCHEMA_FILE}; restart the job to use it",
-                            opened.checkpoint.url()
-                        ))));
-                    }
+        let to_record = std::mem::take(&mut *opened.to_record.lock().await);
+        if let Some(starts) = to_record.starts.filter(|s| !s.partitions.is_empty()) {
+            let bytes = opened.checkpoint.to_json(STARTING_OFFSETS_FILE, &starts)?;
+            opened
+                .checkpoint
+                .put_if_absent(STARTING_OFFSETS_FILE, bytes)
+                .await?;
+        }
+        if let Some(schema) = to_record.schema {
+            let bytes = opened.checkpoint.to_json(SCHEMA_FILE, &schema)?;
+            if !opened.checkpoint.put_if_absent(SCHEMA_FILE, bytes).await? {
+                let recorded: Option<Schema> = opened.checkpoint.get_json(SCHEMA_FILE).await?;
+                if recorded.as_ref() != Some(&schema) {
+                    return Err(wrap(ConnectorError::Schema(format!(
+                        "another run fixed a different inferred schema in \
+                         {}/{SCHEMA_FILE}; restart the job to use it",
+                        opened.checkpoint.url()
+                    ))));
                 }
             }
         }
@@ -915,300 +741,15 @@ impl KafkaSource {
     }
 }
 
-fn raw_value_schema() -> SchemaRef {
-    Arc::new(Schema::new(vec![
-        Field::new("key", DataType::Binary, true),
-        Field::new("value", DataType::Binary, true),
-    ]))
-}
-
-fn header_fields() -> Fields {
-    Fields::from(vec![
-        Field::new("key", DataType::Utf8, false),
-        Field::new("value", DataType::Binary, true),
-    ])
-}
-
-fn metadata_fields() -> Vec<Field> {
-    vec![
-        Field::new(TOPIC, DataType::Utf8, false),
-        Field::new(PARTITION, DataType::Int32, false),
-        Field::new(OFFSET, DataType::Int64, false),
-        Field::new(
-            KAFKA_TIMESTAMP,
-            DataType::Timestamp(TimeUnit::Microsecond, Some("UTC".into())),
-            false,
-        ),
-        Field::new(KEY, DataType::Binary, true),
-        Field::new(
-            HEADERS,
-            DataType::List(Arc::new(Field::new(
-                "item",
-                DataType::Struct(header_fields()),
-                false,
-            ))),
-            false,
-        ),
-    ]
-}
-
-/// Turns fetched records into rows (value columns, metadata, lineage) and dead letters.
-struct RecordDecoder {
-    value_schema: SchemaRef,
-    batch_schema: SchemaRef,
-    format: ValueFormat,
-    delimiter: u8,
-}
-
-impl RecordDecoder {
-    fn new(value_schema: SchemaRef, format: ValueFormat, delimiter: u8) -> Result<Self> {
-        let metadata = metadata_fields();
-        for f in value_schema.fields() {
-            let reserved = metadata.iter().any(|m| m.name() == f.name())
-                || [SOURCE_PARTITION, SOURCE_OFFSET].contains(&f.name().as_str());
-            if reserved {
-                return Err(ConnectorError::Schema(format!(
-                    "value column '{}' clashes with a metadata column of the kafka source; \
-                     rename it in the producer or declare a schema without it",
-                    f.name()
-                )));
-            }
-        }
-        let mut fields: Vec<Field> = value_schema
-            .fields()
-            .iter()
-            .map(|f| f.as_ref().clone())
-            .collect();
-        fields.extend(metadata);
-        let batch_schema = with_lineage_fields(&Schema::new(fields), false);
-        Ok(RecordDecoder {
-            value_schema,
-            batch_schema,
-            format,
-            delimiter,
-        })
-    }
-
-    fn decode(
-        &self,
-        id: &PartitionId,
-        tp: &TopicPartition,
-        records: &[RecordAndOffset],
-    ) -> Result<SourceRead> {
-        let mut read = SourceRead::default();
-        let letter = |r: &RecordAndOffset, error: String| DeadLetter {
-            partition: id.clone(),
-            offset: r.offset,
-            position: format!("{id}@{}", r.offset),
-            raw: r.record.value.clone().unwrap_or_default(),
-            error,
-        };
-        if self.format == ValueFormat::Raw {
-            if !records.is_empty() {
-                let all: Vec<&RecordAndOffset> = records.iter().collect();
-                let key = BinaryArray::from_iter(all.iter().map(|r| r.record.key.as_deref()));
-                let value = BinaryArray::from_iter(all.iter().map(|r| r.record.value.as_deref()));
-                let values: Vec<ArrayRef> = vec![Arc::new(key), Arc::new(value)];
-                read.batches.push(self.with_metadata(values, id, tp, &all)?);
-            }
-            return Ok(read);
-        }
-        // Lay the values out one per line; record `i` is line number `i`.
-        let mut buffer = Vec::new();
-        let mut lines = Vec::new();
-        for (i, r) in records.iter().enumerate() {
-            match &r.record.value {
-                None => read.dead_letters.push(letter(
-                    r,
-                    "the message has no value (a tombstone); nothing to decode".into(),
-                )),
-                Some(v) => {
-                    let v = v.trim_ascii_end();
-                    let start = buffer.len();
-                    buffer.extend_from_slice(v);
-                    lines.push(Line {
-                        number: i,
-                        start,
-                        end: buffer.len(),
-                    });
-                    buffer.push(b'\n');
-                }
-            }
-        }
-        let schema = &self.value_schema;
-        let (good, bad) = match self.format {
-            ValueFormat::Json => decode_lines(&buffer, &lines, |c| decode_json(schema, &buffer, c)),
-            _ => decode_lines(&buffer, &lines, |c| {
-                decode_csv(schema, self.delimiter, &buffer, c)
-            }),
-        };
-        for (batch, numbers) in good {
-            let rows: Vec<&RecordAndOffset> = numbers.iter().map(|&i| &records[i]).collect();
-            read.batches
-                .push(self.with_metadata(batch.columns().to_vec(), id, tp, &rows)?);
-        }
-        for (i, _, error) in bad {
-            read.dead_letters.push(letter(&records[i], error));
-        }
-        read.dead_letters.sort_by_key(|d| d.offset);
-        Ok(read)
-    }
-
-    /// Appends the metadata and lineage columns of `rows` to their decoded value columns.
-    fn with_metadata(
-        &self,
-        mut columns: Vec<ArrayRef>,
-        id: &PartitionId,
-        tp: &TopicPartition,
-        rows: &[&RecordAndOffset],
-    ) -> Result<RecordBatch> {
-        let n = rows.len();
-        columns.push(Arc::new(StringArray::from(vec![tp.topic.as_str(); n])));
-        columns.push(Arc::new(Int32Array::from(vec![tp.partition; n])));
-        columns.push(Arc::new(Int64Array::from_iter_values(
-            rows.iter().map(|r| r.offset),
-        )));
-        columns.push(Arc::new(
-            TimestampMicrosecondArray::from_iter_values(
-                rows.iter().map(|r| r.record.timestamp.timestamp_micros()),
-            )
-            .with_timezone("UTC"),
-        ));
-        columns.push(Arc::new(BinaryArray::from_iter(
-            rows.iter().map(|r| r.record.key.as_deref()),
-        )));
-        columns.push(headers_array(rows)?);
-        columns.push(Arc::new(StringArray::from(vec![id.as_str(); n])));
-        columns.push(Arc::new(Int64Array::from_iter_values(
-            rows.iter().map(|r| r.offset),
-        )));
-        Ok(RecordBatch::try_new(
-            Arc::clone(&self.batch_schema),
-            columns,
-        )?)
-    }
-}
-
-fn headers_array(rows: &[&RecordAndOffset]) -> Result<ArrayRef> {
-    let mut keys = Vec::new();
-    let mut values: Vec<&[u8]> = Vec::new();
-    let mut lengths = Vec::with_capacity(rows.len());
-    for r in rows {
-        lengths.push(r.record.headers.len());
-        for (k, v) in &r.record.headers {
-            keys.push(k.as_str());
-            values.push(v);
-        }
-    }
-    let entries = StructArray::try_new(
-        header_fields(),
-        vec![
-            Arc::new(StringArray::from(keys)) as ArrayRef,
-            Arc::new(BinaryArray::from_iter_values(values)) as ArrayRef,
-        ],
-        None,
-    )?;
-    let item = Arc::new(Field::new("item", DataType::Struct(header_fields()), false));
-    let list = ListArray::try_new(
-        item,
-        OffsetBuffer::from_lengths(lengths),
-        Arc::new(entries),
-        None,
-    )?;
-    debug_assert_eq!(list.len(), rows.len());
-    Ok(Arc::new(list))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use arrow::array::AsArray;
-    use arrow::datatypes::Int64Type;
-    use rskafka::record::Record;
-
-    fn record(offset: i64, value: Option<&str>) -> RecordAndOffset {
-        RecordAndOffset {
-            record: Record {
-                key: Some(format!("k{offset}").into_bytes()),
-                value: value.map(|v| v.as_bytes().to_vec()),
-                headers: BTreeMap::from([("trace".to_string(), b"t".to_vec())]),
-                timestamp: DateTime::from_timestamp_millis(1_700_000_000_000 + offset)
-                    .unwrap_or_default(),
-            },
-            offset,
-        }
-    }
-
-    fn decoder(format: ValueFormat) -> RecordDecoder {
-        let schema = Arc::new(Schema::new(vec![
-            Field::new("id", DataType::Int64, true),
-            Field::new("name", DataType::Utf8, true),
-        ]));
-        RecordDecoder::new(schema, format, b',').unwrap()
-    }
 
     fn tp() -> TopicPartition {
         TopicPartition {
             topic: "clicks".into(),
             partition: 2,
         }
-    }
-
-    #[test]
-    fn json_values_decode_with_metadata_and_bad_ones_become_dead_letters() {
-        let records = vec![
-            record(10, Some("{\"id\":1,\"name\":\"a\"}")),
-            record(11, Some("{\"id\":")),
-            record(12, None),
-            record(13, Some("{\"id\":3,\n \"name\":\"multi-line\"}\n")),
-        ];
-        let read = decoder(ValueFormat::Json)
-            .decode(&"2".to_string(), &tp(), &records)
-            .unwrap();
-        let rows: Vec<(i64, i64)> = read
-            .batches
-            .iter()
-            .flat_map(|b| {
-                let ids = b.column_by_name("id").unwrap().as_primitive::<Int64Type>();
-                let offs = b
-                    .column_by_name(OFFSET)
-                    .unwrap()
-                    .as_primitive::<Int64Type>();
-                (0..b.num_rows())
-                    .map(|i| (ids.value(i), offs.value(i)))
-                    .collect::<Vec<_>>()
-            })
-            .collect();
-        assert_eq!(rows, vec![(1, 10), (3, 13)]);
-        let b = &read.batches[0];
-        assert_eq!(
-            b.schema().field(b.num_columns() - 2).name(),
-            SOURCE_PARTITION
-        );
-        let headers = b.column_by_name(HEADERS).unwrap().as_list::<i32>();
-        assert_eq!(headers.value(0).len(), 1);
-        let letters: Vec<(i64, &str)> = read
-            .dead_letters
-            .iter()
-            .map(|d| (d.offset, d.position.as_str()))
-            .collect();
-        assert_eq!(letters, vec![(11, "2@11"), (12, "2@12")]);
-        assert_eq!(read.dead_letters[0].raw, b"{\"id\":".to_vec());
-    }
-
-    #[test]
-    fn raw_values_keep_key_and_value_bytes() {
-        let records = vec![record(0, Some("not json")), record(1, None)];
-        let read = RecordDecoder::new(raw_value_schema(), ValueFormat::Raw, b',')
-            .unwrap()
-            .decode(&"0".to_string(), &tp(), &records)
-            .unwrap();
-        assert!(read.dead_letters.is_empty());
-        let b = &read.batches[0];
-        assert_eq!(b.num_rows(), 2);
-        let value = b.column_by_name("value").unwrap().as_binary::<i32>();
-        assert_eq!(value.value(0), b"not json");
-        assert!(value.is_null(1));
     }
 
     #[test]
