@@ -630,6 +630,30 @@ async fn records_deleted_by_retention_before_they_were_read_stop_the_job_or_beco
     .await;
     produce(&broker, "retained", &[0], 20, 10, &mut produced).await;
 
+    // A starting time resolves to the first offset at or after it (broker timestamps).
+    let by_time = tempfile::tempdir().unwrap();
+    let since = (chrono::Utc::now() - chrono::Duration::days(1)).to_rfc3339();
+    let job = write_kafka_job(
+        by_time.path(),
+        &broker,
+        "retained",
+        &format!("starting_offsets = \"{since}\""),
+        "mode = \"available-now\"",
+    );
+    assert_ok(&run_sluice(&["run", &job], &[]));
+    let offsets: BTreeSet<i64> = table_values(&by_time.path().join("out"), &[])
+        .await
+        .iter()
+        .map(|r| r["_source_offset"].as_i64().unwrap())
+        .collect();
+    let recent: BTreeSet<i64> = produced
+        .good
+        .keys()
+        .map(|(_, o)| *o)
+        .filter(|o| *o >= 20)
+        .collect();
+    assert_eq!(offsets, recent);
+
     let job = write_kafka_job(
         ws.path(),
         &broker,
