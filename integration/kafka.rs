@@ -716,3 +716,123 @@ async fn records_deleted_by_retention_before_they_were_read_stop_the_job_or_beco
         ]
     );
 }
+
+/// The watermark `sluice status` reports for the table at `out`.
+fn status_watermark(out: &Path) -> String {
+    let status = run_sluice(&["status", out.to_str().unwrap()], &[]);
+    assert_ok(&status);
+    let text = String::from_utf8_lossy(&status.stdout).to_string();
+    text.lines()
+        .find_map(|l| l.trim().strip_prefix("watermark: "))
+        .unwrap_or_else(|| panic!("no watermark in:\n{text}"))
+        .split(' ')
+        .next()
+        .unwrap()
+        .to_string()
+}
+
+/// Partition 0 of `sparse` delivers events at 10:11 … 10:15, one every 300 ms.
+async fn keep_partition_0_going(broker: &Broker, first_id: i64) {
+    for minute in 11..=15 {
+        let ts = format!("2026-11-29T10:{minute:02}:00Z");
+        produce_event(broker, "sparse", 0, first_id + minute - 11, &ts).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+/// Produces one JSON event with event time `ts` to `partition`.
+async fn produce_event(broker: &Broker, topic: &str, partition: i32, id: i64, ts: &str) {
+    let client = broker.client().await;
+    let pc = client
+        .partition_client(topic, partition, UnknownTopicHandling::Retry)
+        .await
+        .unwrap();
+    let value = format!("{{\"id\": {id}, \"user\": \"u\", \"amount\": 1.0, \"ts\": \"{ts}\"}}");
+    pc.produce(
+        vec![Record {
+            key: None,
+            value: Some(value.into_bytes()),
+            headers: BTreeMap::new(),
+            timestamp: chrono::Utc::now(),
+        }],
+        Compression::NoCompression,
+    )
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_silent_partition_holds_the_watermark_unless_idle_timeout_releases_it() {
+    let broker = Broker::start();
+    broker.create_topic("sparse", 2).await;
+    // Partition 1 speaks once, early; partition 0 keeps going.
+    produce_event(&broker, "sparse", 1, 0, "2026-11-29T10:00:00Z").await;
+    for (i, minute) in (1..=10).enumerate() {
+        let ts = format!("2026-11-29T10:{minute:02}:00Z");
+        produce_event(&broker, "sparse", 0, i as i64 + 1, &ts).await;
+    }
+    let interval = "mode = \"interval\"\ninterval = \"200ms\"";
+
+    // Without idle_timeout: the watermark stays at partition 1's event − 10 s while partition 0
+    // moves on and partition 1 stays silent.
+    let holds = tempfile::tempdir().unwrap();
+    let job = write_kafka_job(
+        holds.path(),
+        &broker,
+        "sparse",
+        "max_out_of_orderness = \"10s\"",
+        interval,
+    );
+    let log = holds.path().join("job.log");
+    let mut child = spawn_job(&job, &log);
+    wait_for_rows(&holds.path().join("out"), 11, &mut child, &log).await;
+    keep_partition_0_going(&broker, 11).await;
+    wait_for_rows(&holds.path().join("out"), 16, &mut child, &log).await;
+    assert!(terminate(child).success());
+    assert_eq!(
+        status_watermark(&holds.path().join("out")),
+        "2026-11-29T09:59:50Z"
+    );
+
+    // With idle_timeout = 1s: once partition 1 has been silent that long, the watermark follows
+    // partition 0 alone (10:16:00 − 10 s). (With every partition silent it would hold.)
+    let released = tempfile::tempdir().unwrap();
+    let job = write_kafka_job(
+        released.path(),
+        &broker,
+        "sparse",
+        "max_out_of_orderness = \"10s\"\nidle_timeout = \"1s\"",
+        interval,
+    );
+    let log = released.path().join("job.log");
+    let mut child = spawn_job(&job, &log);
+    wait_for_rows(&released.path().join("out"), 16, &mut child, &log).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    produce_event(&broker, "sparse", 0, 16, "2026-11-29T10:16:00Z").await;
+    wait_for_rows(&released.path().join("out"), 17, &mut child, &log).await;
+    assert!(terminate(child).success());
+    let log_text = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(
+        status_watermark(&released.path().join("out")),
+        "2026-11-29T10:15:50Z",
+        "{log_text}"
+    );
+    assert!(log_text.contains("idle=1"), "{log_text}");
+
+    // A restart keeps the watermark (it is in the manifest), and a late event on partition 1
+    // does not move it backwards.
+    produce_event(&broker, "sparse", 1, 99, "2026-11-29T09:00:00Z").await;
+    let job_once = job.replace(".toml", "_once.toml");
+    std::fs::write(
+        &job_once,
+        std::fs::read_to_string(&job)
+            .unwrap()
+            .replace(interval, "mode = \"available-now\""),
+    )
+    .unwrap();
+    assert_ok(&run_sluice(&["run", &job_once], &[]));
+    assert_eq!(
+        status_watermark(&released.path().join("out")),
+        "2026-11-29T10:15:50Z"
+    );
+}

@@ -162,7 +162,12 @@ async fn status(table: &str, history: usize) -> Result<()> {
         println!("job {}: last committed batch {last}", job.job_id);
         if let Some(m) = &job.manifest {
             println!("  end offsets: {}", m["end_offsets"]);
-            println!("  watermark (µs since epoch): {}", m["watermark_micros"]);
+            let watermark = m["watermark_micros"].as_i64();
+            println!(
+                "  watermark: {} ({} µs since the epoch)",
+                sluice::engine::watermark::display_watermark(watermark),
+                m["watermark_micros"]
+            );
             println!("  counters of that batch: {}", m["counters"]);
             if let Some(lag) = m.get("lag") {
                 println!("  consumer lag when that batch was planned: {lag}");

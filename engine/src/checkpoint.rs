@@ -188,6 +188,10 @@ pub struct BatchManifest {
     /// The event-time watermark after this batch, in microseconds since the epoch, if any.
     #[serde(default)]
     pub watermark_micros: Option<i64>,
+    /// Per source and partition, the newest event time read up to this batch (µs since the
+    /// epoch): what the watermark is computed from, restored on restart.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub max_event_time: SourceOffsets,
     /// State files that hold the operators' state after this batch.
     #[serde(default)]
     pub state_files: Vec<String>,
@@ -305,6 +309,7 @@ mod tests {
                     batch_id: BatchId(id),
                     end_offsets: SourceOffsets::new(),
                     watermark_micros: None,
+                    max_event_time: SourceOffsets::new(),
                     state_files: vec![],
                     counters: BatchCounters::default(),
                     lag: SourceOffsets::new(),

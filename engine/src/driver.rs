@@ -1,22 +1,24 @@
 //! The driver loop: one micro-batch from source offsets to one Delta commit.
 //!
 //! ```text
-//!  trigger fires ─► plan ─► intent ─► read ─► time ─► execute ─► manifest ─► commit ─► purge
-//!                   │       │         │       │       │           │            │          │
-//!                   │       │         │       │       │           │            │          └ old batch folders
-//!                   │       │         │       │       │           │            └ side tables, then ONE output
-//!                   │       │         │       │       │           │              commit with txn(job, batch)
-//!                   │       │         │       │       │           └ end offsets (+ watermark, state files)
+//!  trigger fires ─► plan ─► intent ─► read ─► time ─► execute ─► watermark ─► manifest ─► commit ─► purge
+//!                   │       │         │       │       │          │             │            │          │
+//!                   │       │         │       │       │          │             │            │          └ old batch folders
+//!                   │       │         │       │       │          │             │            └ side tables, then ONE output
+//!                   │       │         │       │       │          │             │              commit with txn(job, batch)
+//!                   │       │         │       │       │          │             └ end offsets, watermark (+ state files)
+//!                   │       │         │       │       │          └ min over non-idle partitions of
+//!                   │       │         │       │       │            (newest event time − max_out_of_orderness)
 //!                   │       │         │       │       └ DataFusion; failing rows → dead letters
 //!                   │       │         │       └ parse event time; unparsable → dead letters
 //!                   │       │         └ Source::read per partition range; undecodable → dead letters
-//!                   │       └ ranges fixed put-if-absent: a rerun reads exactly the same
+//!                   │       └ ranges and idle partitions fixed put-if-absent: a rerun is the same
 //!                   └ [committed end, min(latest, committed end + budget)) per partition
 //! ```
 //!
 //! **Restart.** The output table is the source of truth: its `txn` version for the job is the
 //! last committed batch `V`; `batches/V/manifest.json` (written before commit `V`, live with it)
-//! gives the end offsets. If `batches/V+1/intent.json` exists, batch `V+1` is rerun with exactly
+//! gives the end offsets and the watermark. If `batches/V+1/intent.json` exists, batch `V+1` is rerun with exactly
 //! those ranges; the sink skips side tables that already hold `txn(job, V+1)`. Whatever step a
 //! crash interrupts, the rerun produces the same rows and commits them once.
 
@@ -46,6 +48,9 @@ use crate::offsets::{
 use crate::query::StreamingQuery;
 use crate::sink::{BatchCommit, CommitOutcome, Sink};
 use crate::source::{DeadLetter, SOURCE_OFFSET, SOURCE_PARTITION, Source, SourceContext};
+use crate::watermark::{
+    SourcePartition, Watermark, WatermarkRules, display_watermark, max_event_time_by_partition,
+};
 
 /// What a run did, for the final summary line.
 #[derive(Debug, Clone, Default)]
@@ -141,6 +146,10 @@ struct Pipeline {
     committed: SourceOffsets,
     /// The latest offsets the sources reported when the pending batch was planned, for its lag.
     latest_at_plan: SourceOffsets,
+    /// Watermark rules of the sources with event time.
+    rules: BTreeMap<String, WatermarkRules>,
+    /// The event-time watermark as of the last committed batch.
+    watermark: Watermark,
     summary: RunSummary,
 }
 
@@ -220,9 +229,9 @@ impl Pipeline {
         let (sources, query) = open_sources_and_query(sources, &sql, lineage, &checkpoint).await?;
         sink.open(&job_id, query.output_schema()).await?;
         let last = sink.last_committed().await?;
-        let (next_batch, committed) =
+        let (next_batch, committed, watermark) =
             match last {
-                None => (BatchId(0), SourceOffsets::new()),
+                None => (BatchId(0), SourceOffsets::new(), Watermark::default()),
                 Some(v) => {
                     let manifest = checkpoint.read_manifest(v).await?.ok_or_else(|| {
                         Error::MissingManifest {
@@ -231,9 +240,22 @@ impl Pipeline {
                             path: checkpoint.manifest_location(v),
                         }
                     })?;
-                    (v.next(), manifest.end_offsets)
+                    let watermark =
+                        Watermark::restore(manifest.watermark_micros, manifest.max_event_time);
+                    (v.next(), manifest.end_offsets, watermark)
                 }
             };
+        let rules = sources
+            .iter()
+            .filter_map(|s| {
+                let time = s.event_time.as_ref()?;
+                let rules = WatermarkRules {
+                    max_out_of_orderness: time.max_out_of_orderness,
+                    idle_timeout: time.idle_timeout,
+                };
+                Some((s.name.clone(), rules))
+            })
+            .collect();
         info!(job_id, last_committed = ?last.map(|b| b.0), checkpoint = %checkpoint.url(), "job opened");
         let summary = RunSummary {
             last_batch: last,
@@ -250,6 +272,8 @@ impl Pipeline {
             next_batch,
             committed,
             latest_at_plan: SourceOffsets::new(),
+            rules,
+            watermark,
             summary,
         })
     }
@@ -340,17 +364,36 @@ impl Pipeline {
                 plan_ranges(&start, &latest, s.source.max_per_batch()),
             );
         }
-        if ranges
+        let planned = ranges.iter().flat_map(|(source, parts)| {
+            parts
+                .iter()
+                .map(move |(p, r)| (source.as_str(), p, !r.is_empty()))
+        });
+        let idle = self
+            .watermark
+            .idle_partitions(&self.rules, planned, Instant::now());
+        let nothing_to_read = ranges
             .values()
             .flat_map(|r| r.values())
-            .all(OffsetRange::is_empty)
-        {
-            return Ok(None);
+            .all(OffsetRange::is_empty);
+        // With nothing to read, a batch is still worth it when partitions going idle let the
+        // watermark advance (windows close on it).
+        if nothing_to_read {
+            let mut after = self.watermark.clone();
+            let moved = after.advance(
+                &self.rules,
+                &SourceOffsets::new(),
+                &event_time_partitions(&self.rules, &self.committed),
+                &idle,
+            );
+            if moved <= self.watermark.current() {
+                return Ok(None);
+            }
         }
         let intent = BatchIntent {
             batch_id: self.next_batch,
             ranges,
-            idle: Default::default(),
+            idle,
         };
         let intent = self.checkpoint.write_intent(intent).await?;
         crash_point("after_intent", intent.batch_id);
@@ -367,10 +410,15 @@ impl Pipeline {
         // 3 read + 4 time: one batch of rows per source.
         let t = Instant::now();
         let mut inputs = BTreeMap::new();
+        let mut batch_max_event_time = SourceOffsets::new();
         for s in &self.sources {
             let empty = BTreeMap::new();
             let ranges = intent.ranges.get(&s.name).unwrap_or(&empty);
             let (rows, letters) = read_source(s, ranges).await?;
+            if let Some(time) = &s.event_time {
+                let maxima = batch_max_event_time.entry(s.name.clone()).or_default();
+                max_event_time_by_partition(&rows, &time.column, maxima)?;
+            }
             counters.rows_in += rows.num_rows() as u64;
             counters.rows_dead_lettered += letters.len() as u64;
             if !letters.is_empty() {
@@ -408,11 +456,20 @@ impl Pipeline {
                 ends.insert(p.clone(), r.end);
             }
         }
+        // 6 watermark: from the newest event time per partition, over the non-idle ones.
+        let mut watermark = self.watermark.clone();
+        watermark.advance(
+            &self.rules,
+            &batch_max_event_time,
+            &event_time_partitions(&self.rules, &end_offsets),
+            &intent.idle,
+        );
         let lag = consumer_lag(&self.latest_at_plan, &end_offsets);
         let manifest = BatchManifest {
             batch_id,
             end_offsets,
-            watermark_micros: None,
+            watermark_micros: watermark.current(),
+            max_event_time: watermark.max_event_time().clone(),
             state_files: vec![],
             counters: counters.clone(),
             lag,
@@ -447,6 +504,16 @@ impl Pipeline {
         let purge_time = t.elapsed();
 
         self.committed = manifest.end_offsets;
+        watermark.saw_data(
+            intent.ranges.iter().flat_map(|(source, parts)| {
+                parts
+                    .iter()
+                    .filter(|(_, r)| !r.is_empty())
+                    .map(|(p, _)| (source.clone(), p.clone()))
+            }),
+            Instant::now(),
+        );
+        self.watermark = watermark;
         self.next_batch = batch_id.next();
         self.summary.batches_committed += 1;
         self.summary.last_batch = Some(batch_id);
@@ -462,6 +529,9 @@ impl Pipeline {
             batch_id = batch_id.0,
             ranges = %display_ranges(&intent.ranges),
             lag = %display_offsets(&manifest.lag),
+            watermark = %display_watermark(manifest.watermark_micros),
+            watermark_lag_ms = watermark_lag_ms(manifest.watermark_micros),
+            idle = intent.idle.len(),
             rows_in = counters.rows_in,
             rows_out = counters.rows_out,
             rows_dead_lettered = counters.rows_dead_lettered,
@@ -478,6 +548,25 @@ impl Pipeline {
         );
         Ok(())
     }
+}
+
+/// Every partition of every source with event time, as far as the offsets know them.
+fn event_time_partitions(
+    rules: &BTreeMap<String, WatermarkRules>,
+    offsets: &SourceOffsets,
+) -> std::collections::BTreeSet<SourcePartition> {
+    offsets
+        .iter()
+        .filter(|(source, _)| rules.contains_key(*source))
+        .flat_map(|(source, parts)| parts.keys().map(move |p| (source.clone(), p.clone())))
+        .collect()
+}
+
+/// Wall clock minus watermark, in ms (0 if the watermark is ahead of the clock); -1 for none.
+fn watermark_lag_ms(watermark: Option<i64>) -> i64 {
+    watermark.map_or(-1, |w| {
+        ((chrono::Utc::now().timestamp_micros() - w) / 1000).max(0)
+    })
 }
 
 /// Per partition: offsets available at planning minus where this batch ended.

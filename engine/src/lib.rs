@@ -36,6 +36,7 @@ pub mod query;
 pub mod schema;
 pub mod sink;
 pub mod source;
+pub mod watermark;
 
 pub use checkpoint::{BatchCounters, BatchIntent, BatchManifest, CheckpointStore};
 pub use driver::{RunSummary, Validation};
