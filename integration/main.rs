@@ -11,3 +11,4 @@ mod crash;
 mod dead_letters;
 mod formats;
 mod kafka;
+mod reconcile;

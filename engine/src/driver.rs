@@ -124,12 +124,12 @@ impl Job {
 }
 
 /// One opened source.
-struct OpenSource {
-    name: String,
-    source: Box<dyn Source>,
-    event_time: Option<EventTimeConfig>,
+pub(crate) struct OpenSource {
+    pub(crate) name: String,
+    pub(crate) source: Box<dyn Source>,
+    pub(crate) event_time: Option<EventTimeConfig>,
     /// The schema the query sees (event-time column already converted).
-    schema: SchemaRef,
+    pub(crate) schema: SchemaRef,
 }
 
 /// A job with its sources, query, sink and checkpoint open, positioned after its last commit.
@@ -153,7 +153,7 @@ struct Pipeline {
     summary: RunSummary,
 }
 
-fn checkpoint_location(job: &Job) -> Result<CheckpointStore> {
+pub(crate) fn checkpoint_location(job: &Job) -> Result<CheckpointStore> {
     let url = match &job.checkpoint {
         Some(url) => url.clone(),
         None => {
@@ -172,7 +172,7 @@ fn checkpoint_location(job: &Job) -> Result<CheckpointStore> {
     CheckpointStore::open(&url)
 }
 
-async fn open_sources_and_query(
+pub(crate) async fn open_sources_and_query(
     specs: Vec<SourceSpec>,
     sql: &str,
     lineage: bool,
@@ -592,7 +592,7 @@ fn ms(d: Duration) -> u64 {
 
 /// Reads every range of one source (partitions concurrently), parses event time, and returns
 /// the rows as one batch plus the dead letters.
-async fn read_source(
+pub(crate) async fn read_source(
     s: &OpenSource,
     ranges: &BTreeMap<PartitionId, OffsetRange>,
 ) -> Result<(RecordBatch, Vec<DeadLetter>)> {

@@ -33,6 +33,7 @@ pub mod job;
 pub mod location;
 pub mod offsets;
 pub mod query;
+pub mod reconcile;
 pub mod schema;
 pub mod sink;
 pub mod source;

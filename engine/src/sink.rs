@@ -64,4 +64,9 @@ pub trait Sink: Send + Sync {
 
     /// Commits one batch, idempotently.
     async fn commit(&self, batch: BatchCommit) -> Result<CommitOutcome>;
+
+    /// Reads back what `job_id` has committed, without opening the sink for writing and without
+    /// creating anything: the last committed batch and every output row. `None` if the job has
+    /// committed nothing. Used by reconciliation.
+    async fn read_committed(&self, job_id: &str) -> Result<Option<(BatchId, Vec<RecordBatch>)>>;
 }

@@ -319,6 +319,38 @@ impl Sink for DeltaSink {
             .map(BatchId))
     }
 
+    async fn read_committed(
+        &self,
+        job_id: &str,
+    ) -> sluice_engine::Result<Option<(BatchId, Vec<RecordBatch>)>> {
+        let url = &self.output.url;
+        let err = |source| SinkError::Delta {
+            table: url.to_string(),
+            source,
+        };
+        let table = match deltalake::open_table(url.clone()).await {
+            Ok(table) => table,
+            Err(
+                deltalake::DeltaTableError::NotATable(_)
+                | deltalake::DeltaTableError::InvalidTableLocation(_),
+            ) => return Ok(None),
+            Err(e) => return Err(err(e).into()),
+        };
+        let Some(version) = self.output.txn_version(&table, job_id).await? else {
+            return Ok(None);
+        };
+        let ctx = deltalake::datafusion::prelude::SessionContext::new();
+        table.update_datafusion_session(&ctx.state()).map_err(err)?;
+        let provider = table.table_provider().await.map_err(|e| err(e.into()))?;
+        let rows = ctx
+            .read_table(provider)
+            .map_err(|e| err(e.into()))?
+            .collect()
+            .await
+            .map_err(|e| err(e.into()))?;
+        Ok(Some((BatchId(version), rows)))
+    }
+
     async fn commit(&self, batch: BatchCommit) -> sluice_engine::Result<CommitOutcome> {
         let batch_id = batch.batch_id;
         let props = || properties(&self.job_id, batch_id, &batch.manifest);

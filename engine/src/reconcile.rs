@@ -1,0 +1,346 @@
+//! Reconciliation: the streamed output over a closed event-time period must equal a batch
+//! recomputation of the same query over the raw events of that period.
+//!
+//! The recomputation reads every offset the job's committed batches read (from each partition's
+//! starting offset to the end offsets of the last committed batch's manifest), keeps the rows
+//! whose event time falls in `[from, to)`, and runs the job's SQL over them as **one** batch. The
+//! output side is the output table's rows whose event-time column falls in the same period. The
+//! two are compared as multisets: rows are grouped by their lineage (`_source_partition`,
+//! `_source_offset`) when the output carries it, equal rows match, and leftover rows of a group
+//! are paired as *different* (equal if every number agrees within 1e-9 relative) or reported
+//! as *missing* (recomputed, not in the table) or *extra* (in the table, not recomputed).
+//!
+//! This version reconciles stateless jobs, whose output carries the event-time column; windowed
+//! jobs (compared on `window_start`, minus the rows in the late table) come with windows.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use arrow::array::{ArrayRef, BooleanArray, RecordBatch, Scalar, TimestampMicrosecondArray};
+use arrow::compute::kernels::{boolean, cast, cmp};
+use arrow::compute::{concat_batches, filter_record_batch};
+use arrow::datatypes::SchemaRef;
+use serde_json::Value;
+
+use crate::driver::{checkpoint_location, open_sources_and_query, read_source};
+use crate::error::{Error, Result};
+use crate::job::Job;
+use crate::offsets::{BatchId, OffsetRange, PartitionId};
+use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION};
+
+/// How far apart two floats may be (relative) and still count as equal.
+pub const FLOAT_TOLERANCE: f64 = 1e-9;
+
+/// What [`Job::reconcile`] found.
+#[derive(Debug, Clone)]
+pub struct Reconciliation {
+    /// The event-time column the period applies to.
+    pub column: String,
+    /// The last batch the job committed; the recomputation reads what batches up to it read.
+    pub last_batch: BatchId,
+    /// Rows the batch recomputation produced for the period.
+    pub expected_rows: usize,
+    /// Rows of the output table in the period.
+    pub table_rows: usize,
+    /// How the two sides compare.
+    pub diff: RowDiff,
+}
+
+/// Two multisets of rows compared.
+#[derive(Debug, Clone, Default)]
+pub struct RowDiff {
+    /// Rows found on both sides.
+    pub matching: usize,
+    /// Recomputed rows the table lacks (as JSON).
+    pub missing: Vec<String>,
+    /// Table rows the recomputation did not produce (as JSON).
+    pub extra: Vec<String>,
+    /// Pairs (recomputed, in the table) with the same lineage but different values.
+    pub different: Vec<(String, String)>,
+}
+
+impl RowDiff {
+    /// Missing + extra + different rows; 0 means the two sides agree.
+    pub fn differences(&self) -> usize {
+        self.missing.len() + self.extra.len() + self.different.len()
+    }
+}
+
+impl Job {
+    /// Recomputes the job's query over the raw events with event time in `[from, to)` (µs since
+    /// the epoch) and compares the result with the output table. Writes nothing.
+    ///
+    /// # Errors
+    /// If the period is empty, a source has no event time, the output does not carry the
+    /// event-time column, the job has committed nothing, or reading fails.
+    pub async fn reconcile(self, from: i64, to: i64) -> Result<Reconciliation> {
+        if from >= to {
+            return Err(Error::InvalidJob(
+                "reconcile: the period is empty (--from-time must be before --to-time)".into(),
+            ));
+        }
+        let checkpoint = checkpoint_location(&self)?;
+        let (sources, query) =
+            open_sources_and_query(self.sources, &self.sql, self.lineage, &checkpoint).await?;
+        let mut columns = BTreeSet::new();
+        for s in &sources {
+            let time = s.event_time.as_ref().ok_or_else(|| {
+                Error::source(
+                    &s.name,
+                    "reconcile compares event-time periods, and this source has no event_time",
+                )
+            })?;
+            columns.insert(time.column.clone());
+        }
+        let column = match columns.len() {
+            1 => columns.into_iter().next().unwrap_or_default(),
+            _ => {
+                return Err(Error::InvalidJob(format!(
+                    "reconcile: the sources name different event-time columns ({}); it needs one",
+                    columns.into_iter().collect::<Vec<_>>().join(", ")
+                )));
+            }
+        };
+        let output_schema = query.output_schema();
+        if output_schema.index_of(&column).is_err() {
+            return Err(Error::InvalidJob(format!(
+                "reconcile: the query's output has no column '{column}' (the event time), so its \
+                 rows cannot be assigned to a period; select it in the query"
+            )));
+        }
+        let (last_batch, table) = self.sink.read_committed(&self.id).await?.ok_or_else(|| {
+            Error::InvalidJob(format!(
+                "reconcile: job '{}' has committed nothing to {} yet",
+                self.id,
+                self.sink.location()
+            ))
+        })?;
+        let manifest =
+            checkpoint
+                .read_manifest(last_batch)
+                .await?
+                .ok_or_else(|| Error::MissingManifest {
+                    job_id: self.id.clone(),
+                    batch_id: last_batch,
+                    path: checkpoint.manifest_location(last_batch),
+                })?;
+
+        // The batch recomputation: every committed offset, the period's rows, one query run.
+        let mut inputs = BTreeMap::new();
+        for s in &sources {
+            let ends = manifest.end_offsets.get(&s.name);
+            let ranges: BTreeMap<PartitionId, OffsetRange> = s
+                .source
+                .available()
+                .await?
+                .into_iter()
+                .filter_map(|(p, a)| {
+                    let end = *ends?.get(&p)?;
+                    Some((p, OffsetRange::new(a.initial, end.max(a.initial))))
+                })
+                .collect();
+            let (rows, _dead_letters) = read_source(s, &ranges).await?;
+            inputs.insert(s.name.clone(), in_period(&rows, &column, from, to)?);
+        }
+        let recomputed = query.execute_isolating(&inputs).await?;
+        let expected = concat_batches(&output_schema, &recomputed.batches)?;
+
+        // The streamed output of the same period, in the same column types.
+        let table = conform(&output_schema, &table)?;
+        let actual = in_period(&table, &column, from, to)?;
+
+        Ok(Reconciliation {
+            column,
+            last_batch,
+            expected_rows: expected.num_rows(),
+            table_rows: actual.num_rows(),
+            diff: compare(&expected, &actual)?,
+        })
+    }
+}
+
+/// The rows of `batch` whose `column` (a timestamp) lies in `[from, to)`.
+fn in_period(batch: &RecordBatch, column: &str, from: i64, to: i64) -> Result<RecordBatch> {
+    let times = batch
+        .column_by_name(column)
+        .ok_or_else(|| Error::InvalidJob(format!("reconcile: rows lack the column '{column}'")))?;
+    let times = cast::cast(times, &crate::event_time::event_time_type())?;
+    let bound = |t: i64| Scalar::new(TimestampMicrosecondArray::from(vec![t]).with_timezone("UTC"));
+    let after: BooleanArray = cmp::gt_eq(&times, &bound(from))?;
+    let before: BooleanArray = cmp::lt(&times, &bound(to))?;
+    Ok(filter_record_batch(batch, &boolean::and(&after, &before)?)?)
+}
+
+/// The table's rows as one batch of `schema`: columns by name, cast to the query's types.
+fn conform(schema: &SchemaRef, batches: &[RecordBatch]) -> Result<RecordBatch> {
+    let mut out = Vec::with_capacity(batches.len());
+    for b in batches {
+        let columns = schema
+            .fields()
+            .iter()
+            .map(|f| {
+                let col = b.column_by_name(f.name()).ok_or_else(|| {
+                    Error::InvalidJob(format!(
+                        "reconcile: the output table has no column '{}'",
+                        f.name()
+                    ))
+                })?;
+                Ok(cast::cast(col, f.data_type())?)
+            })
+            .collect::<Result<Vec<ArrayRef>>>()?;
+        out.push(RecordBatch::try_new(Arc::clone(schema), columns)?);
+    }
+    Ok(concat_batches(schema, &out)?)
+}
+
+/// Rows as JSON objects.
+fn json_rows(batch: &RecordBatch) -> Result<Vec<serde_json::Map<String, Value>>> {
+    let mut writer = arrow::json::ArrayWriter::new(Vec::new());
+    writer.write(batch)?;
+    writer.finish()?;
+    let bytes = writer.into_inner();
+    if bytes.is_empty() {
+        return Ok(Vec::new());
+    }
+    serde_json::from_slice(&bytes)
+        .map_err(|e| Error::InvalidJob(format!("reconcile: rows do not serialize: {e}")))
+}
+
+/// Compares two multisets of rows, grouped by lineage when the rows carry it.
+fn compare(expected: &RecordBatch, actual: &RecordBatch) -> Result<RowDiff> {
+    let keyed = expected.schema().index_of(SOURCE_PARTITION).is_ok()
+        && expected.schema().index_of(SOURCE_OFFSET).is_ok();
+    let group = |rows: Vec<serde_json::Map<String, Value>>| {
+        let mut groups: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for row in rows {
+            let key = if keyed {
+                format!("{}@{}", row[SOURCE_PARTITION], row[SOURCE_OFFSET])
+            } else {
+                String::new()
+            };
+            groups
+                .entry(key)
+                .or_default()
+                .push(Value::Object(row).to_string());
+        }
+        groups
+    };
+    let expected_groups = group(json_rows(expected)?);
+    let mut actual_groups = group(json_rows(actual)?);
+    let mut report = RowDiff::default();
+    for (key, mut want) in expected_groups {
+        let mut got = actual_groups.remove(&key).unwrap_or_default();
+        want.sort();
+        got.sort();
+        let (want, got) = remove_common(want, got, &mut report.matching);
+        let mut got = got.into_iter();
+        for w in want {
+            match got.next() {
+                Some(g) if approx_equal(&w, &g) => report.matching += 1,
+                Some(g) => report.different.push((w, g)),
+                None => report.missing.push(w),
+            }
+        }
+        report.extra.extend(got);
+    }
+    report.extra.extend(actual_groups.into_values().flatten());
+    Ok(report)
+}
+
+/// Removes the rows both sorted lists hold (as a multiset), counting them.
+fn remove_common(
+    want: Vec<String>,
+    got: Vec<String>,
+    matching: &mut usize,
+) -> (Vec<String>, Vec<String>) {
+    let (mut w_left, mut g_left) = (Vec::new(), Vec::new());
+    let (mut w, mut g) = (want.into_iter().peekable(), got.into_iter().peekable());
+    loop {
+        match (w.peek(), g.peek()) {
+            (Some(a), Some(b)) if a == b => {
+                *matching += 1;
+                w.next();
+                g.next();
+            }
+            (Some(a), Some(b)) if a < b => w_left.extend(w.next()),
+            (Some(_), Some(_)) => g_left.extend(g.next()),
+            (Some(_), None) => w_left.extend(w.next()),
+            (None, Some(_)) => g_left.extend(g.next()),
+            (None, None) => return (w_left, g_left),
+        }
+    }
+}
+
+/// Equal as JSON, with numbers compared within [`FLOAT_TOLERANCE`] relative.
+fn approx_equal(a: &str, b: &str) -> bool {
+    fn close(a: &Value, b: &Value) -> bool {
+        match (a, b) {
+            (Value::Number(x), Value::Number(y)) => match (x.as_f64(), y.as_f64()) {
+                (Some(x), Some(y)) => {
+                    x == y || (x - y).abs() <= FLOAT_TOLERANCE * x.abs().max(y.abs())
+                }
+                _ => x == y,
+            },
+            (Value::Object(x), Value::Object(y)) => {
+                x.len() == y.len() && x.iter().all(|(k, v)| y.get(k).is_some_and(|w| close(v, w)))
+            }
+            (Value::Array(x), Value::Array(y)) => {
+                x.len() == y.len() && x.iter().zip(y).all(|(v, w)| close(v, w))
+            }
+            _ => a == b,
+        }
+    }
+    match (
+        serde_json::from_str::<Value>(a),
+        serde_json::from_str::<Value>(b),
+    ) {
+        (Ok(a), Ok(b)) => close(&a, &b),
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::{Float64Array, Int64Array, StringArray};
+    use arrow::datatypes::{DataType, Field, Schema};
+
+    fn rows(values: &[(&str, i64, f64)]) -> RecordBatch {
+        let schema = Arc::new(Schema::new(vec![
+            Field::new(SOURCE_PARTITION, DataType::Utf8, false),
+            Field::new(SOURCE_OFFSET, DataType::Int64, false),
+            Field::new("amount", DataType::Float64, false),
+        ]));
+        RecordBatch::try_new(
+            schema,
+            vec![
+                Arc::new(StringArray::from_iter_values(values.iter().map(|v| v.0))),
+                Arc::new(Int64Array::from_iter_values(values.iter().map(|v| v.1))),
+                Arc::new(Float64Array::from_iter_values(values.iter().map(|v| v.2))),
+            ],
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn matching_missing_extra_and_different_rows_are_told_apart() {
+        let expected = rows(&[
+            ("0", 1, 1.0),
+            ("0", 1, 2.0),
+            ("0", 2, 3.0),
+            ("0", 3, 0.1 + 0.2),
+        ]);
+        let actual = rows(&[("0", 1, 2.0), ("0", 1, 9.0), ("0", 3, 0.3), ("0", 4, 5.0)]);
+        let r = compare(&expected, &actual).unwrap();
+        // (0,1,2.0) equal; (0,3) equal within tolerance; (0,1,1.0) vs (0,1,9.0) differ;
+        // (0,2) missing; (0,4) extra.
+        assert_eq!(r.matching, 2);
+        assert_eq!(r.different.len(), 1);
+        assert!(r.different[0].0.contains("1.0") && r.different[0].1.contains("9.0"));
+        assert_eq!(r.missing.len(), 1);
+        assert!(r.missing[0].contains("\"_source_offset\":2"));
+        assert_eq!(r.extra.len(), 1);
+        assert_eq!(r.differences(), 3);
+        assert_eq!(compare(&expected, &expected).unwrap().differences(), 0);
+    }
+}
