@@ -6,6 +6,7 @@
 
 mod support;
 
+mod backfill;
 mod cli;
 mod crash;
 mod dead_letters;

@@ -11,15 +11,18 @@ use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 
 use crate::error::Result;
 use crate::offsets::BatchId;
-use crate::source::DeadLetter;
+use crate::source::{DeadLetter, SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_POSITION};
+
+/// Dead-letter column: the name of the source the input came from.
+pub const SOURCE_NAME: &str = "_source_name";
 
 /// The dead-letter table's schema (DESIGN.md contract, plus `_source_name`).
 pub fn dead_letter_schema() -> SchemaRef {
     Arc::new(Schema::new(vec![
-        Field::new("_source_name", DataType::Utf8, false),
-        Field::new("_source_partition", DataType::Utf8, false),
-        Field::new("_source_offset", DataType::Int64, false),
-        Field::new("_source_position", DataType::Utf8, false),
+        Field::new(SOURCE_NAME, DataType::Utf8, false),
+        Field::new(SOURCE_PARTITION, DataType::Utf8, false),
+        Field::new(SOURCE_OFFSET, DataType::Int64, false),
+        Field::new(SOURCE_POSITION, DataType::Utf8, false),
         Field::new("raw", DataType::Binary, false),
         Field::new("error", DataType::Utf8, false),
         Field::new("batch_id", DataType::Int64, false),

@@ -7,6 +7,10 @@
 //!
 //! Points, in the order a batch passes them: `after_intent`, `after_manifest`,
 //! `after_side_tables`, `after_commit`.
+//!
+//! Pause points are the same idea for races: `SLUICE_PAUSE_AT=<point>:<millis>` makes every pass
+//! through that point wait, so a test can make two writers' commits overlap on purpose.
+//! Point: `before_output_commit` (after the sink loaded the table, before it commits).
 
 use std::sync::OnceLock;
 
@@ -45,5 +49,23 @@ pub fn crash_point(point: &str, batch_id: BatchId) {
         loop {
             std::thread::sleep(std::time::Duration::from_secs(1));
         }
+    }
+}
+
+/// The environment variable that arms a pause point.
+pub const PAUSE_AT_ENV: &str = "SLUICE_PAUSE_AT";
+
+/// Waits if `SLUICE_PAUSE_AT` names this point (for every batch); unset, costs one comparison.
+pub async fn pause_point(point: &str) {
+    static ARMED: OnceLock<Option<(String, u64)>> = OnceLock::new();
+    let armed = ARMED.get_or_init(|| {
+        let spec = std::env::var(PAUSE_AT_ENV).ok()?;
+        let (point, millis) = spec.split_once(':')?;
+        Some((point.to_string(), millis.parse().ok()?))
+    });
+    if let Some((armed_point, millis)) = armed
+        && armed_point == point
+    {
+        tokio::time::sleep(std::time::Duration::from_millis(*millis)).await;
     }
 }

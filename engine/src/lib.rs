@@ -23,6 +23,7 @@
 //!
 //! Start reading at [`driver`]; the traits are [`Source`] and [`Sink`].
 
+pub mod backfill;
 pub mod checkpoint;
 pub mod dead_letter;
 pub mod driver;
@@ -45,7 +46,7 @@ pub use error::{Error, Result};
 pub use event_time::{EventTimeConfig, EventTimeFormat};
 pub use job::{Job, JobBuilder, SourceSpec, Trigger, parse_duration};
 pub use offsets::{BatchId, Offset, OffsetRange, PartitionId};
-pub use sink::{BatchCommit, CommitOutcome, Sink};
+pub use sink::{BatchCommit, CommitOutcome, Replacement, Sink};
 pub use source::{AvailableRange, DeadLetter, Source, SourceContext, SourceRead};
 
 /// Re-exported so connectors and sinks use the engine's exact versions.

@@ -108,7 +108,7 @@ impl Job {
                  rows cannot be assigned to a period; select it in the query"
             )));
         }
-        let (last_batch, table) = self.sink.read_committed(&self.id).await?.ok_or_else(|| {
+        let last_batch = self.sink.committed_batch(&self.id).await?.ok_or_else(|| {
             Error::InvalidJob(format!(
                 "reconcile: job '{}' has committed nothing to {} yet",
                 self.id,
@@ -146,7 +146,7 @@ impl Job {
         let expected = concat_batches(&output_schema, &recomputed.batches)?;
 
         // The streamed output of the same period, in the same column types.
-        let table = conform(&output_schema, &table)?;
+        let table = conform(&output_schema, &self.sink.read_output().await?)?;
         let actual = in_period(&table, &column, from, to)?;
 
         Ok(Reconciliation {

@@ -6,13 +6,15 @@
 //! table itself remembers the last batch id, the sink is the source of truth on restart
 //! ([`Sink::last_committed`]) and can refuse to commit a batch twice.
 
+use std::collections::BTreeMap;
+
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use async_trait::async_trait;
 use url::Url;
 
 use crate::error::Result;
-use crate::offsets::BatchId;
+use crate::offsets::{BatchId, OffsetRange, PartitionId};
 
 /// What one batch hands to the sink.
 #[derive(Debug)]
@@ -25,6 +27,25 @@ pub struct BatchCommit {
     pub dead_letters: Vec<RecordBatch>,
     /// A copy of the batch manifest, stored in the commit's metadata for humans.
     pub manifest: serde_json::Value,
+}
+
+/// What a backfill hands to the sink: rows that replace everything its offset ranges produced.
+#[derive(Debug)]
+pub struct Replacement {
+    /// The backfill's own app id (`<job_id>/backfill/<n>`), committed as `txn(app_id, 0)` on
+    /// every table it changes, so a rerun after a crash skips tables already done.
+    pub app_id: String,
+    /// The source whose offsets are replaced (dead letters are keyed by source name).
+    pub source: String,
+    /// Per partition, the offsets whose rows are replaced (output rows by their lineage
+    /// columns, dead letters by `_source_name`, `_source_partition`, `_source_offset`).
+    pub ranges: BTreeMap<PartitionId, OffsetRange>,
+    /// The recomputed output rows of those offsets.
+    pub output: Vec<RecordBatch>,
+    /// The recomputed dead letters of those offsets.
+    pub dead_letters: Vec<RecordBatch>,
+    /// What the backfill did, stored in the commits' metadata for humans.
+    pub summary: serde_json::Value,
 }
 
 /// What a commit did.
@@ -65,8 +86,17 @@ pub trait Sink: Send + Sync {
     /// Commits one batch, idempotently.
     async fn commit(&self, batch: BatchCommit) -> Result<CommitOutcome>;
 
-    /// Reads back what `job_id` has committed, without opening the sink for writing and without
-    /// creating anything: the last committed batch and every output row. `None` if the job has
-    /// committed nothing. Used by reconciliation.
-    async fn read_committed(&self, job_id: &str) -> Result<Option<(BatchId, Vec<RecordBatch>)>>;
+    /// Replaces, in one commit per table, every row the replacement's ranges produced with its
+    /// recomputed rows (dead-letter table first, output last). Retries when a concurrent writer
+    /// (the live job) committed in between; returns [`CommitOutcome::AlreadyCommitted`] if the
+    /// output table already holds `txn(app_id, 0)`.
+    async fn replace(&self, replacement: Replacement) -> Result<CommitOutcome>;
+
+    /// The last batch `job_id` committed, read without opening the sink for writing and without
+    /// creating anything (`None`: no table, or nothing committed by that job). For backfill and
+    /// reconciliation, which may run beside the live job.
+    async fn committed_batch(&self, job_id: &str) -> Result<Option<BatchId>>;
+
+    /// Every row of the output table, read without writing anything. For reconciliation.
+    async fn read_output(&self) -> Result<Vec<RecordBatch>>;
 }

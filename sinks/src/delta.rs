@@ -31,10 +31,15 @@ use deltalake::kernel::transaction::{CommitBuilder, CommitProperties};
 use deltalake::kernel::{StructType, Transaction};
 use deltalake::protocol::{DeltaOperation, SaveMode};
 use serde::Deserialize;
-use sluice_engine::dead_letter::dead_letter_schema;
-use sluice_engine::fault::crash_point;
+use std::collections::BTreeMap;
+
+use sluice_engine::dead_letter::{SOURCE_NAME, dead_letter_schema};
+use sluice_engine::fault::{crash_point, pause_point};
+use sluice_engine::source::{SOURCE_OFFSET, SOURCE_PARTITION};
 use sluice_engine::{BatchCommit, BatchId, CommitOutcome, Sink};
+use sluice_engine::{OffsetRange, PartitionId, Replacement};
 use tokio::sync::Mutex;
+use tracing::warn;
 use url::Url;
 
 use crate::error::{Result, SinkError};
@@ -198,6 +203,19 @@ impl TableHandle {
         Ok(())
     }
 
+    /// The table at its latest version, loaded afresh (not the handle `open` keeps); `None` if
+    /// there is no table yet.
+    async fn open_existing(&self) -> Result<Option<DeltaTable>> {
+        match deltalake::open_table(self.url.clone()).await {
+            Ok(table) => Ok(Some(table)),
+            Err(
+                deltalake::DeltaTableError::NotATable(_)
+                | deltalake::DeltaTableError::InvalidTableLocation(_),
+            ) => Ok(None),
+            Err(e) => Err(self.err(e)),
+        }
+    }
+
     /// The table at its latest version.
     async fn latest(&self) -> Result<DeltaTable> {
         let mut guard = self.table.lock().await;
@@ -256,6 +274,124 @@ impl TableHandle {
         Ok((rows, files, bytes))
     }
 
+    /// Replaces the rows matching `predicate` with `batches` in one commit carrying
+    /// `txn(app_id, 0)`, unless the table already holds that txn. A commit that conflicts with
+    /// a concurrent writer is retried on the new table version, with backoff.
+    async fn replace_where(
+        &self,
+        app_id: &str,
+        batches: Vec<RecordBatch>,
+        predicate: &str,
+        properties: impl Fn() -> CommitProperties,
+    ) -> Result<CommitOutcome> {
+        let rows: u64 = batches.iter().map(|b| b.num_rows() as u64).sum();
+        let mut delay = std::time::Duration::from_millis(100);
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let table = self.latest().await?;
+            if self.txn_version(&table, app_id).await? == Some(0) {
+                return Ok(CommitOutcome::AlreadyCommitted);
+            }
+            let result = if rows == 0 {
+                // `write` refuses empty input: delete what the ranges produced, with the txn.
+                table
+                    .delete()
+                    .with_predicate(predicate)
+                    .with_commit_properties(properties())
+                    .await
+                    .map(|(table, _)| table)
+            } else {
+                table
+                    .write(batches.iter().filter(|b| b.num_rows() > 0).cloned())
+                    .with_save_mode(SaveMode::Overwrite)
+                    .with_replace_where(predicate)
+                    .with_commit_properties(properties())
+                    .await
+            };
+            match result {
+                Ok(mut table) => {
+                    table.update_state().await.map_err(|e| self.err(e))?;
+                    if self.txn_version(&table, app_id).await? != Some(0) {
+                        // Nothing matched and nothing was written: record the txn alone.
+                        let snapshot = table.snapshot().map_err(|e| self.err(e))?;
+                        CommitBuilder::from(properties())
+                            .with_actions(vec![])
+                            .build(
+                                Some(snapshot),
+                                table.log_store(),
+                                DeltaOperation::Delete {
+                                    predicate: Some(predicate.to_string()),
+                                },
+                            )
+                            .await
+                            .map_err(|e| self.err(e))?;
+                        table.update_state().await.map_err(|e| self.err(e))?;
+                    }
+                    let (files, bytes) = self.added_files(&table).await?;
+                    *self.table.lock().await = Some(table);
+                    return Ok(CommitOutcome::Committed { rows, files, bytes });
+                }
+                Err(e) if is_conflict(&e) && attempt < MAX_CONFLICT_RETRIES => {
+                    warn!(table = %self.url, attempt, retry_in_ms = delay.as_millis() as u64, error = %e, "replacement conflicted with a concurrent commit; retrying on the new version");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(std::time::Duration::from_secs(5));
+                }
+                Err(e) => return Err(self.err(e)),
+            }
+        }
+    }
+
+    /// Appends one batch's rows with `txn(job_id, batch_id)` unless the table already holds that
+    /// batch (`None`). With `in_sequence`, the table's txn version must be the previous batch
+    /// (else another instance of the job is writing). A commit that delta-rs rejects because a
+    /// concurrent commit removed files (a backfill replacing rows) is retried on the new version:
+    /// appended rows never depend on what other commits removed.
+    async fn append_batch(
+        &self,
+        job_id: &str,
+        batch_id: BatchId,
+        batches: &[RecordBatch],
+        properties: impl Fn() -> CommitProperties,
+        target_file_size: Option<NonZeroU64>,
+        in_sequence: bool,
+    ) -> Result<Option<(u64, u64, u64)>> {
+        let mut delay = std::time::Duration::from_millis(100);
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let table = self.latest().await?;
+            let found = self.txn_version(&table, job_id).await?;
+            if found.is_some_and(|v| v >= batch_id.0) {
+                return Ok(None);
+            }
+            let expected = (batch_id.0 > 0).then(|| batch_id.0 - 1);
+            if in_sequence && found != expected {
+                return Err(SinkError::ConcurrentWriter {
+                    table: self.url.to_string(),
+                    job_id: job_id.to_string(),
+                    expected,
+                    found,
+                });
+            }
+            if in_sequence {
+                pause_point("before_output_commit").await;
+            }
+            match self
+                .append(table, batches.to_vec(), properties(), target_file_size)
+                .await
+            {
+                Ok(added) => return Ok(Some(added)),
+                Err(e) if e.is_commit_conflict() && attempt < MAX_CONFLICT_RETRIES => {
+                    warn!(table = %self.url, batch_id = batch_id.0, attempt, retry_in_ms = delay.as_millis() as u64, error = %e, "commit conflicted with a concurrent commit; retrying on the new version");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(std::time::Duration::from_secs(5));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
     /// Files and bytes added by the table's latest commit.
     async fn added_files(&self, table: &DeltaTable) -> Result<(u64, u64)> {
         let Some(version) = table.version() else {
@@ -280,6 +416,52 @@ impl TableHandle {
         }
         Ok((files, bytes))
     }
+}
+
+/// How often a commit rejected because of a concurrent commit is retried.
+const MAX_CONFLICT_RETRIES: u32 = 20;
+
+/// Whether delta-rs rejected a commit because a concurrent commit conflicts with it.
+fn is_conflict(e: &deltalake::DeltaTableError) -> bool {
+    matches!(
+        e,
+        deltalake::DeltaTableError::Transaction {
+            source: deltalake::kernel::transaction::TransactionError::CommitConflict(_),
+        }
+    )
+}
+
+impl SinkError {
+    fn is_commit_conflict(&self) -> bool {
+        matches!(self, SinkError::Delta { source, .. } if is_conflict(source))
+    }
+}
+
+/// `(_source_partition = '0' AND _source_offset >= 10 AND _source_offset < 20) OR …`; `false`
+/// when every range is empty.
+fn lineage_predicate(ranges: &BTreeMap<PartitionId, OffsetRange>) -> String {
+    let parts: Vec<String> = ranges
+        .iter()
+        .filter(|(_, r)| !r.is_empty())
+        .map(|(p, r)| {
+            format!(
+                "({SOURCE_PARTITION} = {} AND {SOURCE_OFFSET} >= {} AND {SOURCE_OFFSET} < {})",
+                quote(p),
+                r.start,
+                r.end
+            )
+        })
+        .collect();
+    if parts.is_empty() {
+        "false".into()
+    } else {
+        parts.join(" OR ")
+    }
+}
+
+/// A SQL string literal.
+fn quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "''"))
 }
 
 /// The commitInfo key under which each commit records its job id and batch manifest, for humans
@@ -319,36 +501,51 @@ impl Sink for DeltaSink {
             .map(BatchId))
     }
 
-    async fn read_committed(
-        &self,
-        job_id: &str,
-    ) -> sluice_engine::Result<Option<(BatchId, Vec<RecordBatch>)>> {
-        let url = &self.output.url;
-        let err = |source| SinkError::Delta {
-            table: url.to_string(),
-            source,
+    async fn replace(&self, r: Replacement) -> sluice_engine::Result<CommitOutcome> {
+        let lineage = lineage_predicate(&r.ranges);
+        let props = || {
+            CommitProperties::default()
+                .with_application_transaction(Transaction::new(&r.app_id, 0))
+                .with_metadata([(
+                    COMMIT_METADATA_KEY.to_string(),
+                    serde_json::json!({ "job_id": r.app_id, "backfill": r.summary }),
+                )])
         };
-        let table = match deltalake::open_table(url.clone()).await {
-            Ok(table) => table,
-            Err(
-                deltalake::DeltaTableError::NotATable(_)
-                | deltalake::DeltaTableError::InvalidTableLocation(_),
-            ) => return Ok(None),
-            Err(e) => return Err(err(e).into()),
-        };
-        let Some(version) = self.output.txn_version(&table, job_id).await? else {
+        let dead_letter_predicate = format!("{SOURCE_NAME} = {} AND ({lineage})", quote(&r.source));
+        self.dead_letters
+            .replace_where(&r.app_id, r.dead_letters, &dead_letter_predicate, props)
+            .await?;
+        crash_point("after_side_tables", BatchId(0));
+        Ok(self
+            .output
+            .replace_where(&r.app_id, r.output, &lineage, props)
+            .await?)
+    }
+
+    async fn committed_batch(&self, job_id: &str) -> sluice_engine::Result<Option<BatchId>> {
+        let Some(table) = self.output.open_existing().await? else {
             return Ok(None);
+        };
+        Ok(self.output.txn_version(&table, job_id).await?.map(BatchId))
+    }
+
+    async fn read_output(&self) -> sluice_engine::Result<Vec<RecordBatch>> {
+        let Some(table) = self.output.open_existing().await? else {
+            return Ok(Vec::new());
+        };
+        let err = |source| SinkError::Delta {
+            table: self.output.url.to_string(),
+            source,
         };
         let ctx = deltalake::datafusion::prelude::SessionContext::new();
         table.update_datafusion_session(&ctx.state()).map_err(err)?;
         let provider = table.table_provider().await.map_err(|e| err(e.into()))?;
-        let rows = ctx
+        Ok(ctx
             .read_table(provider)
             .map_err(|e| err(e.into()))?
             .collect()
             .await
-            .map_err(|e| err(e.into()))?;
-        Ok(Some((BatchId(version), rows)))
+            .map_err(|e| err(e.into()))?)
     }
 
     async fn commit(&self, batch: BatchCommit) -> sluice_engine::Result<CommitOutcome> {
@@ -357,36 +554,34 @@ impl Sink for DeltaSink {
 
         // 1. Side tables first, each skipped if it already holds this batch.
         if batch.dead_letters.iter().any(|b| b.num_rows() > 0) {
-            let table = self.dead_letters.latest().await?;
-            let done = self.dead_letters.txn_version(&table, &self.job_id).await?;
-            if done.is_none_or(|v| v < batch_id.0) {
-                self.dead_letters
-                    .append(table, batch.dead_letters, props(), self.target_file_size)
-                    .await?;
-            }
+            self.dead_letters
+                .append_batch(
+                    &self.job_id,
+                    batch_id,
+                    &batch.dead_letters,
+                    props,
+                    self.target_file_size,
+                    false,
+                )
+                .await?;
         }
         crash_point("after_side_tables", batch_id);
 
         // 2. The output commit, exactly once.
-        let table = self.output.latest().await?;
-        let found = self.output.txn_version(&table, &self.job_id).await?;
-        if found == Some(batch_id.0) {
-            return Ok(CommitOutcome::AlreadyCommitted);
-        }
-        let expected = (batch_id.0 > 0).then(|| batch_id.0 - 1);
-        if found != expected {
-            return Err(SinkError::ConcurrentWriter {
-                table: self.output.url.to_string(),
-                job_id: self.job_id.clone(),
-                expected,
-                found,
-            }
-            .into());
-        }
-        let (rows, files, bytes) = self
+        let Some((rows, files, bytes)) = self
             .output
-            .append(table, batch.output, props(), self.target_file_size)
-            .await?;
+            .append_batch(
+                &self.job_id,
+                batch_id,
+                &batch.output,
+                props,
+                self.target_file_size,
+                true,
+            )
+            .await?
+        else {
+            return Ok(CommitOutcome::AlreadyCommitted);
+        };
         Ok(CommitOutcome::Committed { rows, files, bytes })
     }
 }

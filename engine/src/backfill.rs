@@ -1,0 +1,481 @@
+//! Backfill: rerun an offset range of a job as one bounded batch that replaces what it covers.
+//!
+//! The same job definition as the stream — same sources, same SQL, same sink — run over
+//! `[from, to)` per partition. The rows are read and processed in chunks of the source's
+//! per-batch budget (so each chunk behaves exactly like a streamed batch), then the sink replaces
+//! every row those offsets produced, **in one commit per table** (dead letters, then output),
+//! each carrying `txn(<job_id>/backfill/<n>, 0)`. Rerunning a range therefore leaves the tables
+//! as they were; a backfill that crashed is simply run again. The live job may run meanwhile:
+//! its appends and the replacement resolve through Delta's conflict checker, and the sink retries
+//! a replacement that lost the race.
+//!
+//! Which rows a range "produced" is told by lineage: output rows by `_source_partition` /
+//! `_source_offset` (so the job must keep `lineage = true`), dead letters by source name,
+//! partition and offset. Windowed jobs (replace every window the range touches) come with
+//! windows; today every job is stateless.
+//!
+//! A backfill never goes past the offsets the live job has committed (`latest` means the live
+//! job's committed end when it has run): later offsets are the live job's to write, and a
+//! backfill that wrote them would be duplicated when the live job reaches them. A job that never
+//! committed can be backfilled up to the source's latest offsets — its bounded, batch-job run;
+//! the report says so, because a later `sluice run` of that job would start at its starting
+//! offsets and write those rows again.
+//!
+//! Each backfill gets a number `n` and a folder `<checkpoint>/backfill/<n>/` holding its resolved
+//! ranges (`spec.json`), written before anything else, for the record.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use arrow::array::{AsArray, RecordBatch};
+use arrow::datatypes::{Int64Type, TimestampMicrosecondType};
+use serde::{Deserialize, Serialize};
+
+use crate::dead_letter::{dead_letter_batch, dead_letter_from_row};
+use crate::driver::{checkpoint_location, open_sources_and_query, read_source};
+use crate::error::{Error, Result};
+use crate::job::Job;
+use crate::offsets::{BatchId, Offset, OffsetRange, PartitionId, plan_ranges};
+use crate::sink::{CommitOutcome, Replacement};
+use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION};
+
+/// One end of a backfill range.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Bound {
+    /// `earliest`: where each partition starts (its starting offset).
+    Earliest,
+    /// `latest`: the latest offsets available when the backfill starts.
+    Latest,
+    /// `0:120,1:95`: explicit offsets; partitions not named are not backfilled.
+    Offsets(BTreeMap<PartitionId, Offset>),
+}
+
+impl std::str::FromStr for Bound {
+    type Err = Error;
+
+    /// `earliest`, `latest`, or `partition:offset` pairs separated by commas (the offset is after
+    /// the last `:`, so Kafka partition ids like `topic:0` work: `topic:0:42`).
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "earliest" => return Ok(Bound::Earliest),
+            "latest" => return Ok(Bound::Latest),
+            _ => {}
+        }
+        let mut offsets = BTreeMap::new();
+        for pair in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let parsed = pair
+                .rsplit_once(':')
+                .and_then(|(p, o)| Some((p.to_string(), o.parse::<Offset>().ok()?)))
+                .filter(|(p, o)| !p.is_empty() && *o >= 0);
+            let Some((partition, offset)) = parsed else {
+                return Err(Error::InvalidJob(format!(
+                    "'{pair}' is not partition:offset (in '{s}'; e.g. 0:120,1:95, or earliest / latest)"
+                )));
+            };
+            offsets.insert(partition, offset);
+        }
+        if offsets.is_empty() {
+            return Err(Error::InvalidJob(format!(
+                "'{s}' names no partition:offset pair"
+            )));
+        }
+        Ok(Bound::Offsets(offsets))
+    }
+}
+
+/// What to backfill.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BackfillRange {
+    /// `[from, to)` in offsets.
+    Offsets {
+        /// Start (inclusive).
+        from: Bound,
+        /// End (exclusive).
+        to: Bound,
+    },
+    /// The offsets holding events with event time in `[from, to)` (µs since the epoch), found by
+    /// scanning each partition once.
+    Time {
+        /// Start (inclusive).
+        from: i64,
+        /// End (exclusive).
+        to: i64,
+    },
+}
+
+/// The ranges a backfill resolved to, recorded as `backfill/<n>/spec.json`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BackfillSpec {
+    /// `<job_id>/backfill/<n>`.
+    pub app_id: String,
+    /// The source backfilled.
+    pub source: String,
+    /// Per partition, the offsets replaced.
+    pub ranges: BTreeMap<PartitionId, OffsetRange>,
+}
+
+/// What a backfill did (or, with `dry_run`, would do).
+#[derive(Debug, Clone)]
+pub struct BackfillReport {
+    /// What was resolved.
+    pub spec: BackfillSpec,
+    /// Whether this was a dry run (nothing read or written beyond resolving the ranges).
+    pub dry_run: bool,
+    /// Offsets in the ranges (files for the files source, records for Kafka).
+    pub offsets: u64,
+    /// Rows decoded.
+    pub rows_in: u64,
+    /// Rows written to the output.
+    pub rows_out: u64,
+    /// Dead letters written.
+    pub rows_dead_lettered: u64,
+    /// Data files and bytes the output commit added.
+    pub files_written: u64,
+    /// Bytes of those files.
+    pub bytes_written: u64,
+    /// Whether the output table already held this backfill (a rerun after a crash).
+    pub already_committed: bool,
+    /// Whether the job had committed batches of its own (a live job); if not, a later `sluice
+    /// run` of it would start at its starting offsets and write these rows again.
+    pub live_job: bool,
+    /// Wall time.
+    pub elapsed: Duration,
+}
+
+impl Job {
+    /// Reruns `range` of the job as one bounded batch and replaces what it covers; with
+    /// `dry_run`, only resolves and reports the ranges.
+    ///
+    /// # Errors
+    /// If the job has several sources or no lineage columns, a bound names an unknown partition
+    /// or lies outside what the source holds, `from > to`, or reading, the query or the commit
+    /// fails.
+    pub async fn backfill(self, range: BackfillRange, dry_run: bool) -> Result<BackfillReport> {
+        let started = Instant::now();
+        let checkpoint = checkpoint_location(&self)?;
+        let (sources, query) =
+            open_sources_and_query(self.sources, &self.sql, self.lineage, &checkpoint).await?;
+        let [source] = sources.as_slice() else {
+            return Err(Error::InvalidJob(format!(
+                "backfill handles jobs with one source for now; this one has {}",
+                sources.len()
+            )));
+        };
+        let output_schema = query.output_schema();
+        for col in [SOURCE_PARTITION, SOURCE_OFFSET] {
+            if output_schema.index_of(col).is_err() {
+                return Err(Error::InvalidJob(format!(
+                    "backfill finds the rows a range produced by their lineage, and the output \
+                     has no column {col}: keep lineage = true in [sink]"
+                )));
+            }
+        }
+
+        // Offsets the live job has not committed yet are its to write: a backfill stops at its
+        // committed end offsets (or at the source's latest if the job never ran live).
+        let mut available = source.source.available().await?;
+        let live = match self.sink.committed_batch(&self.id).await? {
+            None => false,
+            Some(batch) => {
+                let manifest = checkpoint.read_manifest(batch).await?.ok_or_else(|| {
+                    Error::MissingManifest {
+                        job_id: self.id.clone(),
+                        batch_id: batch,
+                        path: checkpoint.manifest_location(batch),
+                    }
+                })?;
+                let ends = manifest.end_offsets.get(&source.name);
+                for (p, a) in available.iter_mut() {
+                    a.latest = ends.and_then(|e| e.get(p)).copied().unwrap_or(a.initial);
+                }
+                true
+            }
+        };
+        let ranges = match &range {
+            BackfillRange::Offsets { from, to } => {
+                resolve_offsets(&source.name, &available, live, from, to)?
+            }
+            BackfillRange::Time { from, to } => {
+                let Some(time) = &source.event_time else {
+                    return Err(Error::source(
+                        &source.name,
+                        "--from-time/--to-time need event_time on the source",
+                    ));
+                };
+                let all = available
+                    .iter()
+                    .map(|(p, a)| (p.clone(), OffsetRange::new(a.initial, a.latest)))
+                    .collect();
+                let (rows, _) = read_source(source, &all).await?;
+                offsets_in_period(&rows, &time.column, *from, *to)?
+            }
+        };
+        let backfills = checkpoint.child("backfill");
+        let number = backfills
+            .list_folders("")
+            .await?
+            .iter()
+            .filter_map(|n| n.parse::<u64>().ok())
+            .max()
+            .map_or(0, |n| n + 1);
+        let spec = BackfillSpec {
+            app_id: format!("{}/backfill/{number}", self.id),
+            source: source.name.clone(),
+            ranges,
+        };
+        let offsets = spec.ranges.values().map(OffsetRange::len).sum();
+        let mut report = BackfillReport {
+            spec,
+            dry_run,
+            offsets,
+            rows_in: 0,
+            rows_out: 0,
+            rows_dead_lettered: 0,
+            files_written: 0,
+            bytes_written: 0,
+            already_committed: false,
+            live_job: live,
+            elapsed: Duration::ZERO,
+        };
+        if dry_run {
+            report.elapsed = started.elapsed();
+            return Ok(report);
+        }
+        let folder = backfills.child(&number.to_string());
+        let bytes = folder.to_json("spec.json", &report.spec)?;
+        if !folder.put_if_absent("spec.json", bytes).await? {
+            return Err(Error::InvalidJob(format!(
+                "another backfill of job '{}' took number {number} at the same time; run it again",
+                self.id
+            )));
+        }
+
+        // Read and process in chunks of the per-batch budget, as the stream would.
+        let mut output = Vec::new();
+        let mut dead_letters = Vec::new();
+        let mut next: BTreeMap<PartitionId, Offset> = report
+            .spec
+            .ranges
+            .iter()
+            .map(|(p, r)| (p.clone(), r.start))
+            .collect();
+        let ends: BTreeMap<PartitionId, Offset> = report
+            .spec
+            .ranges
+            .iter()
+            .map(|(p, r)| (p.clone(), r.end))
+            .collect();
+        let budget = source.source.max_per_batch();
+        loop {
+            let chunk = plan_ranges(&next, &ends, budget);
+            if chunk.values().all(OffsetRange::is_empty) {
+                break;
+            }
+            let (rows, mut letters) = read_source(source, &chunk).await?;
+            report.rows_in += rows.num_rows() as u64;
+            let inputs = BTreeMap::from([(source.name.clone(), rows)]);
+            let result = query.execute_isolating(&inputs).await?;
+            for failed in &result.failed {
+                letters.push(dead_letter_from_row(&failed.row, &failed.error)?);
+            }
+            report.rows_dead_lettered += letters.len() as u64;
+            report.rows_out += result
+                .batches
+                .iter()
+                .map(|b| b.num_rows() as u64)
+                .sum::<u64>();
+            output.extend(result.batches);
+            if !letters.is_empty() {
+                dead_letters.push(dead_letter_batch(&source.name, BatchId(0), &letters)?);
+            }
+            for (p, r) in chunk {
+                next.insert(p, r.end);
+            }
+        }
+        let mut sink = self.sink;
+        sink.open(&self.id, output_schema).await?;
+        let outcome = sink
+            .replace(Replacement {
+                app_id: report.spec.app_id.clone(),
+                source: report.spec.source.clone(),
+                ranges: report.spec.ranges.clone(),
+                output,
+                dead_letters,
+                summary: serde_json::to_value(&report.spec).unwrap_or_default(),
+            })
+            .await?;
+        match outcome {
+            CommitOutcome::Committed { files, bytes, .. } => {
+                report.files_written = files;
+                report.bytes_written = bytes;
+            }
+            CommitOutcome::AlreadyCommitted => report.already_committed = true,
+        }
+        report.elapsed = started.elapsed();
+        Ok(report)
+    }
+}
+
+/// `[from, to)` per partition from the two bounds, checked against what may be replaced:
+/// `available[p].latest` is the live job's committed end (`live`) or the source's latest.
+fn resolve_offsets(
+    source: &str,
+    available: &BTreeMap<PartitionId, crate::source::AvailableRange>,
+    live: bool,
+    from: &Bound,
+    to: &Bound,
+) -> Result<BTreeMap<PartitionId, OffsetRange>> {
+    for bound in [from, to] {
+        if let Bound::Offsets(named) = bound
+            && let Some(unknown) = named.keys().find(|p| !available.contains_key(*p))
+        {
+            return Err(Error::source(
+                source,
+                format!(
+                    "has no partition '{unknown}' (partitions: {})",
+                    available.keys().cloned().collect::<Vec<_>>().join(", ")
+                ),
+            ));
+        }
+    }
+    let named = |b: &Bound, p: &PartitionId| match b {
+        Bound::Offsets(m) => m.contains_key(p),
+        _ => false,
+    };
+    let mut ranges = BTreeMap::new();
+    for (p, a) in available {
+        let both_keywords = !matches!(from, Bound::Offsets(_)) && !matches!(to, Bound::Offsets(_));
+        if !(both_keywords || named(from, p) || named(to, p)) {
+            continue;
+        }
+        let at = |b: &Bound, default: Offset| match b {
+            Bound::Earliest => a.initial,
+            Bound::Latest => a.latest,
+            Bound::Offsets(m) => m.get(p).copied().unwrap_or(default),
+        };
+        let start = at(from, a.initial);
+        let end = at(to, a.latest);
+        if start > end {
+            return Err(Error::source(
+                source,
+                format!("partition {p}: --from {start} is after --to {end}"),
+            ));
+        }
+        if end > a.latest {
+            let limit = if live {
+                "what the live job has committed; it writes later offsets itself (backfill up \
+                 to there, or wait for it)"
+            } else {
+                "the latest offset available"
+            };
+            return Err(Error::source(
+                source,
+                format!("partition {p}: --to {end} is beyond {limit}: {}", a.latest),
+            ));
+        }
+        ranges.insert(p.clone(), OffsetRange::new(start, end));
+    }
+    Ok(ranges)
+}
+
+/// Per partition, the smallest range of offsets holding every row with event time in
+/// `[from, to)`.
+fn offsets_in_period(
+    rows: &RecordBatch,
+    column: &str,
+    from: i64,
+    to: i64,
+) -> Result<BTreeMap<PartitionId, OffsetRange>> {
+    let missing = |c: &str| Error::InvalidJob(format!("backfill: rows lack the column {c}"));
+    let partitions = rows
+        .column_by_name(SOURCE_PARTITION)
+        .and_then(|c| c.as_string_opt::<i32>())
+        .ok_or_else(|| missing(SOURCE_PARTITION))?;
+    let offsets = rows
+        .column_by_name(SOURCE_OFFSET)
+        .and_then(|c| c.as_primitive_opt::<Int64Type>())
+        .ok_or_else(|| missing(SOURCE_OFFSET))?;
+    let times = rows
+        .column_by_name(column)
+        .and_then(|c| c.as_primitive_opt::<TimestampMicrosecondType>())
+        .ok_or_else(|| missing(column))?;
+    let mut ranges: BTreeMap<PartitionId, OffsetRange> = BTreeMap::new();
+    for i in 0..rows.num_rows() {
+        let t = times.value(i);
+        if t < from || t >= to {
+            continue;
+        }
+        let o = offsets.value(i);
+        let r = ranges
+            .entry(partitions.value(i).to_string())
+            .or_insert(OffsetRange::new(o, o + 1));
+        r.start = r.start.min(o);
+        r.end = r.end.max(o + 1);
+    }
+    Ok(ranges)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::AvailableRange;
+
+    #[test]
+    fn bounds_parse_and_name_bad_input() {
+        assert_eq!("earliest".parse::<Bound>().unwrap(), Bound::Earliest);
+        assert_eq!(
+            "0:120, 1:95".parse::<Bound>().unwrap(),
+            Bound::Offsets(BTreeMap::from([("0".into(), 120), ("1".into(), 95)]))
+        );
+        assert_eq!(
+            "clicks:3:7".parse::<Bound>().unwrap(),
+            Bound::Offsets(BTreeMap::from([("clicks:3".into(), 7)]))
+        );
+        let e = "0:x".parse::<Bound>().unwrap_err().to_string();
+        assert!(e.contains("'0:x' is not partition:offset"), "{e}");
+    }
+
+    #[test]
+    fn ranges_resolve_against_what_the_source_holds() {
+        let available = BTreeMap::from([
+            (
+                "0".to_string(),
+                AvailableRange {
+                    initial: 0,
+                    latest: 100,
+                },
+            ),
+            (
+                "1".to_string(),
+                AvailableRange {
+                    initial: 5,
+                    latest: 50,
+                },
+            ),
+        ]);
+        let all =
+            resolve_offsets("s", &available, false, &Bound::Earliest, &Bound::Latest).unwrap();
+        assert_eq!(all["0"], OffsetRange::new(0, 100));
+        assert_eq!(all["1"], OffsetRange::new(5, 50));
+        let from: Bound = "1:10".parse().unwrap();
+        let one = resolve_offsets("s", &available, false, &from, &Bound::Latest).unwrap();
+        assert_eq!(
+            one,
+            BTreeMap::from([("1".to_string(), OffsetRange::new(10, 50))])
+        );
+        let to: Bound = "0:200".parse().unwrap();
+        let e = resolve_offsets("s", &available, false, &Bound::Earliest, &to)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--to 200 is beyond the latest offset available: 100"),
+            "{e}"
+        );
+        let e = resolve_offsets("s", &available, true, &Bound::Earliest, &to)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("beyond what the live job has committed"), "{e}");
+        let unknown: Bound = "7:0".parse().unwrap();
+        assert!(resolve_offsets("s", &available, false, &unknown, &Bound::Latest).is_err());
+    }
+}
