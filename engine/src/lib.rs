@@ -39,6 +39,7 @@ pub mod schema;
 pub mod sink;
 pub mod source;
 pub mod watermark;
+pub mod window;
 
 pub use checkpoint::{BatchCounters, BatchIntent, BatchManifest, CheckpointStore};
 pub use driver::{RunSummary, Validation};

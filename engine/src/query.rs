@@ -79,6 +79,11 @@ impl StreamingQuery {
             ctx.register_table(name.as_str(), Arc::clone(&table) as _)?;
             tables.insert(name.clone(), (Arc::clone(schema), table));
         }
+        let providers = tables
+            .iter()
+            .map(|(name, (_, table))| (name.clone(), Arc::clone(table) as _))
+            .collect();
+        crate::window::register(&ctx, &providers);
         let plan = ctx.state().create_logical_plan(sql).await?;
         check_stateless(&plan)?;
         let plan = if lineage { carry_lineage(plan)? } else { plan };

@@ -1,0 +1,408 @@
+//! Window table functions, in the style of Flink's and RisingWave's windowing TVFs:
+//!
+//! - `tumble(t, ts, size)` — every row of `t` once, in the window `[start, start + size)` that
+//!   holds its `ts`;
+//! - `hop(t, ts, slide, size)` — every row of `t` once per window of length `size` starting
+//!   every `slide` that holds its `ts` (`size / slide` rows per input row; `size` must be a
+//!   multiple of `slide`).
+//!
+//! Both return `t`'s columns (lineage included) plus `window_start` and `window_end`
+//! (timestamps). Windows are aligned to the Unix epoch, like `date_bin`. Sizes are SQL intervals
+//! of a fixed length (`INTERVAL '1' MINUTE`; months are not a fixed length and are refused).
+//!
+//! A function call becomes a view over the source's in-memory table, so the plan is built once
+//! and sees each batch's rows like any other query. [`WindowKind::starts`] is the same
+//! assignment in Rust, for the operators that must know a row's windows (lateness, state); a
+//! property test keeps the two in agreement.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use datafusion::arrow::datatypes::IntervalMonthDayNano;
+use datafusion::catalog::{TableFunctionArgs, TableFunctionImpl, TableProvider};
+use datafusion::common::{DataFusionError, ScalarValue};
+use datafusion::datasource::{ViewTable, provider_as_source};
+use datafusion::logical_expr::{Expr, LogicalPlanBuilder, col, lit};
+use datafusion::prelude::SessionContext;
+
+/// Column added by the window functions: the window's start (inclusive).
+pub const WINDOW_START: &str = "window_start";
+/// Column added by the window functions: the window's end (exclusive).
+pub const WINDOW_END: &str = "window_end";
+const WINDOWS_LIST: &str = "__sluice_windows";
+
+/// A window assignment, in microseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WindowKind {
+    /// Back-to-back windows of `size`.
+    Tumble {
+        /// Window length.
+        size: i64,
+    },
+    /// Windows of `size` starting every `slide`.
+    Hop {
+        /// Distance between window starts.
+        slide: i64,
+        /// Window length, a multiple of `slide`.
+        size: i64,
+    },
+}
+
+impl WindowKind {
+    /// The window length.
+    pub fn size(&self) -> i64 {
+        match self {
+            WindowKind::Tumble { size } | WindowKind::Hop { size, .. } => *size,
+        }
+    }
+
+    /// The start of every window that holds event time `ts`, oldest first.
+    pub fn starts(&self, ts: i64) -> Vec<i64> {
+        match *self {
+            WindowKind::Tumble { size } => vec![ts - ts.rem_euclid(size)],
+            WindowKind::Hop { slide, size } => {
+                let last = ts - ts.rem_euclid(slide);
+                let count = size / slide;
+                (0..count).rev().map(|i| last - i * slide).collect()
+            }
+        }
+    }
+}
+
+/// Registers `tumble` and `hop` over `tables` (source name → its in-memory table).
+pub(crate) fn register(ctx: &SessionContext, tables: &BTreeMap<String, Arc<dyn TableProvider>>) {
+    for kind in [FunctionKind::Tumble, FunctionKind::Hop] {
+        ctx.register_udtf(
+            kind.name(),
+            Arc::new(WindowFunction {
+                kind,
+                tables: tables.clone(),
+            }),
+        );
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum FunctionKind {
+    Tumble,
+    Hop,
+}
+
+impl FunctionKind {
+    fn name(self) -> &'static str {
+        match self {
+            FunctionKind::Tumble => "tumble",
+            FunctionKind::Hop => "hop",
+        }
+    }
+
+    fn usage(self) -> &'static str {
+        match self {
+            FunctionKind::Tumble => "tumble(table, time_column, INTERVAL '1' MINUTE)",
+            FunctionKind::Hop => {
+                "hop(table, time_column, INTERVAL '10' SECOND, INTERVAL '1' MINUTE) (slide, size)"
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
+struct WindowFunction {
+    kind: FunctionKind,
+    tables: BTreeMap<String, Arc<dyn TableProvider>>,
+}
+
+impl WindowFunction {
+    fn fail<T>(&self, why: impl std::fmt::Display) -> datafusion::common::Result<T> {
+        Err(DataFusionError::Plan(format!(
+            "{}: {why}; usage: {}",
+            self.kind.name(),
+            self.kind.usage()
+        )))
+    }
+
+    fn column_name<'a>(&self, arg: &'a Expr, what: &str) -> datafusion::common::Result<&'a str> {
+        match arg {
+            Expr::Column(c) => Ok(c.name.as_str()),
+            other => self.fail(format!("the {what} must be a name, not `{other}`")),
+        }
+    }
+
+    /// A fixed-length interval in microseconds.
+    fn interval(&self, arg: &Expr, what: &str) -> datafusion::common::Result<i64> {
+        let micros = match arg {
+            Expr::Literal(ScalarValue::IntervalMonthDayNano(Some(i)), _) if i.months == 0 => {
+                i64::from(i.days) * 86_400_000_000 + i.nanoseconds / 1_000
+            }
+            Expr::Literal(ScalarValue::IntervalDayTime(Some(i)), _) => {
+                i64::from(i.days) * 86_400_000_000 + i64::from(i.milliseconds) * 1_000
+            }
+            Expr::Literal(ScalarValue::IntervalMonthDayNano(Some(_)), _) => {
+                return self.fail(format!("the {what} counts months, which differ in length"));
+            }
+            other => return self.fail(format!("the {what} must be an INTERVAL, not `{other}`")),
+        };
+        if micros <= 0 {
+            return self.fail(format!("the {what} must be positive"));
+        }
+        Ok(micros)
+    }
+}
+
+fn interval_literal(micros: i64) -> Expr {
+    lit(ScalarValue::IntervalMonthDayNano(Some(
+        IntervalMonthDayNano::new(0, 0, micros * 1_000),
+    )))
+}
+
+/// `date_bin(stride, ts, epoch)`: the start of the `stride`-aligned bucket holding `ts`, as
+/// `Timestamp(µs, UTC)` like event time (`date_bin` answers in nanoseconds).
+fn bucket(stride: i64, ts: &str) -> Expr {
+    let start = datafusion::functions::expr_fn::date_bin(
+        interval_literal(stride),
+        col(ts),
+        lit(ScalarValue::TimestampMicrosecond(
+            Some(0),
+            Some("UTC".into()),
+        )),
+    );
+    datafusion::logical_expr::cast(start, crate::event_time::event_time_type())
+}
+
+impl TableFunctionImpl for WindowFunction {
+    fn call_with_args(
+        &self,
+        args: TableFunctionArgs,
+    ) -> datafusion::common::Result<Arc<dyn TableProvider>> {
+        let exprs = args.exprs();
+        let (table, ts, window) = match (self.kind, exprs) {
+            (FunctionKind::Tumble, [t, ts, size]) => (
+                t,
+                ts,
+                WindowKind::Tumble {
+                    size: self.interval(size, "size")?,
+                },
+            ),
+            (FunctionKind::Hop, [t, ts, slide, size]) => {
+                let slide = self.interval(slide, "slide")?;
+                let size = self.interval(size, "size")?;
+                if size % slide != 0 {
+                    return self.fail("the size must be a multiple of the slide");
+                }
+                (t, ts, WindowKind::Hop { slide, size })
+            }
+            _ => return self.fail(format!("takes {} arguments", self.kind.usage())),
+        };
+        let table = self.column_name(table, "first argument (the table)")?;
+        let ts = self.column_name(ts, "second argument (the time column)")?;
+        let Some(provider) = self.tables.get(table) else {
+            return self.fail(format!(
+                "there is no source named '{table}' (sources: {})",
+                self.tables.keys().cloned().collect::<Vec<_>>().join(", ")
+            ));
+        };
+        let schema = provider.schema();
+        match schema.field_with_name(ts).map(|f| f.data_type().clone()) {
+            Ok(datafusion::arrow::datatypes::DataType::Timestamp(_, _)) => {}
+            Ok(other) => {
+                return self.fail(format!(
+                    "column '{ts}' of {table} is {other}, not a timestamp (name the source's \
+                     event_time column)"
+                ));
+            }
+            Err(_) => return self.fail(format!("{table} has no column '{ts}'")),
+        }
+        for reserved in [WINDOW_START, WINDOW_END] {
+            if schema.field_with_name(reserved).is_ok() {
+                return self.fail(format!("{table} already has a column '{reserved}'"));
+            }
+        }
+        let columns: Vec<Expr> = schema.fields().iter().map(|f| col(f.name())).collect();
+        let size = window.size();
+        let scan = LogicalPlanBuilder::scan(table, provider_as_source(Arc::clone(provider)), None)?;
+        let plan = match window {
+            WindowKind::Tumble { size } => {
+                let start = bucket(size, ts);
+                let mut projection = columns;
+                projection.push(start.clone().alias(WINDOW_START));
+                projection.push((start + interval_literal(size)).alias(WINDOW_END));
+                scan.project(projection)?.build()?
+            }
+            WindowKind::Hop { slide, size } => {
+                let last = bucket(slide, ts);
+                let starts: Vec<Expr> = (0..size / slide)
+                    .rev()
+                    .map(|i| last.clone() - interval_literal(i * slide))
+                    .collect();
+                let mut with_list = columns.clone();
+                with_list.push(
+                    datafusion::functions_nested::expr_fn::make_array(starts).alias(WINDOWS_LIST),
+                );
+                let mut projection = columns;
+                projection.push(col(WINDOWS_LIST).alias(WINDOW_START));
+                projection.push((col(WINDOWS_LIST) + interval_literal(size)).alias(WINDOW_END));
+                scan.project(with_list)?
+                    .unnest_column(WINDOWS_LIST)?
+                    .project(projection)?
+                    .build()?
+            }
+        };
+        debug_assert_eq!(size, window.size());
+        Ok(Arc::new(ViewTable::new(plan, None)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::query::StreamingQuery;
+    use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION};
+    use arrow::array::{AsArray, Int64Array, RecordBatch, StringArray, TimestampMicrosecondArray};
+    use arrow::datatypes::{
+        DataType, Field, Schema, SchemaRef, TimeUnit, TimestampMicrosecondType,
+    };
+    use proptest::prelude::*;
+
+    const MINUTE: i64 = 60_000_000;
+
+    #[test]
+    fn starts_are_epoch_aligned_also_before_the_epoch() {
+        let tumble = WindowKind::Tumble { size: MINUTE };
+        assert_eq!(tumble.starts(90_000_000), vec![MINUTE]);
+        assert_eq!(tumble.starts(MINUTE), vec![MINUTE]);
+        assert_eq!(tumble.starts(-1), vec![-MINUTE]);
+        let hop = WindowKind::Hop {
+            slide: 20_000_000,
+            size: MINUTE,
+        };
+        assert_eq!(
+            hop.starts(65_000_000),
+            vec![20_000_000, 40_000_000, 60_000_000]
+        );
+        assert_eq!(
+            hop.starts(60_000_000),
+            vec![20_000_000, 40_000_000, 60_000_000]
+        );
+    }
+
+    fn events(times: &[i64]) -> (SchemaRef, RecordBatch) {
+        let schema = Arc::new(Schema::new(vec![
+            Field::new(
+                "ts",
+                DataType::Timestamp(TimeUnit::Microsecond, Some("UTC".into())),
+                false,
+            ),
+            Field::new(SOURCE_PARTITION, DataType::Utf8, false),
+            Field::new(SOURCE_OFFSET, DataType::Int64, false),
+        ]));
+        let n = times.len();
+        let batch = RecordBatch::try_new(
+            Arc::clone(&schema),
+            vec![
+                Arc::new(TimestampMicrosecondArray::from(times.to_vec()).with_timezone("UTC")),
+                Arc::new(StringArray::from(vec!["0"; n])),
+                Arc::new(Int64Array::from_iter_values(0..n as i64)),
+            ],
+        )
+        .unwrap();
+        (schema, batch)
+    }
+
+    /// (offset, window_start, window_end) for every output row, sorted.
+    async fn assign(sql: &str, times: &[i64]) -> Vec<(i64, i64, i64)> {
+        let (schema, batch) = events(times);
+        let query = StreamingQuery::plan(sql, &[("clicks".into(), schema)], true)
+            .await
+            .unwrap();
+        let out = query
+            .execute(&BTreeMap::from([("clicks".to_string(), batch)]))
+            .await
+            .unwrap();
+        let mut rows = Vec::new();
+        for b in &out {
+            let offsets = b
+                .column_by_name(SOURCE_OFFSET)
+                .unwrap()
+                .as_primitive::<arrow::datatypes::Int64Type>();
+            let starts = b
+                .column_by_name(WINDOW_START)
+                .unwrap()
+                .as_primitive::<TimestampMicrosecondType>();
+            let ends = b
+                .column_by_name(WINDOW_END)
+                .unwrap()
+                .as_primitive::<TimestampMicrosecondType>();
+            for i in 0..b.num_rows() {
+                rows.push((offsets.value(i), starts.value(i), ends.value(i)));
+            }
+        }
+        rows.sort();
+        rows
+    }
+
+    fn expected(kind: WindowKind, times: &[i64]) -> Vec<(i64, i64, i64)> {
+        let mut rows: Vec<(i64, i64, i64)> = times
+            .iter()
+            .enumerate()
+            .flat_map(|(o, t)| {
+                kind.starts(*t)
+                    .into_iter()
+                    .map(move |s| (o as i64, s, s + kind.size()))
+            })
+            .collect();
+        rows.sort();
+        rows
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(16))]
+        /// The SQL functions and `WindowKind::starts` assign the same windows.
+        #[test]
+        fn sql_windows_equal_the_rust_assignment(
+            times in proptest::collection::vec(-10 * MINUTE..10 * MINUTE, 1..40),
+        ) {
+            let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+            let tumble = rt.block_on(assign(
+                "SELECT ts, window_start, window_end FROM tumble(clicks, ts, INTERVAL '1' MINUTE)",
+                &times,
+            ));
+            prop_assert_eq!(tumble, expected(WindowKind::Tumble { size: MINUTE }, &times));
+            let hop = rt.block_on(assign(
+                "SELECT * FROM hop(clicks, ts, INTERVAL '20' SECOND, INTERVAL '1' MINUTE)",
+                &times,
+            ));
+            prop_assert_eq!(hop, expected(WindowKind::Hop { slide: MINUTE / 3, size: MINUTE }, &times));
+        }
+    }
+
+    #[tokio::test]
+    async fn bad_calls_say_what_is_wrong() {
+        let (schema, _) = events(&[0]);
+        for (sql, wanted) in [
+            ("SELECT * FROM tumble(clicks, ts)", "usage: tumble("),
+            (
+                "SELECT * FROM tumble(nope, ts, INTERVAL '1' MINUTE)",
+                "no source named 'nope'",
+            ),
+            (
+                "SELECT * FROM tumble(clicks, _source_offset, INTERVAL '1' MINUTE)",
+                "not a timestamp",
+            ),
+            (
+                "SELECT * FROM tumble(clicks, ts, INTERVAL '1' MONTH)",
+                "counts months",
+            ),
+            (
+                "SELECT * FROM hop(clicks, ts, INTERVAL '7' SECOND, INTERVAL '1' MINUTE)",
+                "multiple of the slide",
+            ),
+        ] {
+            let e = StreamingQuery::plan(sql, &[("clicks".into(), Arc::clone(&schema))], true)
+                .await
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            assert!(e.contains(wanted), "{sql}: {e}");
+        }
+    }
+}
