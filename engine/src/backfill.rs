@@ -9,6 +9,9 @@
 //! its appends and the replacement resolve through Delta's conflict checker, and the sink retries
 //! a replacement that lost the race.
 //!
+//! The recomputed rows are held in memory until the replacement commits, so one backfill is
+//! bounded by memory (split a very large range into several backfills).
+//!
 //! Which rows a range "produced" is told by lineage: output rows by `_source_partition` /
 //! `_source_offset` (so the job must keep `lineage = true`), dead letters by source name,
 //! partition and offset. Windowed jobs (replace every window the range touches) come with
