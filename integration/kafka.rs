@@ -836,3 +836,69 @@ async fn a_silent_partition_holds_the_watermark_unless_idle_timeout_releases_it(
         "2026-11-29T10:15:50Z"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_job_waiting_for_a_down_broker_stops_on_a_second_signal_and_resumes_later() {
+    let mut broker = Broker::start();
+    let ws = tempfile::tempdir().unwrap();
+    broker.create_topic("stuck", 2).await;
+    let mut produced = Produced::default();
+    produce(&broker, "stuck", &[0, 1], 0, 100, &mut produced).await;
+    let job = write_kafka_job(
+        ws.path(),
+        &broker,
+        "stuck",
+        "",
+        "mode = \"interval\"\ninterval = \"200ms\"",
+    );
+    let log = ws.path().join("job.log");
+    let mut child = spawn_job(&job, &log);
+    let out = ws.path().join("out");
+    wait_for_rows(&out, 40, &mut child, &log).await;
+
+    broker.stop();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let signal = |child: &Child| {
+        Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()
+            .unwrap()
+    };
+    // The first signal asks for the batch in flight to finish — it cannot while the broker is
+    // down; the second stops the job at once.
+    signal(&child);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "stopped although a batch was in flight"
+    );
+    signal(&child);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the second signal did not stop the job"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(status.code(), Some(130));
+    let log_text = std::fs::read_to_string(&log).unwrap();
+    assert!(log_text.contains("second shutdown signal"), "{log_text}");
+
+    // Nothing was lost: once the broker is back, a run completes the topic exactly once.
+    broker.restart();
+    let once = job.replace(".toml", "_now.toml");
+    std::fs::write(
+        &once,
+        std::fs::read_to_string(&job).unwrap().replace(
+            "mode = \"interval\"\ninterval = \"200ms\"",
+            "mode = \"available-now\"",
+        ),
+    )
+    .unwrap();
+    assert_ok(&run_sluice(&["run", &once], &[]));
+    assert_exactly_once(&out, &produced).await;
+}

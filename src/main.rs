@@ -353,7 +353,25 @@ async fn status(table: &str, history: usize) -> Result<()> {
 }
 
 /// Completes on SIGINT or SIGTERM.
+/// Completes on the first SIGINT or SIGTERM. A second one stops the process at once: a batch
+/// stuck waiting (a broker that is down) must not keep the job from stopping, and stopping
+/// mid-batch is safe — the batch is rerun from its intent on restart, like after a crash.
 async fn shutdown_signal() {
+    next_signal().await;
+    tracing::info!(
+        "shutdown requested: finishing the batch in flight (signal again to stop at once)"
+    );
+    tokio::spawn(async {
+        next_signal().await;
+        tracing::warn!(
+            "second shutdown signal: stopping now; the batch in flight is rerun on restart"
+        );
+        std::process::exit(130);
+    });
+}
+
+/// The next SIGINT or SIGTERM.
+async fn next_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
@@ -374,5 +392,4 @@ async fn shutdown_signal() {
     {
         let _ = ctrl_c.await;
     }
-    tracing::info!("shutdown requested: finishing the batch in flight");
 }
