@@ -30,7 +30,7 @@ enum Command {
     /// Resumes after the last batch the table records as committed. With trigger `once` it runs
     /// one batch; `available-now` processes everything available at start and exits; with
     /// `interval:<duration>` it runs a batch per interval until SIGINT/SIGTERM, finishing the
-    /// batch in flight.
+    /// batch in flight; a second signal stops at once (exit 130; the batch is rerun on restart).
     Run {
         /// The job file (TOML).
         job: PathBuf,
