@@ -1,4 +1,5 @@
-//! The `sluice` command line: run, validate and inspect jobs defined in TOML job files.
+//! The `sluice` command line: run, backfill, reconcile, validate and inspect jobs defined in TOML
+//! job files.
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -10,7 +11,7 @@ use sluice::engine::Trigger;
 use sluice::engine::backfill::BackfillRange;
 use sluice::job_file;
 
-/// Sluice: exactly-once micro-batch stream processing from files to Delta tables.
+/// Sluice: exactly-once micro-batch stream processing from files and Kafka to Delta tables.
 ///
 /// A job file names the sources, one SQL query, the Delta sink and the trigger. Every batch
 /// commits its output and its source offsets in one Delta commit, so a job can be killed at any
