@@ -18,9 +18,10 @@
 //!
 //! **Restart.** The output table is the source of truth: its `txn` version for the job is the
 //! last committed batch `V`; `batches/V/manifest.json` (written before commit `V`, live with it)
-//! gives the end offsets and the watermark. If `batches/V+1/intent.json` exists, batch `V+1` is rerun with exactly
-//! those ranges; the sink skips side tables that already hold `txn(job, V+1)`. Whatever step a
-//! crash interrupts, the rerun produces the same rows and commits them once.
+//! gives the end offsets and the watermark. If `batches/V+1/intent.json` exists, batch `V+1` is
+//! rerun with exactly those ranges and idle set; the sink skips side tables that already hold
+//! `txn(job, V+1)`. Whatever step a crash interrupts, the rerun produces the same rows and
+//! commits them once.
 
 use std::collections::BTreeMap;
 use std::future::Future;

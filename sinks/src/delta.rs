@@ -20,6 +20,7 @@
 //! `delta.setTransactionRetentionDuration` must stay unset: an expired txn would make the job
 //! replay from scratch.
 
+use std::collections::BTreeMap;
 use std::num::NonZeroU64;
 
 use arrow::array::RecordBatch;
@@ -31,13 +32,12 @@ use deltalake::kernel::transaction::{CommitBuilder, CommitProperties};
 use deltalake::kernel::{StructType, Transaction};
 use deltalake::protocol::{DeltaOperation, SaveMode};
 use serde::Deserialize;
-use std::collections::BTreeMap;
-
 use sluice_engine::dead_letter::{SOURCE_NAME, dead_letter_schema};
 use sluice_engine::fault::{crash_point, pause_point};
 use sluice_engine::source::{SOURCE_OFFSET, SOURCE_PARTITION};
-use sluice_engine::{BatchCommit, BatchId, CommitOutcome, Sink};
-use sluice_engine::{OffsetRange, PartitionId, Replacement};
+use sluice_engine::{
+    BatchCommit, BatchId, CommitOutcome, OffsetRange, PartitionId, Replacement, Sink,
+};
 use tokio::sync::Mutex;
 use tracing::warn;
 use url::Url;
@@ -362,7 +362,12 @@ impl TableHandle {
             attempt += 1;
             let table = self.latest().await?;
             let found = self.txn_version(&table, job_id).await?;
-            if found.is_some_and(|v| v >= batch_id.0) {
+            let done = match found {
+                Some(v) if in_sequence => v == batch_id.0,
+                Some(v) => v >= batch_id.0,
+                None => false,
+            };
+            if done {
                 return Ok(None);
             }
             let expected = (batch_id.0 > 0).then(|| batch_id.0 - 1);
