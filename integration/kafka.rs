@@ -902,3 +902,94 @@ async fn a_job_waiting_for_a_down_broker_stops_on_a_second_signal_and_resumes_la
     assert_ok(&run_sluice(&["run", &once], &[]));
     assert_exactly_once(&out, &produced).await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_topic_pattern_reads_matching_topics_new_ones_too_up_to_ending_offsets() {
+    let broker = Broker::start();
+    let ws = tempfile::tempdir().unwrap();
+    broker.create_topic("multi-a", 2).await;
+    broker.create_topic("multi-b", 1).await;
+    broker.create_topic("other", 1).await;
+    let mut produced = Produced::default();
+    for (topic, partitions) in [("multi-a", &[0, 1][..]), ("multi-b", &[0]), ("other", &[0])] {
+        produce(&broker, topic, partitions, 0, 10, &mut produced).await;
+    }
+    let job = ws.path().join("multi.toml");
+    std::fs::write(
+        &job,
+        format!(
+            r#"
+[job]
+id = "multi"
+
+[sources.clicks]
+kind = "kafka"
+bootstrap_servers = "{addr}"
+topic_pattern = "multi-.*"
+ending_offsets = {{ "multi-a:0" = 3 }}
+schema = "id BIGINT, user VARCHAR, amount DOUBLE, ts VARCHAR"
+
+[sink]
+kind = "delta"
+path = "out"
+
+[query]
+sql = "SELECT id, _topic, _partition, _offset FROM clicks"
+"#,
+            addr = broker.addr()
+        ),
+    )
+    .unwrap();
+    let job = job.to_str().unwrap();
+    let read =
+        |rows: Vec<serde_json::Map<String, serde_json::Value>>| -> BTreeSet<(String, String, i64)> {
+            rows.iter()
+                .map(|r| {
+                    let lineage = r["_source_partition"].as_str().unwrap().to_string();
+                    let id = format!("{}:{}", r["_topic"].as_str().unwrap(), r["_partition"]);
+                    assert_eq!(lineage, id, "lineage names topic:partition");
+                    (
+                        lineage,
+                        r["_topic"].as_str().unwrap().to_string(),
+                        r["_offset"].as_i64().unwrap(),
+                    )
+                })
+                .collect()
+        };
+    assert_ok(&run_sluice(&["run", job], &[]));
+    let got = read(table_values(&ws.path().join("out"), &[]).await);
+    // Only the matching topics; multi-a:0 (ids 0, 2, 4, … at offsets 0, 1, 2, …) stops at
+    // offset 3; multi-b:0 holds ids 0..10 with id 5 malformed (a dead letter).
+    let topics: BTreeSet<String> = got.iter().map(|(_, t, _)| t.clone()).collect();
+    assert_eq!(
+        topics,
+        BTreeSet::from(["multi-a".to_string(), "multi-b".to_string()])
+    );
+    let offsets = |partition: &str| -> BTreeSet<i64> {
+        got.iter()
+            .filter(|(p, _, _)| p == partition)
+            .map(|(_, _, o)| *o)
+            .collect()
+    };
+    assert_eq!(offsets("multi-a:0"), BTreeSet::from([0, 1, 2]));
+    assert_eq!(
+        offsets("multi-a:1").len(),
+        4,
+        "ids 1, 3, 7, 9 (5 is malformed)"
+    );
+    assert_eq!(offsets("multi-b:0"), (0..10).filter(|o| *o != 5).collect());
+
+    // A topic created later that matches the pattern is read from its start.
+    broker.create_topic("multi-c", 1).await;
+    let mut later = Produced::default();
+    produce(&broker, "multi-c", &[0], 100, 5, &mut later).await;
+    assert_ok(&run_sluice(&["run", job], &[]));
+    let got = read(table_values(&ws.path().join("out"), &[]).await);
+    let c: BTreeSet<i64> = got
+        .iter()
+        .filter(|(p, _, _)| p == "multi-c:0")
+        .map(|(_, _, o)| *o)
+        .collect();
+    assert_eq!(c, later.good.keys().map(|(_, o)| *o).collect());
+    assert_eq!(c.len(), 5);
+}
