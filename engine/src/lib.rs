@@ -23,6 +23,7 @@
 //!
 //! Start reading at [`driver`]; the traits are [`Source`] and [`Sink`].
 
+pub mod aggregate_state;
 pub mod backfill;
 pub mod checkpoint;
 pub mod dead_letter;
