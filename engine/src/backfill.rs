@@ -31,12 +31,13 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use arrow::array::{AsArray, RecordBatch};
-use arrow::datatypes::{Int64Type, TimestampMicrosecondType};
+use arrow::datatypes::Int64Type;
 use serde::{Deserialize, Serialize};
 
 use crate::dead_letter::{dead_letter_batch, dead_letter_from_row};
 use crate::driver::{checkpoint_location, open_sources_and_query, read_source};
 use crate::error::{Error, Result};
+use crate::event_time::rows_in_period;
 use crate::job::Job;
 use crate::offsets::{BatchId, Offset, OffsetRange, PartitionId, plan_ranges};
 use crate::sink::{CommitOutcome, Replacement};
@@ -389,6 +390,7 @@ fn offsets_in_period(
     from: i64,
     to: i64,
 ) -> Result<BTreeMap<PartitionId, OffsetRange>> {
+    let rows = rows_in_period(rows, column, from, to)?;
     let missing = |c: &str| Error::InvalidJob(format!("backfill: rows lack the column {c}"));
     let partitions = rows
         .column_by_name(SOURCE_PARTITION)
@@ -398,19 +400,11 @@ fn offsets_in_period(
         .column_by_name(SOURCE_OFFSET)
         .and_then(|c| c.as_primitive_opt::<Int64Type>())
         .ok_or_else(|| missing(SOURCE_OFFSET))?;
-    let times = rows
-        .column_by_name(column)
-        .and_then(|c| c.as_primitive_opt::<TimestampMicrosecondType>())
-        .ok_or_else(|| missing(column))?;
     let mut ranges: BTreeMap<PartitionId, OffsetRange> = BTreeMap::new();
-    for i in 0..rows.num_rows() {
-        let t = times.value(i);
-        if t < from || t >= to {
-            continue;
-        }
-        let o = offsets.value(i);
+    for (p, o) in partitions.iter().zip(offsets.iter()) {
+        let (Some(p), Some(o)) = (p, o) else { continue };
         let r = ranges
-            .entry(partitions.value(i).to_string())
+            .entry(p.to_string())
             .or_insert(OffsetRange::new(o, o + 1));
         r.start = r.start.min(o);
         r.end = r.end.max(o + 1);

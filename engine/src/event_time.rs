@@ -7,8 +7,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use arrow::array::Scalar;
 use arrow::array::{Array, ArrayRef, AsArray, RecordBatch, TimestampMicrosecondArray};
-use arrow::compute::kernels::cast;
+use arrow::compute::filter_record_batch;
+use arrow::compute::kernels::{boolean, cast, cmp};
 use arrow::datatypes::{DataType, Field, Int64Type, Schema, TimeUnit};
 use chrono::{DateTime, NaiveDateTime, Utc};
 
@@ -222,6 +224,27 @@ fn parse_string(s: &str, format: &EventTimeFormat) -> std::result::Result<i64, S
             .map_err(|_| format!("'{pattern}'"))
         }
     }
+}
+
+/// The rows of `batch` whose event time (`column`, any timestamp type) lies in `[from, to)`
+/// (µs since the epoch): the one definition of "in a period" for reconciliation and backfill.
+///
+/// # Errors
+/// If the column is missing or not a timestamp.
+pub fn rows_in_period(
+    batch: &RecordBatch,
+    column: &str,
+    from: i64,
+    to: i64,
+) -> Result<RecordBatch> {
+    let times = batch
+        .column_by_name(column)
+        .ok_or_else(|| Error::InvalidJob(format!("rows lack the event-time column '{column}'")))?;
+    let times = cast::cast(times, &event_time_type())?;
+    let bound = |t: i64| Scalar::new(TimestampMicrosecondArray::from(vec![t]).with_timezone("UTC"));
+    let after = cmp::gt_eq(&times, &bound(from))?;
+    let before = cmp::lt(&times, &bound(to))?;
+    Ok(filter_record_batch(batch, &boolean::and(&after, &before)?)?)
 }
 
 #[cfg(test)]

@@ -16,14 +16,15 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use arrow::array::{ArrayRef, BooleanArray, RecordBatch, Scalar, TimestampMicrosecondArray};
-use arrow::compute::kernels::{boolean, cast, cmp};
-use arrow::compute::{concat_batches, filter_record_batch};
+use arrow::array::{ArrayRef, RecordBatch};
+use arrow::compute::concat_batches;
+use arrow::compute::kernels::cast;
 use arrow::datatypes::SchemaRef;
 use serde_json::Value;
 
 use crate::driver::{checkpoint_location, open_sources_and_query, read_source};
 use crate::error::{Error, Result};
+use crate::event_time::rows_in_period;
 use crate::job::Job;
 use crate::offsets::{BatchId, OffsetRange, PartitionId};
 use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION};
@@ -140,14 +141,14 @@ impl Job {
                 })
                 .collect();
             let (rows, _dead_letters) = read_source(s, &ranges).await?;
-            inputs.insert(s.name.clone(), in_period(&rows, &column, from, to)?);
+            inputs.insert(s.name.clone(), rows_in_period(&rows, &column, from, to)?);
         }
         let recomputed = query.execute_isolating(&inputs).await?;
         let expected = concat_batches(&output_schema, &recomputed.batches)?;
 
         // The streamed output of the same period, in the same column types.
         let table = conform(&output_schema, &self.sink.read_output().await?)?;
-        let actual = in_period(&table, &column, from, to)?;
+        let actual = rows_in_period(&table, &column, from, to)?;
 
         Ok(Reconciliation {
             column,
@@ -157,18 +158,6 @@ impl Job {
             diff: compare(&expected, &actual)?,
         })
     }
-}
-
-/// The rows of `batch` whose `column` (a timestamp) lies in `[from, to)`.
-fn in_period(batch: &RecordBatch, column: &str, from: i64, to: i64) -> Result<RecordBatch> {
-    let times = batch
-        .column_by_name(column)
-        .ok_or_else(|| Error::InvalidJob(format!("reconcile: rows lack the column '{column}'")))?;
-    let times = cast::cast(times, &crate::event_time::event_time_type())?;
-    let bound = |t: i64| Scalar::new(TimestampMicrosecondArray::from(vec![t]).with_timezone("UTC"));
-    let after: BooleanArray = cmp::gt_eq(&times, &bound(from))?;
-    let before: BooleanArray = cmp::lt(&times, &bound(to))?;
-    Ok(filter_record_batch(batch, &boolean::and(&after, &before)?)?)
 }
 
 /// The table's rows as one batch of `schema`: columns by name, cast to the query's types.
