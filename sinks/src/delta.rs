@@ -285,10 +285,8 @@ impl TableHandle {
         properties: impl Fn() -> CommitProperties,
     ) -> Result<CommitOutcome> {
         let rows: u64 = batches.iter().map(|b| b.num_rows() as u64).sum();
-        let mut delay = std::time::Duration::from_millis(100);
-        let mut attempt = 0;
+        let mut retry = ConflictRetry::new(&self.url, format!("replacement {app_id}"));
         loop {
-            attempt += 1;
             let table = self.latest().await?;
             if self.txn_version(&table, app_id).await? == Some(0) {
                 return Ok(CommitOutcome::AlreadyCommitted);
@@ -332,12 +330,11 @@ impl TableHandle {
                     *self.table.lock().await = Some(table);
                     return Ok(CommitOutcome::Committed { rows, files, bytes });
                 }
-                Err(e) if is_conflict(&e) && attempt < MAX_CONFLICT_RETRIES => {
-                    warn!(table = %self.url, attempt, retry_in_ms = delay.as_millis() as u64, error = %e, "replacement conflicted with a concurrent commit; retrying on the new version");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(std::time::Duration::from_secs(5));
+                Err(e) => {
+                    if !retry.again(&e).await {
+                        return Err(self.err(e));
+                    }
                 }
-                Err(e) => return Err(self.err(e)),
             }
         }
     }
@@ -356,10 +353,8 @@ impl TableHandle {
         target_file_size: Option<NonZeroU64>,
         in_sequence: bool,
     ) -> Result<Option<(u64, u64, u64)>> {
-        let mut delay = std::time::Duration::from_millis(100);
-        let mut attempt = 0;
+        let mut retry = ConflictRetry::new(&self.url, format!("batch {}", batch_id.0));
         loop {
-            attempt += 1;
             let table = self.latest().await?;
             let found = self.txn_version(&table, job_id).await?;
             let done = match found {
@@ -387,12 +382,15 @@ impl TableHandle {
                 .await
             {
                 Ok(added) => return Ok(Some(added)),
-                Err(e) if e.is_commit_conflict() && attempt < MAX_CONFLICT_RETRIES => {
-                    warn!(table = %self.url, batch_id = batch_id.0, attempt, retry_in_ms = delay.as_millis() as u64, error = %e, "commit conflicted with a concurrent commit; retrying on the new version");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(std::time::Duration::from_secs(5));
+                Err(e) => {
+                    let conflict = match &e {
+                        SinkError::Delta { source, .. } => retry.again(source).await,
+                        _ => false,
+                    };
+                    if !conflict {
+                        return Err(e);
+                    }
                 }
-                Err(e) => return Err(e),
             }
         }
     }
@@ -423,22 +421,45 @@ impl TableHandle {
     }
 }
 
-/// How often a commit rejected because of a concurrent commit is retried.
-const MAX_CONFLICT_RETRIES: u32 = 20;
+/// How many times a commit rejected because of a concurrent commit is tried in all.
+const MAX_CONFLICT_TRIES: u32 = 20;
 
-/// Whether delta-rs rejected a commit because a concurrent commit conflicts with it.
-fn is_conflict(e: &deltalake::DeltaTableError) -> bool {
-    matches!(
-        e,
-        deltalake::DeltaTableError::Transaction {
-            source: deltalake::kernel::transaction::TransactionError::CommitConflict(_),
-        }
-    )
+/// The backoff of a commit that delta-rs rejected because a concurrent commit conflicts with
+/// it (the live job and a backfill racing): 100 ms doubling to 5 s, at most
+/// [`MAX_CONFLICT_TRIES`] tries. Shared by appends and replacements.
+struct ConflictRetry {
+    table: String,
+    what: String,
+    attempt: u32,
+    delay: std::time::Duration,
 }
 
-impl SinkError {
-    fn is_commit_conflict(&self) -> bool {
-        matches!(self, SinkError::Delta { source, .. } if is_conflict(source))
+impl ConflictRetry {
+    fn new(table: &Url, what: String) -> Self {
+        ConflictRetry {
+            table: table.to_string(),
+            what,
+            attempt: 0,
+            delay: std::time::Duration::from_millis(100),
+        }
+    }
+
+    /// Whether `error` is a conflict worth another try; if so, logs it and waits first.
+    async fn again(&mut self, error: &deltalake::DeltaTableError) -> bool {
+        self.attempt += 1;
+        let conflict = matches!(
+            error,
+            deltalake::DeltaTableError::Transaction {
+                source: deltalake::kernel::transaction::TransactionError::CommitConflict(_),
+            }
+        );
+        if !conflict || self.attempt >= MAX_CONFLICT_TRIES {
+            return false;
+        }
+        warn!(table = %self.table, what = %self.what, attempt = self.attempt, retry_in_ms = self.delay.as_millis() as u64, %error, "commit conflicted with a concurrent commit; retrying on the new version");
+        tokio::time::sleep(self.delay).await;
+        self.delay = (self.delay * 2).min(std::time::Duration::from_secs(5));
+        true
     }
 }
 
