@@ -229,7 +229,7 @@ impl Pipeline {
         } = job;
         let (sources, query) = open_sources_and_query(sources, &sql, lineage, &checkpoint).await?;
         sink.open(&job_id, query.output_schema()).await?;
-        let last = sink.last_committed().await?;
+        let last = sink.committed_batch(&job_id).await?;
         let (next_batch, committed, watermark) =
             match last {
                 None => (BatchId(0), SourceOffsets::new(), Watermark::default()),

@@ -13,7 +13,7 @@
 //!   └──────────────────────┘           └────────────────────────┘          └──────────────────┘
 //!              ▲                                                                    │
 //!              │ intent.json / manifest.json (CheckpointStore)      txn(job_id, batch_id)
-//!              └──────────────────────────── driver ◄────────────── last_committed() ┘
+//!              └──────────────────────────── driver ◄───────────── committed_batch() ┘
 //! ```
 //!
 //! The [`driver`] runs one batch at a time: plan offset ranges, record them as an intent, read,

@@ -4,7 +4,7 @@
 //! with its [`BatchId`]. The sink makes the output visible in **one** atomic commit that also
 //! records `txn(job_id, batch_id)`, after committing the side tables the same way. Because the
 //! table itself remembers the last batch id, the sink is the source of truth on restart
-//! ([`Sink::last_committed`]) and can refuse to commit a batch twice.
+//! ([`Sink::committed_batch`]) and can refuse to commit a batch twice.
 
 use std::collections::BTreeMap;
 
@@ -70,7 +70,7 @@ pub enum CommitOutcome {
 /// - [`Sink::commit`] is atomic for the output: the rows and `txn(job_id, batch_id)` become
 ///   visible together or not at all. Side tables are committed first, each with the same txn,
 ///   and skipped if they already hold it.
-/// - A batch id at or below [`Sink::last_committed`] is never written again.
+/// - A batch id at or below [`Sink::committed_batch`] is never written again.
 #[async_trait]
 pub trait Sink: Send + Sync {
     /// Where the sink writes; the default checkpoint lives below it, in `_sluice/<job_id>`.
@@ -79,9 +79,6 @@ pub trait Sink: Send + Sync {
     /// Prepares the tables for `job_id` (creating them if needed) for output rows of
     /// `output_schema`.
     async fn open(&mut self, job_id: &str, output_schema: SchemaRef) -> Result<()>;
-
-    /// The last batch committed for the job, read from the output table.
-    async fn last_committed(&self) -> Result<Option<BatchId>>;
 
     /// Commits one batch, idempotently.
     async fn commit(&self, batch: BatchCommit) -> Result<CommitOutcome>;
@@ -92,9 +89,9 @@ pub trait Sink: Send + Sync {
     /// output table already holds `txn(app_id, 0)`.
     async fn replace(&self, replacement: Replacement) -> Result<CommitOutcome>;
 
-    /// The last batch `job_id` committed, read without opening the sink for writing and without
-    /// creating anything (`None`: no table, or nothing committed by that job). For backfill and
-    /// reconciliation, which may run beside the live job.
+    /// The last batch `job_id` committed, read from the output table without writing or
+    /// creating anything (`None`: no table, or nothing committed by that job): where a restart
+    /// continues, and what backfill and reconciliation may touch.
     async fn committed_batch(&self, job_id: &str) -> Result<Option<BatchId>>;
 
     /// Every row of the output table, read without writing anything. For reconciliation.

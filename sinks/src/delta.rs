@@ -518,15 +518,6 @@ impl Sink for DeltaSink {
         Ok(())
     }
 
-    async fn last_committed(&self) -> sluice_engine::Result<Option<BatchId>> {
-        let table = self.output.latest().await?;
-        Ok(self
-            .output
-            .txn_version(&table, &self.job_id)
-            .await?
-            .map(BatchId))
-    }
-
     async fn replace(&self, r: Replacement) -> sluice_engine::Result<CommitOutcome> {
         let lineage = lineage_predicate(&r.ranges);
         let props = || {
