@@ -34,11 +34,10 @@ async fn wait_for_committed(
 ) {
     let deadline = std::time::Instant::now() + Duration::from_secs(120);
     loop {
+        // Not `status_of`: the table may not exist yet while the live job starts.
         let status = run_sluice(&["status", out.to_str().unwrap()], &[]);
         let text = String::from_utf8_lossy(&status.stdout).to_string();
-        let committed = text
-            .lines()
-            .find_map(|l| l.trim().strip_prefix("end offsets: "))
+        let committed = status_field(&text, "end offsets")
             .and_then(|j| serde_json::from_str::<serde_json::Value>(j).ok())
             .and_then(|v| v["events"]["0"].as_u64());
         if committed.is_some_and(|c| c >= files) {

@@ -38,9 +38,7 @@ async fn the_bundled_example_runs_and_reports_its_table() {
         "{stdout}"
     );
     // `sluice status` reads the job's progress back from the table.
-    let status = run_sluice(&["status", table.to_str().unwrap()], &[]);
-    assert_ok(&status);
-    let status = String::from_utf8_lossy(&status.stdout);
+    let status = status_of(&table);
     assert!(status.contains(&format!("{rows} rows")), "{status}");
     assert!(
         status.contains("job clicks_clean: last committed batch 2"),

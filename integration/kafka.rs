@@ -331,6 +331,55 @@ async fn assert_exactly_once(out: &Path, produced: &Produced) {
     );
 }
 
+/// The trigger of the jobs that keep running while a test changes the broker.
+const EVERY_200MS: &str = "mode = \"interval\"\ninterval = \"200ms\"";
+
+/// A job reading `topic` every 200 ms, running in the background.
+struct LiveJob {
+    /// The job file.
+    job: String,
+    /// Its stderr.
+    log: PathBuf,
+    child: Child,
+    /// Its output table.
+    out: PathBuf,
+}
+
+impl LiveJob {
+    /// Writes the job file into `dir` (see [`write_kafka_job`]) and starts `sluice run` on it.
+    fn start(dir: &Path, broker: &Broker, topic: &str, extra: &str) -> LiveJob {
+        let job = write_kafka_job(dir, broker, topic, extra, EVERY_200MS);
+        let log = dir.join("job.log");
+        let child = spawn_job(&job, &log);
+        LiveJob {
+            job,
+            log,
+            child,
+            out: dir.join("out"),
+        }
+    }
+
+    /// Waits until its output table holds `rows` rows.
+    async fn wait_for_rows(&mut self, rows: usize) {
+        wait_for_rows(&self.out, rows, &mut self.child, &self.log).await;
+    }
+
+    /// What it logged so far.
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// A copy of its job file with trigger `available-now`, for a bounded run to the end.
+    fn available_now_copy(&self) -> String {
+        let copy = self.job.replace(".toml", "_now.toml");
+        let text = std::fs::read_to_string(&self.job)
+            .unwrap()
+            .replace(EVERY_200MS, "mode = \"available-now\"");
+        std::fs::write(&copy, text).unwrap();
+        copy
+    }
+}
+
 /// Spawns `sluice run JOB` with its log going to `log`.
 fn spawn_job(job: &str, log: &Path) -> Child {
     let log = std::fs::File::create(log).unwrap();
@@ -344,7 +393,7 @@ fn spawn_job(job: &str, log: &Path) -> Child {
 }
 
 /// SIGTERM, then the exit status.
-fn terminate(mut child: Child) -> std::process::ExitStatus {
+fn terminate(child: &mut Child) -> std::process::ExitStatus {
     Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()
@@ -447,9 +496,7 @@ async fn sigkill_and_restart_while_producing_gives_every_message_exactly_once() 
     assert_eq!(versions, (0..versions.len() as i64).collect::<Vec<_>>());
 
     // `status` shows the committed offsets and the consumer lag per partition.
-    let status = run_sluice(&["status", out.to_str().unwrap()], &[]);
-    assert_ok(&status);
-    let text = String::from_utf8_lossy(&status.stdout);
+    let text = status_of(&out);
     assert!(text.contains("consumer lag"), "{text}");
     assert!(text.contains("\"3\":450"), "{text}");
 }
@@ -462,30 +509,21 @@ async fn a_broker_outage_mid_run_is_waited_out_and_nothing_is_lost() {
     let partitions = [0, 1, 2, 3];
     let mut produced = Produced::default();
     produce(&broker, "payments", &partitions, 0, 600, &mut produced).await;
-    let job = write_kafka_job(
-        ws.path(),
-        &broker,
-        "payments",
-        "",
-        "mode = \"interval\"\ninterval = \"200ms\"",
-    );
-    let log = ws.path().join("job.log");
-    let mut child = spawn_job(&job, &log);
-    let out = ws.path().join("out");
-    wait_for_rows(&out, 40, &mut child, &log).await;
+    let mut live = LiveJob::start(ws.path(), &broker, "payments", "");
+    live.wait_for_rows(40).await;
 
     broker.stop();
     tokio::time::sleep(Duration::from_secs(10)).await;
     assert!(
-        child.try_wait().unwrap().is_none(),
+        live.child.try_wait().unwrap().is_none(),
         "the job gave up while the broker was down"
     );
     broker.restart();
     produce(&broker, "payments", &partitions, 600, 200, &mut produced).await;
 
-    wait_for_rows(&out, produced.good.len(), &mut child, &log).await;
-    let status = terminate(child);
-    let log_text = std::fs::read_to_string(&log).unwrap();
+    live.wait_for_rows(produced.good.len()).await;
+    let log_text = live.log_text();
+    let status = terminate(&mut live.child);
     assert!(status.success(), "{status}:\n{log_text}");
     assert!(
         log_text.contains("kafka broker unavailable; retrying"),
@@ -498,7 +536,7 @@ async fn a_broker_outage_mid_run_is_waited_out_and_nothing_is_lost() {
     for line in log_text.lines().filter(|l| l.contains("kafka broker")) {
         println!("{line}");
     }
-    assert_exactly_once(&out, &produced).await;
+    assert_exactly_once(&live.out, &produced).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -508,29 +546,20 @@ async fn a_partition_added_while_running_is_read_from_its_start() {
     broker.create_topic("growing", 2).await;
     let mut produced = Produced::default();
     produce(&broker, "growing", &[0, 1], 0, 100, &mut produced).await;
-    let job = write_kafka_job(
-        ws.path(),
-        &broker,
-        "growing",
-        "",
-        "mode = \"interval\"\ninterval = \"200ms\"",
-    );
-    let log = ws.path().join("job.log");
-    let mut child = spawn_job(&job, &log);
-    let out = ws.path().join("out");
-    wait_for_rows(&out, produced.good.len(), &mut child, &log).await;
+    let mut live = LiveJob::start(ws.path(), &broker, "growing", "");
+    live.wait_for_rows(produced.good.len()).await;
 
     broker.add_partition("growing");
     produce(&broker, "growing", &[2], 100, 60, &mut produced).await;
     produce(&broker, "growing", &[0, 1, 2], 160, 30, &mut produced).await;
-    wait_for_rows(&out, produced.good.len(), &mut child, &log).await;
-    assert!(terminate(child).success());
+    live.wait_for_rows(produced.good.len()).await;
+    let log_text = live.log_text();
+    assert!(terminate(&mut live.child).success());
     assert!(
         produced.good.keys().any(|(p, _)| p == "2"),
         "nothing was produced to the new partition"
     );
-    assert_exactly_once(&out, &produced).await;
-    let log_text = std::fs::read_to_string(&log).unwrap();
+    assert_exactly_once(&live.out, &produced).await;
     assert!(log_text.contains("new partition"), "{log_text}");
 }
 
@@ -719,16 +748,11 @@ async fn records_deleted_by_retention_before_they_were_read_stop_the_job_or_beco
 
 /// The watermark `sluice status` reports for the table at `out`.
 fn status_watermark(out: &Path) -> String {
-    let status = run_sluice(&["status", out.to_str().unwrap()], &[]);
-    assert_ok(&status);
-    let text = String::from_utf8_lossy(&status.stdout).to_string();
-    text.lines()
-        .find_map(|l| l.trim().strip_prefix("watermark: "))
-        .unwrap_or_else(|| panic!("no watermark in:\n{text}"))
-        .split(' ')
-        .next()
-        .unwrap()
-        .to_string()
+    let text = status_of(out);
+    let watermark =
+        status_field(&text, "watermark").unwrap_or_else(|| panic!("no watermark in:\n{text}"));
+    // `2026-11-29T10:15:50Z (1795… µs since the epoch)`
+    watermark.split(' ').next().unwrap().to_string()
 }
 
 /// Partition 0 of `sparse` delivers events at 10:11 … 10:15, one every 300 ms.
@@ -771,49 +795,39 @@ async fn a_silent_partition_holds_the_watermark_unless_idle_timeout_releases_it(
         let ts = format!("2026-11-29T10:{minute:02}:00Z");
         produce_event(&broker, "sparse", 0, i as i64 + 1, &ts).await;
     }
-    let interval = "mode = \"interval\"\ninterval = \"200ms\"";
 
     // Without idle_timeout: the watermark stays at partition 1's event − 10 s while partition 0
     // moves on and partition 1 stays silent.
     let holds = tempfile::tempdir().unwrap();
-    let job = write_kafka_job(
+    let mut live = LiveJob::start(
         holds.path(),
         &broker,
         "sparse",
         "max_out_of_orderness = \"10s\"",
-        interval,
     );
-    let log = holds.path().join("job.log");
-    let mut child = spawn_job(&job, &log);
-    wait_for_rows(&holds.path().join("out"), 11, &mut child, &log).await;
+    live.wait_for_rows(11).await;
     keep_partition_0_going(&broker, 11).await;
-    wait_for_rows(&holds.path().join("out"), 16, &mut child, &log).await;
-    assert!(terminate(child).success());
-    assert_eq!(
-        status_watermark(&holds.path().join("out")),
-        "2026-11-29T09:59:50Z"
-    );
+    live.wait_for_rows(16).await;
+    assert!(terminate(&mut live.child).success());
+    assert_eq!(status_watermark(&live.out), "2026-11-29T09:59:50Z");
 
     // With idle_timeout = 1s: once partition 1 has been silent that long, the watermark follows
     // partition 0 alone (10:16:00 − 10 s). (With every partition silent it would hold.)
     let released = tempfile::tempdir().unwrap();
-    let job = write_kafka_job(
+    let mut live = LiveJob::start(
         released.path(),
         &broker,
         "sparse",
         "max_out_of_orderness = \"10s\"\nidle_timeout = \"1s\"",
-        interval,
     );
-    let log = released.path().join("job.log");
-    let mut child = spawn_job(&job, &log);
-    wait_for_rows(&released.path().join("out"), 16, &mut child, &log).await;
+    live.wait_for_rows(16).await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
     produce_event(&broker, "sparse", 0, 16, "2026-11-29T10:16:00Z").await;
-    wait_for_rows(&released.path().join("out"), 17, &mut child, &log).await;
-    assert!(terminate(child).success());
-    let log_text = std::fs::read_to_string(&log).unwrap();
+    live.wait_for_rows(17).await;
+    let log_text = live.log_text();
+    assert!(terminate(&mut live.child).success());
     assert_eq!(
-        status_watermark(&released.path().join("out")),
+        status_watermark(&live.out),
         "2026-11-29T10:15:50Z",
         "{log_text}"
     );
@@ -822,19 +836,8 @@ async fn a_silent_partition_holds_the_watermark_unless_idle_timeout_releases_it(
     // A restart keeps the watermark (it is in the manifest), and a late event on partition 1
     // does not move it backwards.
     produce_event(&broker, "sparse", 1, 99, "2026-11-29T09:00:00Z").await;
-    let job_once = job.replace(".toml", "_once.toml");
-    std::fs::write(
-        &job_once,
-        std::fs::read_to_string(&job)
-            .unwrap()
-            .replace(interval, "mode = \"available-now\""),
-    )
-    .unwrap();
-    assert_ok(&run_sluice(&["run", &job_once], &[]));
-    assert_eq!(
-        status_watermark(&released.path().join("out")),
-        "2026-11-29T10:15:50Z"
-    );
+    assert_ok(&run_sluice(&["run", &live.available_now_copy()], &[]));
+    assert_eq!(status_watermark(&live.out), "2026-11-29T10:15:50Z");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -844,17 +847,8 @@ async fn a_job_waiting_for_a_down_broker_stops_on_a_second_signal_and_resumes_la
     broker.create_topic("stuck", 2).await;
     let mut produced = Produced::default();
     produce(&broker, "stuck", &[0, 1], 0, 100, &mut produced).await;
-    let job = write_kafka_job(
-        ws.path(),
-        &broker,
-        "stuck",
-        "",
-        "mode = \"interval\"\ninterval = \"200ms\"",
-    );
-    let log = ws.path().join("job.log");
-    let mut child = spawn_job(&job, &log);
-    let out = ws.path().join("out");
-    wait_for_rows(&out, 40, &mut child, &log).await;
+    let mut live = LiveJob::start(ws.path(), &broker, "stuck", "");
+    live.wait_for_rows(40).await;
 
     broker.stop();
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -866,16 +860,16 @@ async fn a_job_waiting_for_a_down_broker_stops_on_a_second_signal_and_resumes_la
     };
     // The first signal asks for the batch in flight to finish — it cannot while the broker is
     // down; the second stops the job at once.
-    signal(&child);
+    signal(&live.child);
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert!(
-        child.try_wait().unwrap().is_none(),
+        live.child.try_wait().unwrap().is_none(),
         "stopped although a batch was in flight"
     );
-    signal(&child);
+    signal(&live.child);
     let deadline = Instant::now() + Duration::from_secs(10);
     let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
+        if let Some(status) = live.child.try_wait().unwrap() {
             break status;
         }
         assert!(
@@ -885,22 +879,13 @@ async fn a_job_waiting_for_a_down_broker_stops_on_a_second_signal_and_resumes_la
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     assert_eq!(status.code(), Some(130));
-    let log_text = std::fs::read_to_string(&log).unwrap();
+    let log_text = live.log_text();
     assert!(log_text.contains("second shutdown signal"), "{log_text}");
 
     // Nothing was lost: once the broker is back, a run completes the topic exactly once.
     broker.restart();
-    let once = job.replace(".toml", "_now.toml");
-    std::fs::write(
-        &once,
-        std::fs::read_to_string(&job).unwrap().replace(
-            "mode = \"interval\"\ninterval = \"200ms\"",
-            "mode = \"available-now\"",
-        ),
-    )
-    .unwrap();
-    assert_ok(&run_sluice(&["run", &once], &[]));
-    assert_exactly_once(&out, &produced).await;
+    assert_ok(&run_sluice(&["run", &live.available_now_copy()], &[]));
+    assert_exactly_once(&live.out, &produced).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -26,6 +26,21 @@ pub fn run_sluice(args: &[&str], env: &[(&str, &str)]) -> Output {
     cmd.output().expect("sluice runs")
 }
 
+/// What `sluice status TABLE` prints, asserting it succeeded.
+pub fn status_of(table: &Path) -> String {
+    let out = run_sluice(&["status", table.to_str().unwrap()], &[]);
+    assert_ok(&out);
+    String::from_utf8_lossy(&out.stdout).to_string()
+}
+
+/// The value after `name: ` on the first line of `sluice status` output that has one.
+pub fn status_field<'a>(status: &'a str, name: &str) -> Option<&'a str> {
+    let prefix = format!("{name}: ");
+    status
+        .lines()
+        .find_map(|l| l.trim().strip_prefix(prefix.as_str()))
+}
+
 /// Asserts a run succeeded, showing its output if not.
 pub fn assert_ok(out: &Output) {
     assert!(
