@@ -342,13 +342,14 @@ fn resolve_offsets(
             ));
         }
     }
+    // With only `earliest`/`latest`, every partition; otherwise the partitions named.
     let named = |b: &Bound, p: &PartitionId| match b {
         Bound::Offsets(m) => m.contains_key(p),
         _ => false,
     };
+    let both_keywords = !matches!(from, Bound::Offsets(_)) && !matches!(to, Bound::Offsets(_));
     let mut ranges = BTreeMap::new();
     for (p, a) in available {
-        let both_keywords = !matches!(from, Bound::Offsets(_)) && !matches!(to, Bound::Offsets(_));
         if !(both_keywords || named(from, p) || named(to, p)) {
             continue;
         }
