@@ -203,9 +203,13 @@ impl TableHandle {
         Ok(())
     }
 
-    /// The table at its latest version, loaded afresh (not the handle `open` keeps); `None` if
-    /// there is no table yet.
+    /// The table at its latest version without creating it: the handle `open` keeps, brought up
+    /// to date, or (for backfill and reconcile, which do not open) loaded now; `None` if there is
+    /// no table yet.
     async fn open_existing(&self) -> Result<Option<DeltaTable>> {
+        if self.table.lock().await.is_some() {
+            return self.latest().await.map(Some);
+        }
         match deltalake::open_table(self.url.clone()).await {
             Ok(table) => Ok(Some(table)),
             Err(
