@@ -12,7 +12,7 @@ use arrow::datatypes::{DataType, Field, Schema};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use sluice::connectors::files::{FileFormat, FilesSource, FilesSourceConfig};
 use sluice::engine::checkpoint::CheckpointStore;
-use sluice::engine::query::StreamingQuery;
+use sluice::engine::query::{BatchWatermark, QuerySettings, StreamingQuery};
 use sluice::engine::source::{SOURCE_OFFSET, SOURCE_PARTITION};
 use sluice::engine::{BatchCommit, BatchId, OffsetRange, Sink, Source, SourceContext};
 use sluice::sinks::delta::{DeltaSink, DeltaSinkConfig};
@@ -99,18 +99,25 @@ fn input_batch() -> RecordBatch {
 fn execute_query(c: &mut Criterion) {
     let rt = runtime();
     let batch = input_batch();
-    let query = rt
+    let settings = QuerySettings {
+        lineage: true,
+        ..QuerySettings::default()
+    };
+    let mut query = rt
         .block_on(StreamingQuery::plan(
             "SELECT id, upper(page) AS page, amount * 2 AS amount2 FROM t WHERE amount > 10",
             &[("t".into(), batch.schema())],
-            true,
+            &settings,
         ))
         .unwrap();
     let inputs = BTreeMap::from([("t".to_string(), batch)]);
     let mut group = c.benchmark_group("query");
     group.throughput(Throughput::Elements(ROWS as u64));
     group.bench_function("stateless_projection_filter_100k_rows", |b| {
-        b.iter(|| rt.block_on(query.execute_isolating(&inputs)).unwrap())
+        b.iter(|| {
+            rt.block_on(query.execute_isolating(&inputs, BatchWatermark::default()))
+                .unwrap()
+        })
     });
     group.finish();
 }
@@ -121,7 +128,8 @@ fn delta_commit(c: &mut Criterion) {
     let batch = input_batch();
     let mut sink =
         DeltaSink::new(DeltaSinkConfig::new(dir.path().join("t").to_string_lossy())).unwrap();
-    rt.block_on(sink.open("bench", batch.schema())).unwrap();
+    rt.block_on(sink.open("bench", batch.schema(), None))
+        .unwrap();
     let mut next = 0;
     let mut group = c.benchmark_group("delta_sink");
     group.sample_size(10);
@@ -132,6 +140,7 @@ fn delta_commit(c: &mut Criterion) {
                 batch_id: BatchId(next),
                 output: vec![batch.clone()],
                 dead_letters: vec![],
+                late: vec![],
                 manifest: serde_json::json!({}),
             };
             next += 1;

@@ -155,18 +155,22 @@ pub async fn load(path: &Path, trigger: Option<Trigger>) -> Result<(Job, JobFile
         Some(t) => t,
         None => parse_trigger(&file.trigger).with_context(|| ctx("trigger"))?,
     };
-    for (key, value) in [
-        ("allowed_lateness", &file.query.allowed_lateness),
-        ("state_ttl", &file.query.state_ttl),
-    ] {
-        if let Some(v) = value {
-            parse_duration(key, v).with_context(|| ctx("query"))?;
-        }
+    if file.query.state_ttl.is_some() {
+        bail!(
+            "{}: state_ttl bounds running (non-windowed) aggregates, which need update mode; \
+             this version runs windowed aggregates, whose state the watermark bounds",
+            ctx("query")
+        );
     }
+    let allowed_lateness = match &file.query.allowed_lateness {
+        Some(v) => parse_duration("allowed_lateness", v).with_context(|| ctx("query"))?,
+        None => std::time::Duration::ZERO,
+    };
 
     let mut builder = Job::builder(file.job.id.clone())
         .with_sql(file.query.sql.clone())
-        .with_trigger(trigger);
+        .with_trigger(trigger)
+        .with_allowed_lateness(allowed_lateness);
     if let Some(checkpoint) = &file.job.checkpoint {
         let url = sluice_engine::location::directory_url(&resolve(&base, checkpoint))
             .with_context(|| ctx("job"))?;

@@ -187,12 +187,13 @@ async fn run(path: PathBuf, trigger: Option<Trigger>) -> Result<()> {
         .map(|p| p.display().to_string())
         .unwrap_or_else(|_| location.to_string());
     println!(
-        "job {}: {} batch(es) committed this run (rows in {}, out {}, dead-lettered {}); last batch {}",
+        "job {}: {} batch(es) committed this run (rows in {}, out {}, dead-lettered {}, late {}); last batch {}",
         info.job_id,
         summary.batches_committed,
         summary.rows_in,
         summary.rows_out,
         summary.rows_dead_lettered,
+        summary.rows_late,
         summary
             .last_batch
             .map(|b| b.to_string())
@@ -289,6 +290,13 @@ async fn reconcile(path: PathBuf, from: i64, to: i64) -> Result<()> {
         "  batch recomputation: {} rows; output table: {} rows",
         r.expected_rows, r.table_rows
     );
+    if r.late_rows > 0 {
+        println!(
+            "  late rows: {} (in the late table; replayed under the watermark they met, so \
+             they count only in the windows that were still open)",
+            r.late_rows
+        );
+    }
     println!(
         "  matching {}, missing {}, extra {}, different {}",
         d.matching,

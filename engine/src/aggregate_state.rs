@@ -148,6 +148,50 @@ impl AggregateState {
         self.run(exec).await
     }
 
+    /// Phase 1 over a physical plan of the same aggregate (planned over other input, e.g. with a
+    /// filter below it): runs its first phase over its input rows, in parallel over the input's
+    /// partitions, and returns the partial state in [`AggregateState::state_schema`].
+    ///
+    /// # Errors
+    /// If the plan has no aggregate, its state differs from this aggregate's (a different
+    /// aggregate), or execution fails.
+    pub async fn partial_of(&self, physical: &Arc<dyn ExecutionPlan>) -> Result<Vec<RecordBatch>> {
+        let exec = find_aggregate(physical).ok_or_else(|| {
+            Error::UnsupportedQuery("the per-batch plan lost its aggregate".into())
+        })?;
+        let partial: Arc<dyn ExecutionPlan> = Arc::new(AggregateExec::try_new(
+            AggregateMode::Partial,
+            Arc::new(exec.group_expr().clone()),
+            exec.aggr_expr().to_vec(),
+            exec.filter_expr().to_vec(),
+            Arc::clone(exec.input()),
+            exec.input_schema(),
+        )?);
+        let schema = partial.schema();
+        let same = schema.fields().len() == self.state_schema.fields().len()
+            && schema
+                .fields()
+                .iter()
+                .zip(self.state_schema.fields())
+                .all(|(a, b)| a.name() == b.name() && a.data_type() == b.data_type());
+        if !same {
+            return Err(Error::UnsupportedQuery(format!(
+                "the per-batch aggregate's state ({schema}) differs from the planned one ({})",
+                self.state_schema
+            )));
+        }
+        let batches = self.run(partial).await?;
+        batches
+            .into_iter()
+            .map(|b| {
+                Ok(RecordBatch::try_new(
+                    Arc::clone(&self.state_schema),
+                    b.columns().to_vec(),
+                )?)
+            })
+            .collect()
+    }
+
     /// Phase 2: merges state rows (from any number of batches) into one row per group.
     pub async fn merge(&self, states: Vec<RecordBatch>) -> Result<Vec<RecordBatch>> {
         self.over_state(AggregateMode::PartialReduce, states).await

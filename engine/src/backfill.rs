@@ -35,11 +35,12 @@ use arrow::datatypes::Int64Type;
 use serde::{Deserialize, Serialize};
 
 use crate::dead_letter::{dead_letter_batch, dead_letter_from_row};
-use crate::driver::{checkpoint_location, open_sources_and_query, read_source};
+use crate::driver::{checkpoint_location, open_sources_and_query, query_settings, read_source};
 use crate::error::{Error, Result};
 use crate::event_time::rows_in_period;
 use crate::job::Job;
 use crate::offsets::{BatchId, Offset, OffsetRange, PartitionId, plan_ranges};
+use crate::query::BatchWatermark;
 use crate::sink::{CommitOutcome, Replacement};
 use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION};
 
@@ -157,8 +158,16 @@ impl Job {
     pub async fn backfill(self, range: BackfillRange, dry_run: bool) -> Result<BackfillReport> {
         let started = Instant::now();
         let checkpoint = checkpoint_location(&self)?;
-        let (sources, query) =
-            open_sources_and_query(self.sources, &self.sql, self.lineage, &checkpoint).await?;
+        let settings = query_settings(&self);
+        let (sources, mut query) =
+            open_sources_and_query(self.sources, &self.sql, &settings, &checkpoint).await?;
+        if query.is_windowed() {
+            return Err(Error::UnsupportedQuery(
+                "backfill of windowed jobs (replacing every window the range touches) is not \
+                 available yet; backfill runs stateless jobs"
+                    .into(),
+            ));
+        }
         let [source] = sources.as_slice() else {
             return Err(Error::InvalidJob(format!(
                 "backfill handles jobs with one source for now; this one has {}",
@@ -278,7 +287,9 @@ impl Job {
             let (rows, mut letters) = read_source(source, &chunk).await?;
             report.rows_in += rows.num_rows() as u64;
             let inputs = BTreeMap::from([(source.name.clone(), rows)]);
-            let result = query.execute_isolating(&inputs).await?;
+            let result = query
+                .execute_isolating(&inputs, BatchWatermark::default())
+                .await?;
             for failed in &result.failed {
                 letters.push(dead_letter_from_row(&failed.row, &failed.error)?);
             }
@@ -297,7 +308,7 @@ impl Job {
             }
         }
         let mut sink = self.sink;
-        sink.open(&self.id, output_schema).await?;
+        sink.open(&self.id, output_schema, None).await?;
         let outcome = sink
             .replace(Replacement {
                 app_id: report.spec.app_id.clone(),

@@ -148,6 +148,27 @@ impl CheckpointStore {
             .collect())
     }
 
+    /// The names of the files directly in folder `rel` (none if it does not exist).
+    pub async fn list_files(&self, rel: &str) -> Result<BTreeSet<String>> {
+        let listing = self
+            .store
+            .list_with_delimiter(Some(&self.path(rel)))
+            .await?;
+        Ok(listing
+            .objects
+            .iter()
+            .filter_map(|o| o.location.filename().map(str::to_string))
+            .collect())
+    }
+
+    /// Deletes the file `rel` (nothing if it does not exist).
+    pub async fn delete(&self, rel: &str) -> Result<()> {
+        match self.store.delete(&self.path(rel)).await {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// Deletes everything under `rel`.
     pub async fn delete_folder(&self, rel: &str) -> Result<()> {
         let paths: Vec<Path> = self
@@ -213,6 +234,18 @@ pub struct BatchCounters {
     pub rows_out: u64,
     /// Rows written to the dead-letter table.
     pub rows_dead_lettered: u64,
+    /// Rows written to the late table (they missed a closed window).
+    #[serde(default)]
+    pub rows_late: u64,
+    /// Windowed queries: rows of state after the batch (one per open window and group).
+    #[serde(default)]
+    pub state_rows: u64,
+    /// Windowed queries: bytes the state takes in memory after the batch.
+    #[serde(default)]
+    pub state_bytes: u64,
+    /// Windowed queries: bytes of state files the batch wrote.
+    #[serde(default)]
+    pub state_bytes_written: u64,
 }
 
 fn batch_file(batch_id: BatchId, name: &str) -> String {

@@ -1,16 +1,21 @@
 //! The driver loop: one micro-batch from source offsets to one Delta commit.
 //!
 //! ```text
-//!  trigger fires ─► plan ─► intent ─► read ─► time ─► execute ─► watermark ─► manifest ─► commit ─► purge
-//!                   │       │         │       │       │          │             │            │          │
-//!                   │       │         │       │       │          │             │            │          └ old batch folders
-//!                   │       │         │       │       │          │             │            └ side tables, then ONE output
-//!                   │       │         │       │       │          │             │              commit with txn(job, batch)
-//!                   │       │         │       │       │          │             └ end offsets, watermark (+ state files)
-//!                   │       │         │       │       │          └ min over non-idle partitions of
-//!                   │       │         │       │       │            (newest event time − max_out_of_orderness)
-//!                   │       │         │       │       └ DataFusion; failing rows → dead letters
-//!                   │       │         │       └ parse event time; unparsable → dead letters
+//!  trigger fires ─► plan ─► intent ─► read ─► time ─► watermark ─► execute ─► manifest ─► commit ─► purge
+//!                   │       │         │       │       │            │          │            │          │
+//!                   │       │         │       │       │            │          │            │          └ old batch folders,
+//!                   │       │         │       │       │            │          │            │            old state files
+//!                   │       │         │       │       │            │          │            └ side tables, then ONE output
+//!                   │       │         │       │       │            │          │              commit with txn(job, batch)
+//!                   │       │         │       │       │            │          └ state files, then end offsets,
+//!                   │       │         │       │       │            │            watermark, state file list
+//!                   │       │         │       │       │            └ DataFusion; failing rows → dead letters;
+//!                   │       │         │       │       │              windowed: merge open windows into state,
+//!                   │       │         │       │       │              emit the windows the new watermark closes
+//!                   │       │         │       │       └ min over non-idle partitions of
+//!                   │       │         │       │         (newest event time − max_out_of_orderness)
+//!                   │       │         │       └ parse event time (unparsable → dead letters); rows of windows
+//!                   │       │         │         closed under the watermark in force → late rows
 //!                   │       │         └ Source::read per partition range; undecodable → dead letters
 //!                   │       └ ranges and idle partitions fixed put-if-absent: a rerun is the same
 //!                   └ [committed end, min(latest, committed end + budget)) per partition
@@ -18,7 +23,7 @@
 //!
 //! **Restart.** The output table is the source of truth: its `txn` version for the job is the
 //! last committed batch `V`; `batches/V/manifest.json` (written before commit `V`, live with it)
-//! gives the end offsets and the watermark. If `batches/V+1/intent.json` exists, batch `V+1` is
+//! gives the end offsets, the watermark and the state files. If `batches/V+1/intent.json` exists, batch `V+1` is
 //! rerun with exactly those ranges and idle set; the sink skips side tables that already hold
 //! `txn(job, V+1)`. Whatever step a crash interrupts, the rerun produces the same rows and
 //! commits them once.
@@ -46,9 +51,10 @@ use crate::offsets::{
     BatchId, OffsetRange, PartitionId, SourceOffsets, SourceRanges, display_offsets,
     display_ranges, plan_ranges,
 };
-use crate::query::StreamingQuery;
+use crate::query::{BatchWatermark, QuerySettings, StreamingQuery};
 use crate::sink::{BatchCommit, CommitOutcome, Sink};
 use crate::source::{DeadLetter, SOURCE_OFFSET, SOURCE_PARTITION, Source, SourceContext};
+use crate::state_store::StateLog;
 use crate::watermark::{
     SourcePartition, Watermark, WatermarkRules, display_watermark, max_event_time_by_partition,
 };
@@ -66,6 +72,8 @@ pub struct RunSummary {
     pub rows_out: u64,
     /// Rows written to the dead-letter table.
     pub rows_dead_lettered: u64,
+    /// Rows written to the late table.
+    pub rows_late: u64,
     /// Where the output went.
     pub location: Option<Url>,
 }
@@ -111,8 +119,9 @@ impl Job {
     /// Opens the sources and plans the query without writing anything.
     pub async fn validate(self) -> Result<Validation> {
         let checkpoint = checkpoint_location(&self)?;
+        let settings = query_settings(&self);
         let (sources, query) =
-            open_sources_and_query(self.sources, &self.sql, self.lineage, &checkpoint).await?;
+            open_sources_and_query(self.sources, &self.sql, &settings, &checkpoint).await?;
         Ok(Validation {
             sources: sources
                 .iter()
@@ -173,10 +182,24 @@ pub(crate) fn checkpoint_location(job: &Job) -> Result<CheckpointStore> {
     CheckpointStore::open(&url)
 }
 
+/// How a job's query is planned: its lineage and lateness settings and its sources' event-time
+/// columns.
+pub(crate) fn query_settings(job: &Job) -> QuerySettings {
+    QuerySettings {
+        lineage: job.lineage,
+        allowed_lateness: job.allowed_lateness,
+        event_time: job
+            .sources
+            .iter()
+            .filter_map(|s| Some((s.name.clone(), s.event_time.as_ref()?.column.clone())))
+            .collect(),
+    }
+}
+
 pub(crate) async fn open_sources_and_query(
     specs: Vec<SourceSpec>,
     sql: &str,
-    lineage: bool,
+    settings: &QuerySettings,
     checkpoint: &CheckpointStore,
 ) -> Result<(Vec<OpenSource>, StreamingQuery)> {
     let mut sources = Vec::with_capacity(specs.len());
@@ -210,7 +233,7 @@ pub(crate) async fn open_sources_and_query(
         .iter()
         .map(|s| (s.name.clone(), Arc::clone(&s.schema)))
         .collect();
-    let query = StreamingQuery::plan(sql, &schemas, lineage).await?;
+    let query = StreamingQuery::plan(sql, &schemas, settings).await?;
     Ok((sources, query))
 }
 
@@ -218,21 +241,28 @@ impl Pipeline {
     /// Opens everything and finds where the job stands from the output table.
     async fn open(job: Job) -> Result<Pipeline> {
         let checkpoint = checkpoint_location(&job)?;
+        let settings = query_settings(&job);
         let Job {
             id: job_id,
             sources,
             sql,
             mut sink,
-            lineage,
             keep_batches,
             ..
         } = job;
-        let (sources, query) = open_sources_and_query(sources, &sql, lineage, &checkpoint).await?;
-        sink.open(&job_id, query.output_schema()).await?;
+        let (sources, mut query) =
+            open_sources_and_query(sources, &sql, &settings, &checkpoint).await?;
+        sink.open(&job_id, query.output_schema(), query.late_schema())
+            .await?;
         let last = sink.committed_batch(&job_id).await?;
-        let (next_batch, committed, watermark) =
+        let (next_batch, committed, watermark, state_files) =
             match last {
-                None => (BatchId(0), SourceOffsets::new(), Watermark::default()),
+                None => (
+                    BatchId(0),
+                    SourceOffsets::new(),
+                    Watermark::default(),
+                    vec![],
+                ),
                 Some(v) => {
                     let manifest = checkpoint.read_manifest(v).await?.ok_or_else(|| {
                         Error::MissingManifest {
@@ -243,9 +273,24 @@ impl Pipeline {
                     })?;
                     let watermark =
                         Watermark::restore(manifest.watermark_micros, manifest.max_event_time);
-                    (v.next(), manifest.end_offsets, watermark)
+                    (
+                        v.next(),
+                        manifest.end_offsets,
+                        watermark,
+                        manifest.state_files,
+                    )
                 }
             };
+        // The state the last committed batch left, from the files its manifest lists.
+        if let Some(windowed) = query.windowed_mut() {
+            windowed
+                .restore(
+                    StateLog::new(&checkpoint),
+                    &state_files,
+                    watermark.current(),
+                )
+                .await?;
+        }
         let rules = sources
             .iter()
             .filter_map(|s| {
@@ -407,6 +452,7 @@ impl Pipeline {
         let started = Instant::now();
         let mut counters = BatchCounters::default();
         let mut dead_letters: Vec<RecordBatch> = Vec::new();
+        let mut late: Vec<RecordBatch> = Vec::new();
 
         // 3 read + 4 time: one batch of rows per source.
         let t = Instant::now();
@@ -420,6 +466,15 @@ impl Pipeline {
                 let maxima = batch_max_event_time.entry(s.name.clone()).or_default();
                 max_event_time_by_partition(&rows, &time.column, maxima)?;
             }
+            // Rows of windows the watermark in force has closed: to the late table (they
+            // still count in their open windows; the query leaves the closed ones out).
+            if let Some(rows_late) =
+                self.query
+                    .late_rows(&s.name, &rows, self.watermark.current(), batch_id)?
+            {
+                counters.rows_late += rows_late.num_rows() as u64;
+                late.push(rows_late);
+            }
             counters.rows_in += rows.num_rows() as u64;
             counters.rows_dead_lettered += letters.len() as u64;
             if !letters.is_empty() {
@@ -429,9 +484,33 @@ impl Pipeline {
         }
         let read_time = t.elapsed();
 
-        // 5 execute.
+        // 6 watermark: from the newest event time per partition, over the non-idle ones. Known
+        // once the batch is read; the query needs it to emit the windows it closes.
+        let mut end_offsets = self.committed.clone();
+        for (source, parts) in &intent.ranges {
+            let ends = end_offsets.entry(source.clone()).or_default();
+            for (p, r) in parts {
+                ends.insert(p.clone(), r.end);
+            }
+        }
+        let mut watermark = self.watermark.clone();
+        watermark.advance(
+            &self.rules,
+            &batch_max_event_time,
+            &event_time_partitions(&self.rules, &end_offsets),
+            &intent.idle,
+        );
+
+        // 5 execute (+ 7 emit).
         let t = Instant::now();
-        let output = self.query.execute_isolating(&inputs).await?;
+        let batch_watermark = BatchWatermark {
+            before: self.watermark.current(),
+            after: watermark.current(),
+        };
+        let output = self
+            .query
+            .execute_isolating(&inputs, batch_watermark)
+            .await?;
         drop(inputs);
         let mut failed_by_source: BTreeMap<&str, Vec<DeadLetter>> = BTreeMap::new();
         for failed in &output.failed {
@@ -448,30 +527,26 @@ impl Pipeline {
         counters.rows_out = output.batches.iter().map(|b| b.num_rows() as u64).sum();
         let execute_time = t.elapsed();
 
-        // 8 manifest: end offsets of every partition, live once the commit lands.
+        // 8 manifest: state files, then end offsets of every partition, the watermark and the
+        // state file list — live once the commit lands.
         let t = Instant::now();
-        let mut end_offsets = self.committed.clone();
-        for (source, parts) in &intent.ranges {
-            let ends = end_offsets.entry(source.clone()).or_default();
-            for (p, r) in parts {
-                ends.insert(p.clone(), r.end);
-            }
+        let mut state_files = Vec::new();
+        if let Some(windowed) = self.query.windowed_mut() {
+            let written = windowed.write_state(batch_id).await?;
+            counters.state_bytes_written = written.bytes_written;
+            state_files = written.live_files;
         }
-        // 6 watermark: from the newest event time per partition, over the non-idle ones.
-        let mut watermark = self.watermark.clone();
-        watermark.advance(
-            &self.rules,
-            &batch_max_event_time,
-            &event_time_partitions(&self.rules, &end_offsets),
-            &intent.idle,
-        );
+        if let Some(size) = self.query.state_size() {
+            counters.state_rows = size.rows;
+            counters.state_bytes = size.bytes;
+        }
         let lag = consumer_lag(&self.latest_at_plan, &end_offsets);
         let manifest = BatchManifest {
             batch_id,
             end_offsets,
             watermark_micros: watermark.current(),
             max_event_time: watermark.max_event_time().clone(),
-            state_files: vec![],
+            state_files,
             counters: counters.clone(),
             lag,
         };
@@ -492,16 +567,21 @@ impl Pipeline {
                 batch_id,
                 output: output.batches,
                 dead_letters,
+                late,
                 manifest: manifest_json,
             })
             .await?;
         crash_point("after_commit", batch_id);
         let commit_time = t.elapsed();
 
-        // 10 purge: keep the last `keep_batches` batch folders.
+        // 10 purge: keep the last `keep_batches` batch folders; delete state files no longer
+        // live. (Windows closed by the watermark left the state in step 7.)
         let t = Instant::now();
         let keep_from = BatchId(batch_id.0 + 1 - i64::from(self.keep_batches));
         self.checkpoint.purge_batches_before(keep_from).await?;
+        if let Some(windowed) = self.query.windowed_mut() {
+            windowed.collect_garbage().await?;
+        }
         let purge_time = t.elapsed();
 
         self.committed = manifest.end_offsets;
@@ -521,6 +601,7 @@ impl Pipeline {
         self.summary.rows_in += counters.rows_in;
         self.summary.rows_out += counters.rows_out;
         self.summary.rows_dead_lettered += counters.rows_dead_lettered;
+        self.summary.rows_late += counters.rows_late;
         let (files, bytes, already) = match outcome {
             CommitOutcome::Committed { files, bytes, .. } => (files, bytes, false),
             CommitOutcome::AlreadyCommitted => (0, 0, true),
@@ -536,12 +617,16 @@ impl Pipeline {
             rows_in = counters.rows_in,
             rows_out = counters.rows_out,
             rows_dead_lettered = counters.rows_dead_lettered,
+            rows_late = counters.rows_late,
+            state_rows = counters.state_rows,
+            state_bytes = counters.state_bytes,
+            state_bytes_written = counters.state_bytes_written,
             files_written = files,
             bytes_written = bytes,
             already_committed = already,
             read_ms = ms(read_time),
             execute_ms = ms(execute_time),
-            manifest_ms = ms(manifest_time),
+            checkpoint_ms = ms(manifest_time),
             commit_ms = ms(commit_time),
             purge_ms = ms(purge_time),
             total_ms = ms(started.elapsed()),

@@ -18,6 +18,9 @@ pub enum Error {
     /// Reading or writing the checkpoint store failed.
     #[error("checkpoint store: {0}")]
     ObjectStore(#[from] object_store::Error),
+    /// A state file could not be written or read as Parquet.
+    #[error("state file: {0}")]
+    StateFile(#[from] parquet::errors::ParquetError),
     /// A checkpoint file could not be (de)serialised.
     #[error("checkpoint file {path}: {source}")]
     CheckpointFormat {

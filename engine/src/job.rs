@@ -87,6 +87,8 @@ pub struct Job {
     pub lineage: bool,
     /// How many committed batch folders to keep in the checkpoint.
     pub keep_batches: u32,
+    /// Windowed queries: how long after its end a window still accepts rows.
+    pub allowed_lateness: Duration,
 }
 
 impl fmt::Debug for Job {
@@ -115,6 +117,7 @@ impl Job {
             trigger: Trigger::AvailableNow,
             lineage: true,
             keep_batches: 10,
+            allowed_lateness: Duration::ZERO,
         }
     }
 }
@@ -143,6 +146,7 @@ pub struct JobBuilder {
     trigger: Trigger,
     lineage: bool,
     keep_batches: u32,
+    allowed_lateness: Duration,
 }
 
 impl JobBuilder {
@@ -197,6 +201,13 @@ impl JobBuilder {
         self
     }
 
+    /// Windowed queries: how long after its end a window still accepts rows (default: 0, a
+    /// window closes as soon as the watermark passes its end).
+    pub fn with_allowed_lateness(mut self, lateness: Duration) -> Self {
+        self.allowed_lateness = lateness;
+        self
+    }
+
     /// Checks and returns the job.
     ///
     /// # Errors
@@ -244,6 +255,7 @@ impl JobBuilder {
             trigger: self.trigger,
             lineage: self.lineage,
             keep_batches: self.keep_batches,
+            allowed_lateness: self.allowed_lateness,
         })
     }
 }

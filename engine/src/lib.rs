@@ -32,6 +32,7 @@ pub mod error;
 pub mod event_time;
 pub mod fault;
 pub mod job;
+pub mod late;
 pub mod location;
 pub mod offsets;
 pub mod query;
@@ -39,8 +40,10 @@ pub mod reconcile;
 pub mod schema;
 pub mod sink;
 pub mod source;
+pub mod state_store;
 pub mod watermark;
 pub mod window;
+pub mod windowed;
 
 pub use checkpoint::{BatchCounters, BatchIntent, BatchManifest, CheckpointStore};
 pub use driver::{RunSummary, Validation};

@@ -4,24 +4,34 @@
 //! batch, so the logical plan is built (and validated) once. Execution is vectorised and
 //! parallel: a batch's rows are split across DataFusion's target partitions.
 //!
-//! A query-time error caused by some rows (a failing `CAST`) must not stall the job. For the
-//! stateless queries run here, output is row-local, so [`StreamingQuery::execute_isolating`]
+//! A query is either **stateless** (expressions, WHERE, UNION ALL, UNNEST: each batch's output
+//! depends on its rows only) or **windowed**: one aggregate over a `tumble`/`hop` window, whose
+//! state is carried between batches and whose windows are emitted as the watermark closes them
+//! (see [`crate::windowed`]).
+//!
+//! A query-time error caused by some rows (a failing `CAST`) must not stall the job. Stateless
+//! output is row-local and partial aggregate states merge, so [`StreamingQuery::execute_isolating`]
 //! splits the input in halves until the failing rows are found; they become dead letters and the
 //! rest proceeds. An error that occurs with no input at all is not about data and stops the job.
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
+use std::time::Duration;
 
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use datafusion::catalog::MemTable;
 use datafusion::common::Column;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
+use datafusion::execution::SessionStateBuilder;
 use datafusion::logical_expr::{Expr, LogicalPlan, Projection};
 use datafusion::prelude::{SessionConfig, SessionContext};
 
+use crate::aggregate_state::AggregateState;
 use crate::error::{Error, Result};
+use crate::offsets::BatchId;
 use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION};
+use crate::windowed::{StateSize, WindowedAggregate, plan_windowed};
 
 /// A row on which the query failed, with the error.
 #[derive(Debug)]
@@ -43,11 +53,40 @@ pub struct QueryOutput {
     pub failed: Vec<FailedRow>,
 }
 
+/// How the query is planned, besides its SQL and source schemas.
+#[derive(Debug, Clone, Default)]
+pub struct QuerySettings {
+    /// Stateless queries: the output carries the lineage columns `_source_partition` and
+    /// `_source_offset` even when the SELECT list does not name them.
+    pub lineage: bool,
+    /// Windowed queries: how long after its end a window still accepts rows.
+    pub allowed_lateness: Duration,
+    /// Each source's event-time column (sources without event time are absent).
+    pub event_time: BTreeMap<String, String>,
+}
+
+/// The watermark a batch runs under.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BatchWatermark {
+    /// The watermark in force when the batch's rows arrive: rows of windows it has closed are
+    /// late.
+    pub before: Option<i64>,
+    /// The watermark after the batch: windows it closes are emitted. `Some(i64::MAX)` flushes
+    /// every window (the end of a bounded run).
+    pub after: Option<i64>,
+}
+
 /// The job's query, planned against the source schemas.
 pub struct StreamingQuery {
+    tables: SourceTables,
+    plan: LogicalPlan,
+    windowed: Option<WindowedAggregate>,
+}
+
+/// The session and the in-memory tables the sources' rows are loaded into.
+struct SourceTables {
     ctx: SessionContext,
     tables: BTreeMap<String, (SchemaRef, Arc<MemTable>)>,
-    plan: LogicalPlan,
     partitions: usize,
 }
 
@@ -55,6 +94,7 @@ impl std::fmt::Debug for StreamingQuery {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StreamingQuery")
             .field("plan", &self.plan.display_indent().to_string())
+            .field("windowed", &self.windowed)
             .finish()
     }
 }
@@ -62,16 +102,33 @@ impl std::fmt::Debug for StreamingQuery {
 impl StreamingQuery {
     /// Plans `sql` over tables named after the sources, with the given batch schemas.
     ///
-    /// With `lineage`, the output carries the lineage columns `_source_partition` and
-    /// `_source_offset` even when the SELECT list does not name them.
-    ///
     /// # Errors
     /// If the SQL does not parse or plan (unknown table or column, type error), or needs state
-    /// across batches (aggregates, joins, windows, ORDER BY, LIMIT, DISTINCT).
-    pub async fn plan(sql: &str, sources: &[(String, SchemaRef)], lineage: bool) -> Result<Self> {
+    /// the engine cannot carry across batches (joins, ORDER BY, LIMIT, DISTINCT, aggregates
+    /// without a window), naming the part at fault.
+    pub async fn plan(
+        sql: &str,
+        sources: &[(String, SchemaRef)],
+        settings: &QuerySettings,
+    ) -> Result<Self> {
         let config = SessionConfig::new().with_information_schema(false);
         let partitions = config.target_partitions().max(1);
-        let ctx = SessionContext::new_with_config(config);
+        let state = SessionStateBuilder::new()
+            .with_config(config)
+            .with_default_features()
+            .build();
+        // This rule rewrites `count(DISTINCT x)` into two stacked aggregates; the window
+        // aggregate must stay one aggregate for its partial states to be carried.
+        let rules = state
+            .optimizers()
+            .iter()
+            .filter(|r| r.name() != "single_distinct_aggregation_to_group_by")
+            .cloned()
+            .collect();
+        let state = SessionStateBuilder::new_from_existing(state)
+            .with_optimizer_rules(rules)
+            .build();
+        let ctx = SessionContext::new_with_state(state);
         let mut tables = BTreeMap::new();
         for (name, schema) in sources {
             let empty = (0..partitions).map(|_| Vec::new()).collect();
@@ -83,11 +140,13 @@ impl StreamingQuery {
             .iter()
             .map(|(name, (_, table))| (name.clone(), Arc::clone(table) as _))
             .collect();
-        crate::window::register(&ctx, &providers);
+        let uses = crate::window::register(&ctx, &providers);
         let plan = ctx.state().create_logical_plan(sql).await?;
-        check_stateless(&plan)?;
-        let plan = if lineage { carry_lineage(plan)? } else { plan };
-        if lineage {
+        let uses = uses.lock().map(|u| u.clone()).unwrap_or_default();
+        let lateness = i64::try_from(settings.allowed_lateness.as_micros()).unwrap_or(i64::MAX);
+        let windowed = plan_windowed(&ctx, &plan, &uses, &settings.event_time, lateness).await?;
+        let plan = if settings.lineage && windowed.is_none() {
+            let plan = carry_lineage(plan)?;
             let schema = plan.schema();
             for col in [SOURCE_PARTITION, SOURCE_OFFSET] {
                 if !schema.fields().iter().any(|f| f.name() == col) {
@@ -97,12 +156,18 @@ impl StreamingQuery {
                     )));
                 }
             }
-        }
+            plan
+        } else {
+            plan
+        };
         Ok(StreamingQuery {
-            ctx,
-            tables,
+            tables: SourceTables {
+                ctx,
+                tables,
+                partitions,
+            },
             plan,
-            partitions,
+            windowed,
         })
     }
 
@@ -111,13 +176,57 @@ impl StreamingQuery {
         Arc::new(self.plan.schema().as_arrow().clone())
     }
 
+    /// Whether the query aggregates over windows (and so has state and late rows).
+    pub fn is_windowed(&self) -> bool {
+        self.windowed.is_some()
+    }
+
     /// The optimised logical plan, for `sluice validate`.
     pub fn display_plan(&self) -> Result<String> {
-        let optimized = self.ctx.state().optimize(&self.plan)?;
+        let optimized = self.tables.ctx.state().optimize(&self.plan)?;
         Ok(optimized.display_indent_schema().to_string())
     }
 
-    /// Runs the query over one batch of input per source.
+    /// The late table's schema, for a windowed query: its source's columns plus the late
+    /// columns (see [`crate::late`]).
+    pub fn late_schema(&self) -> Option<SchemaRef> {
+        let w = self.windowed.as_ref()?;
+        let (schema, _) = self.tables.tables.get(&w.window.source)?;
+        Some(crate::late::late_schema(schema))
+    }
+
+    /// The rows of `source` that missed a window closed under `watermark`, as late-table rows
+    /// (`None` for a stateless query, another source, or no late row).
+    ///
+    /// # Errors
+    /// If the rows lack the window's time column.
+    pub fn late_rows(
+        &self,
+        source: &str,
+        rows: &RecordBatch,
+        watermark: Option<i64>,
+        batch_id: BatchId,
+    ) -> Result<Option<RecordBatch>> {
+        match &self.windowed {
+            Some(w) if w.window.source == source => {
+                w.lateness
+                    .late_rows(rows, &w.window.time_column, watermark, batch_id)
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// The windowed part, for the driver's state handling.
+    pub(crate) fn windowed_mut(&mut self) -> Option<&mut WindowedAggregate> {
+        self.windowed.as_mut()
+    }
+
+    /// State rows and bytes after the last batch (`None` for a stateless query).
+    pub fn state_size(&self) -> Option<StateSize> {
+        self.windowed.as_ref().map(WindowedAggregate::state_size)
+    }
+
+    /// Runs the query over one batch of input per source (stateless queries).
     ///
     /// # Errors
     /// Any DataFusion error; see [`StreamingQuery::execute_isolating`] for the caller that keeps
@@ -125,6 +234,89 @@ impl StreamingQuery {
     pub async fn execute(
         &self,
         inputs: &BTreeMap<String, RecordBatch>,
+    ) -> Result<Vec<RecordBatch>> {
+        self.tables.run(&self.plan, inputs, None).await
+    }
+
+    /// Runs one batch: a stateless query over the rows; a windowed one merges the rows of open
+    /// windows (under `watermark.before`) into its state and emits the windows
+    /// `watermark.after` closes. Rows on which the query fails are found by splitting the
+    /// input, returned as failed, and the rest proceeds.
+    ///
+    /// # Errors
+    /// If the query fails even with no input (not a data problem), or a windowed query's state
+    /// or upper part fails.
+    pub async fn execute_isolating(
+        &mut self,
+        inputs: &BTreeMap<String, RecordBatch>,
+        watermark: BatchWatermark,
+    ) -> Result<QueryOutput> {
+        let Some(windowed) = self.windowed.as_mut() else {
+            return self.tables.isolate(&self.plan, inputs, None).await;
+        };
+        let plan = windowed.partial_plan(watermark.before)?;
+        let partials = self
+            .tables
+            .isolate(&plan, inputs, Some(windowed.operator()))
+            .await?;
+        windowed.accumulate(partials.batches).await?;
+        let batches = windowed.emit(&self.tables.ctx, watermark.after).await?;
+        Ok(QueryOutput {
+            batches,
+            failed: partials.failed,
+        })
+    }
+}
+
+impl StreamingQuery {
+    /// The query as one bounded run over `parts`: each part's rows under its own watermark in
+    /// force (rows of windows it had closed left out; `None`: every row counts), then — for a
+    /// windowed query — every window finished. Reconciliation replays late rows this way.
+    ///
+    /// # Errors
+    /// As [`StreamingQuery::execute_isolating`].
+    pub(crate) async fn execute_bounded(
+        &mut self,
+        parts: Vec<(BTreeMap<String, RecordBatch>, Option<i64>)>,
+    ) -> Result<QueryOutput> {
+        let mut out = QueryOutput::default();
+        let Some(windowed) = self.windowed.as_mut() else {
+            for (inputs, _) in parts {
+                let part = self.tables.isolate(&self.plan, &inputs, None).await?;
+                out.batches.extend(part.batches);
+                out.failed.extend(part.failed);
+            }
+            return Ok(out);
+        };
+        let mut partials = Vec::new();
+        for (inputs, watermark) in parts {
+            let plan = windowed.partial_plan(watermark)?;
+            let part = self
+                .tables
+                .isolate(&plan, &inputs, Some(windowed.operator()))
+                .await?;
+            partials.extend(part.batches);
+            out.failed.extend(part.failed);
+        }
+        windowed.accumulate(partials).await?;
+        out.batches = windowed.emit(&self.tables.ctx, Some(i64::MAX)).await?;
+        Ok(out)
+    }
+
+    /// The window a windowed query aggregates over, and when its windows close.
+    pub(crate) fn window(&self) -> Option<(&crate::window::WindowUse, crate::late::Lateness)> {
+        self.windowed.as_ref().map(|w| (&w.window, w.lateness))
+    }
+}
+
+impl SourceTables {
+    /// Loads `inputs` into the source tables (split across partitions) and runs `plan`; with
+    /// `partial`, only the first phase of its aggregate, giving partial states.
+    async fn run(
+        &self,
+        plan: &LogicalPlan,
+        inputs: &BTreeMap<String, RecordBatch>,
+        partial: Option<&AggregateState>,
     ) -> Result<Vec<RecordBatch>> {
         for (name, (_, table)) in &self.tables {
             let rows = inputs.get(name);
@@ -140,21 +332,29 @@ impl StreamingQuery {
                 }
             }
         }
-        let df = self.ctx.execute_logical_plan(self.plan.clone()).await?;
-        let batches = df.collect().await?;
+        let batches = match partial {
+            None => {
+                let df = self.ctx.execute_logical_plan(plan.clone()).await?;
+                df.collect().await?
+            }
+            Some(operator) => {
+                let physical = self.ctx.state().create_physical_plan(plan).await?;
+                operator.partial_of(&physical).await?
+            }
+        };
         Ok(batches.into_iter().filter(|b| b.num_rows() > 0).collect())
     }
 
-    /// Runs the query; if it fails, finds the failing rows by splitting the input and runs the
-    /// rest.
-    ///
-    /// # Errors
-    /// If the query fails even with no input (not a data problem).
-    pub async fn execute_isolating(
+    /// Runs `plan`; if it fails, finds the failing rows by splitting the input and runs the
+    /// rest. Valid because the results of parts combine: stateless rows are row-local, partial
+    /// states merge.
+    async fn isolate(
         &self,
+        plan: &LogicalPlan,
         inputs: &BTreeMap<String, RecordBatch>,
+        partial: Option<&AggregateState>,
     ) -> Result<QueryOutput> {
-        match self.execute(inputs).await {
+        match self.run(plan, inputs, partial).await {
             Ok(batches) => {
                 return Ok(QueryOutput {
                     batches,
@@ -162,14 +362,14 @@ impl StreamingQuery {
                 });
             }
             Err(e) => {
-                if let Err(empty_error) = self.execute(&BTreeMap::new()).await {
+                if let Err(empty_error) = self.run(plan, &BTreeMap::new(), partial).await {
                     return Err(Error::UnsupportedQuery(format!(
                         "the query fails even without input rows: {empty_error} (first seen as: {e})"
                     )));
                 }
             }
         }
-        // Stateless output is row-local: run each source alone and bisect the failing ranges.
+        // Run each source alone and bisect the failing ranges.
         let mut out = QueryOutput::default();
         for (name, rows) in inputs {
             let mut pending = vec![(0usize, rows.num_rows())];
@@ -178,7 +378,7 @@ impl StreamingQuery {
                     continue;
                 }
                 let part = BTreeMap::from([(name.clone(), rows.slice(offset, len))]);
-                match self.execute(&part).await {
+                match self.run(plan, &part, partial).await {
                     Ok(batches) => out.batches.extend(batches),
                     Err(e) if len == 1 => out.failed.push(FailedRow {
                         source: name.clone(),
@@ -197,10 +397,13 @@ impl StreamingQuery {
     }
 }
 
-/// Rejects plans whose result would depend on how the input is split into batches.
-fn check_stateless(plan: &LogicalPlan) -> Result<()> {
+/// The first node that makes the plan's result depend on how the input is split into batches
+/// (an aggregate, join, sort, limit, distinct, window function), as text; `None` if there is
+/// none.
+pub(crate) fn stateful_node(plan: &LogicalPlan) -> Option<String> {
     let mut problem = None;
-    plan.apply(|node| {
+    // The visitor never fails.
+    let _ = plan.apply(|node| {
         let allowed = matches!(
             node,
             LogicalPlan::Projection(_)
@@ -218,15 +421,8 @@ fn check_stateless(plan: &LogicalPlan) -> Result<()> {
             problem = Some(node.display().to_string());
             Ok(TreeNodeRecursion::Stop)
         }
-    })?;
-    match problem {
-        None => Ok(()),
-        Some(node) => Err(Error::UnsupportedQuery(format!(
-            "`{node}` needs state across batches; streaming jobs currently run stateless queries \
-             only (SELECT with expressions, WHERE, UNION ALL, UNNEST): no aggregates, joins, \
-             windows, ORDER BY, LIMIT or DISTINCT"
-        ))),
-    }
+    });
+    problem
 }
 
 /// Adds the lineage columns to every projection whose input has them and whose output lacks them.
@@ -270,6 +466,13 @@ mod tests {
     use arrow::array::{Int64Array, StringArray};
     use arrow::datatypes::{DataType, Field, Schema};
 
+    fn lineage() -> QuerySettings {
+        QuerySettings {
+            lineage: true,
+            ..QuerySettings::default()
+        }
+    }
+
     /// A source batch of `code` strings with lineage columns (partition "0", given offsets).
     fn code_batch(codes: Vec<String>, offsets: Vec<i64>) -> (SchemaRef, RecordBatch) {
         let schema = Arc::new(Schema::new(vec![
@@ -298,10 +501,10 @@ mod tests {
     #[tokio::test]
     async fn failing_rows_are_isolated_and_the_rest_proceeds() {
         let (schema, batch) = source();
-        let query = StreamingQuery::plan(
+        let mut query = StreamingQuery::plan(
             "SELECT CAST(code AS INT) AS n FROM t",
             &[("t".into(), schema)],
-            true,
+            &lineage(),
         )
         .await
         .unwrap();
@@ -313,7 +516,10 @@ mod tests {
             .collect();
         assert_eq!(names, vec!["n", SOURCE_PARTITION, SOURCE_OFFSET]);
         let inputs = BTreeMap::from([("t".to_string(), batch)]);
-        let out = query.execute_isolating(&inputs).await.unwrap();
+        let out = query
+            .execute_isolating(&inputs, BatchWatermark::default())
+            .await
+            .unwrap();
         let rows: usize = out.batches.iter().map(|b| b.num_rows()).sum();
         assert_eq!(rows, 4);
         let failed: Vec<String> = out
@@ -372,13 +578,13 @@ mod tests {
             let n = codes.len();
             let (schema, all) = code_batch(codes, (0..n as i64).collect());
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-            let query = rt.block_on(StreamingQuery::plan(
+            let mut query = rt.block_on(StreamingQuery::plan(
                 "SELECT CAST(code AS INT) * 2 AS doubled, upper(code) AS code FROM t WHERE length(code) < 4",
                 &[("t".into(), schema)],
-                true,
+                &lineage(),
             )).unwrap();
-            let run = |batch: RecordBatch| {
-                let out = rt.block_on(query.execute_isolating(&BTreeMap::from([("t".to_string(), batch)]))).unwrap();
+            let mut run = |batch: RecordBatch| {
+                let out = rt.block_on(query.execute_isolating(&BTreeMap::from([("t".to_string(), batch)]), BatchWatermark::default())).unwrap();
                 let failed: Vec<i64> = out.failed.iter().map(|f| f.row.column(2).as_any().downcast_ref::<Int64Array>().unwrap().value(0)).collect();
                 (out.batches, failed)
             };
@@ -403,7 +609,14 @@ mod tests {
     #[tokio::test]
     async fn stateful_queries_are_refused_with_a_reason() {
         let (schema, _) = source();
-        let err = StreamingQuery::plan("SELECT count(*) FROM t", &[("t".into(), schema)], false)
+        let settings = QuerySettings::default();
+        let sources = [("t".to_string(), schema)];
+        let err = StreamingQuery::plan("SELECT count(*) FROM t", &sources, &settings)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("needs a window"), "{err}");
+        let err = StreamingQuery::plan("SELECT * FROM t ORDER BY code", &sources, &settings)
             .await
             .unwrap_err()
             .to_string();

@@ -10,24 +10,37 @@
 //! are paired as *different* (equal if every number agrees within 1e-9 relative) or reported
 //! as *missing* (recomputed, not in the table) or *extra* (in the table, not recomputed).
 //!
-//! This version reconciles stateless jobs, whose output carries the event-time column; windowed
-//! jobs (compared on `window_start`, minus the rows in the late table) come with windows.
+//! A **windowed** job is compared on its windows: the output rows whose `window_start` (or
+//! `window_end`) lies in the period, against the query run once over every raw event of those
+//! windows with every window finished — minus the late rows for the windows they missed. A late
+//! row (in the late table with the watermark it met) is replayed under that watermark, so it
+//! counts in exactly the windows that were still open, as it did in the stream. Every window of
+//! the period must be closed under the job's watermark; an open one is refused by name.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
-use arrow::array::{ArrayRef, RecordBatch};
-use arrow::compute::concat_batches;
+use arrow::array::{ArrayRef, AsArray, BooleanArray, RecordBatch};
 use arrow::compute::kernels::cast;
-use arrow::datatypes::SchemaRef;
+use arrow::compute::{concat_batches, filter_record_batch};
+use arrow::datatypes::{DataType, Int64Type, SchemaRef};
+use arrow::row::{RowConverter, SortField};
 use serde_json::Value;
 
-use crate::driver::{checkpoint_location, open_sources_and_query, read_source};
+use crate::checkpoint::BatchManifest;
+use crate::driver::{
+    OpenSource, checkpoint_location, open_sources_and_query, query_settings, read_source,
+};
 use crate::error::{Error, Result};
 use crate::event_time::rows_in_period;
 use crate::job::Job;
+use crate::late::WATERMARK;
 use crate::offsets::{BatchId, OffsetRange, PartitionId};
+use crate::query::StreamingQuery;
+use crate::sink::Sink;
 use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION};
+use crate::watermark::display_watermark;
+use crate::window::{WINDOW_END, WINDOW_START};
 
 /// How far apart two floats may be (relative) and still count as equal.
 pub const FLOAT_TOLERANCE: f64 = 1e-9;
@@ -43,6 +56,9 @@ pub struct Reconciliation {
     pub expected_rows: usize,
     /// Rows of the output table in the period.
     pub table_rows: usize,
+    /// Windowed jobs: late rows of the period's windows (in the late table), replayed under the
+    /// watermark they met, so they count only in the windows that were open.
+    pub late_rows: usize,
     /// How the two sides compare.
     pub diff: RowDiff,
 }
@@ -68,12 +84,15 @@ impl RowDiff {
 }
 
 impl Job {
-    /// Recomputes the job's query over the raw events with event time in `[from, to)` (µs since
-    /// the epoch) and compares the result with the output table. Writes nothing.
+    /// Recomputes the job's query over the raw events of `[from, to)` (µs since the epoch) and
+    /// compares the result with the output table. Writes nothing.
+    ///
+    /// A stateless job's period is its rows' event time; a windowed job's is the window start
+    /// (or end, whichever the output has), and every window in it must be closed.
     ///
     /// # Errors
-    /// If the period is empty, a source has no event time, the output does not carry the
-    /// event-time column, the job has committed nothing, or reading fails.
+    /// If the period is empty or has open windows, a source has no event time, the output does
+    /// not carry the period's column, the job has committed nothing, or reading fails.
     pub async fn reconcile(self, from: i64, to: i64) -> Result<Reconciliation> {
         if from >= to {
             return Err(Error::InvalidJob(
@@ -81,8 +100,33 @@ impl Job {
             ));
         }
         let checkpoint = checkpoint_location(&self)?;
+        let settings = query_settings(&self);
         let (sources, query) =
-            open_sources_and_query(self.sources, &self.sql, self.lineage, &checkpoint).await?;
+            open_sources_and_query(self.sources, &self.sql, &settings, &checkpoint).await?;
+        let last_batch = self.sink.committed_batch(&self.id).await?.ok_or_else(|| {
+            Error::InvalidJob(format!(
+                "reconcile: job '{}' has committed nothing to {} yet",
+                self.id,
+                self.sink.location()
+            ))
+        })?;
+        let manifest =
+            checkpoint
+                .read_manifest(last_batch)
+                .await?
+                .ok_or_else(|| Error::MissingManifest {
+                    job_id: self.id.clone(),
+                    batch_id: last_batch,
+                    path: checkpoint.manifest_location(last_batch),
+                })?;
+        let committed = Committed {
+            sources: &sources,
+            manifest: &manifest,
+        };
+        if query.is_windowed() {
+            return reconcile_windows(self.sink.as_ref(), committed, query, from, to).await;
+        }
+        let mut query = query;
         let mut columns = BTreeSet::new();
         for s in &sources {
             let time = s.event_time.as_ref().ok_or_else(|| {
@@ -109,41 +153,13 @@ impl Job {
                  rows cannot be assigned to a period; select it in the query"
             )));
         }
-        let last_batch = self.sink.committed_batch(&self.id).await?.ok_or_else(|| {
-            Error::InvalidJob(format!(
-                "reconcile: job '{}' has committed nothing to {} yet",
-                self.id,
-                self.sink.location()
-            ))
-        })?;
-        let manifest =
-            checkpoint
-                .read_manifest(last_batch)
-                .await?
-                .ok_or_else(|| Error::MissingManifest {
-                    job_id: self.id.clone(),
-                    batch_id: last_batch,
-                    path: checkpoint.manifest_location(last_batch),
-                })?;
 
         // The batch recomputation: every committed offset, the period's rows, one query run.
         let mut inputs = BTreeMap::new();
         for s in &sources {
-            let ends = manifest.end_offsets.get(&s.name);
-            let ranges: BTreeMap<PartitionId, OffsetRange> = s
-                .source
-                .available()
-                .await?
-                .into_iter()
-                .filter_map(|(p, a)| {
-                    let end = *ends?.get(&p)?;
-                    Some((p, OffsetRange::new(a.initial, end.max(a.initial))))
-                })
-                .collect();
-            let (rows, _dead_letters) = read_source(s, &ranges).await?;
-            inputs.insert(s.name.clone(), rows_in_period(&rows, &column, from, to)?);
+            inputs.insert(s.name.clone(), committed.read(s, from, to).await?);
         }
-        let recomputed = query.execute_isolating(&inputs).await?;
+        let recomputed = query.execute_bounded(vec![(inputs, None)]).await?;
         let expected = concat_batches(&output_schema, &recomputed.batches)?;
 
         // The streamed output of the same period, in the same column types.
@@ -155,9 +171,180 @@ impl Job {
             last_batch,
             expected_rows: expected.num_rows(),
             table_rows: actual.num_rows(),
+            late_rows: 0,
             diff: compare(&expected, &actual)?,
         })
     }
+}
+
+/// What the job's committed batches read.
+#[derive(Clone, Copy)]
+struct Committed<'a> {
+    sources: &'a [OpenSource],
+    manifest: &'a BatchManifest,
+}
+
+impl Committed<'_> {
+    /// The rows of `s` the committed batches read whose event time is in `[from, to)`.
+    async fn read(&self, s: &OpenSource, from: i64, to: i64) -> Result<RecordBatch> {
+        let time = s.event_time.as_ref().ok_or_else(|| {
+            Error::source(
+                &s.name,
+                "reconcile compares event-time periods, and this source has no event_time",
+            )
+        })?;
+        let ends = self.manifest.end_offsets.get(&s.name);
+        let ranges: BTreeMap<PartitionId, OffsetRange> = s
+            .source
+            .available()
+            .await?
+            .into_iter()
+            .filter_map(|(p, a)| {
+                let end = *ends?.get(&p)?;
+                Some((p, OffsetRange::new(a.initial, end.max(a.initial))))
+            })
+            .collect();
+        let (rows, _dead_letters) = read_source(s, &ranges).await?;
+        rows_in_period(&rows, &time.column, from, to)
+    }
+}
+
+/// Reconciles a windowed job: the windows starting (or ending) in `[from, to)`, recomputed in
+/// one bounded run over every raw event they hold, minus the late rows for the windows they
+/// missed, against the table's rows of those windows.
+async fn reconcile_windows(
+    sink: &dyn Sink,
+    committed: Committed<'_>,
+    mut query: StreamingQuery,
+    from: i64,
+    to: i64,
+) -> Result<Reconciliation> {
+    let (window, lateness) = query
+        .window()
+        .map(|(w, l)| (w.clone(), l))
+        .ok_or_else(|| Error::InvalidJob("reconcile: the query has no window".into()))?;
+    let output_schema = query.output_schema();
+    let column = [WINDOW_START, WINDOW_END]
+        .into_iter()
+        .find(|c| output_schema.index_of(c).is_ok())
+        .ok_or_else(|| {
+            Error::InvalidJob(
+                "reconcile: the query's output has neither window_start nor window_end, so its \
+                 rows cannot be assigned to a period; select one of them"
+                    .into(),
+            )
+        })?;
+    // Every window in the period must be closed, or the table cannot hold it yet.
+    let size = window.kind.size();
+    let (first, last) = match column {
+        WINDOW_START => (from, to - 1),
+        _ => (from.saturating_sub(size), (to - 1).saturating_sub(size)),
+    };
+    let last_start = window.kind.starts(last).last().copied().unwrap_or(last);
+    let watermark = committed.manifest.watermark_micros;
+    if !watermark.is_some_and(|wm| lateness.is_closed(last_start, wm)) {
+        return Err(Error::InvalidJob(format!(
+            "reconcile: the period is not closed yet: the window starting at {} closes when the \
+             watermark passes its end plus the allowed lateness, and the job's watermark is {}; \
+             pick an earlier --to-time",
+            display_watermark(Some(last_start)),
+            display_watermark(watermark),
+        )));
+    }
+    // The events of every window overlapping the period.
+    let source = committed
+        .sources
+        .iter()
+        .find(|s| s.name == window.source)
+        .ok_or_else(|| Error::source(&window.source, "not among the job's sources"))?;
+    let (lo, hi) = (first.saturating_sub(size), last.saturating_add(size) + 1);
+    let raw = committed.read(source, lo, hi).await?;
+
+    // Late rows of those events, grouped by the watermark they met: replayed under it.
+    let late_table = sink.read_late().await?;
+    let mut late_by_watermark: BTreeMap<i64, Vec<RecordBatch>> = BTreeMap::new();
+    let mut late_rows = 0;
+    for b in &late_table {
+        let watermarks = b
+            .column_by_name(WATERMARK)
+            .map(|c| cast::cast(c, &DataType::Int64))
+            .transpose()?
+            .ok_or_else(|| {
+                Error::InvalidJob("reconcile: the late table has no _watermark column".into())
+            })?;
+        let rows = conform(&source.schema, std::slice::from_ref(b))?;
+        let times = rows
+            .column_by_name(&window.time_column)
+            .map(|c| cast::cast(c, &DataType::Int64))
+            .transpose()?
+            .ok_or_else(|| Error::InvalidJob("reconcile: late rows lack event time".into()))?;
+        let (watermarks, times) = (
+            watermarks.as_primitive::<Int64Type>(),
+            times.as_primitive::<Int64Type>(),
+        );
+        for i in 0..rows.num_rows() {
+            if (lo..hi).contains(&times.value(i)) {
+                late_rows += 1;
+                late_by_watermark
+                    .entry(watermarks.value(i))
+                    .or_default()
+                    .push(rows.slice(i, 1));
+            }
+        }
+    }
+    let late_all: Vec<RecordBatch> = late_by_watermark.values().flatten().cloned().collect();
+    let on_time = multiset_minus(&raw, &late_all)?;
+    let mut parts = vec![(BTreeMap::from([(source.name.clone(), on_time)]), None)];
+    for (wm, rows) in late_by_watermark {
+        let rows = concat_batches(&source.schema, &rows)?;
+        parts.push((BTreeMap::from([(source.name.clone(), rows)]), Some(wm)));
+    }
+    let recomputed = query.execute_bounded(parts).await?;
+    let expected = concat_batches(&output_schema, &recomputed.batches)?;
+    let expected = rows_in_period(&expected, column, from, to)?;
+    let table = conform(&output_schema, &sink.read_output().await?)?;
+    let actual = rows_in_period(&table, column, from, to)?;
+    Ok(Reconciliation {
+        column: column.to_string(),
+        last_batch: committed.manifest.batch_id,
+        expected_rows: expected.num_rows(),
+        table_rows: actual.num_rows(),
+        late_rows,
+        diff: compare(&expected, &actual)?,
+    })
+}
+
+/// The rows of `all` less one occurrence of each row of `remove` (same schema).
+fn multiset_minus(all: &RecordBatch, remove: &[RecordBatch]) -> Result<RecordBatch> {
+    if remove.is_empty() {
+        return Ok(all.clone());
+    }
+    let fields = all
+        .schema()
+        .fields()
+        .iter()
+        .map(|f| SortField::new(f.data_type().clone()))
+        .collect();
+    let converter = RowConverter::new(fields)?;
+    let mut counts: HashMap<Vec<u8>, usize> = HashMap::new();
+    for b in remove {
+        let rows = converter.convert_columns(b.columns())?;
+        for r in rows.iter() {
+            *counts.entry(r.as_ref().to_vec()).or_default() += 1;
+        }
+    }
+    let rows = converter.convert_columns(all.columns())?;
+    let keep: BooleanArray = rows
+        .iter()
+        .map(|r| match counts.get_mut(r.as_ref()) {
+            Some(n) if *n > 0 => {
+                *n -= 1;
+                Some(false)
+            }
+            _ => Some(true),
+        })
+        .collect();
+    Ok(filter_record_batch(all, &keep)?)
 }
 
 /// The table's rows as one batch of `schema`: columns by name, cast to the query's types.

@@ -25,6 +25,8 @@ pub struct BatchCommit {
     pub output: Vec<RecordBatch>,
     /// Dead-letter rows, in [`crate::dead_letter::dead_letter_schema`].
     pub dead_letters: Vec<RecordBatch>,
+    /// Late rows, in the late schema given to [`Sink::open`] (windowed jobs only).
+    pub late: Vec<RecordBatch>,
     /// A copy of the batch manifest, stored in the commit's metadata for humans.
     pub manifest: serde_json::Value,
 }
@@ -77,8 +79,13 @@ pub trait Sink: Send + Sync {
     fn location(&self) -> &Url;
 
     /// Prepares the tables for `job_id` (creating them if needed) for output rows of
-    /// `output_schema`.
-    async fn open(&mut self, job_id: &str, output_schema: SchemaRef) -> Result<()>;
+    /// `output_schema` and, for a windowed job, late rows of `late_schema`.
+    async fn open(
+        &mut self,
+        job_id: &str,
+        output_schema: SchemaRef,
+        late_schema: Option<SchemaRef>,
+    ) -> Result<()>;
 
     /// Commits one batch, idempotently.
     async fn commit(&self, batch: BatchCommit) -> Result<CommitOutcome>;
@@ -96,4 +103,8 @@ pub trait Sink: Send + Sync {
 
     /// Every row of the output table, read without writing anything. For reconciliation.
     async fn read_output(&self) -> Result<Vec<RecordBatch>>;
+
+    /// Every row of the late table (none if there is none), read without writing anything. For
+    /// reconciliation.
+    async fn read_late(&self) -> Result<Vec<RecordBatch>>;
 }

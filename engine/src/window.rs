@@ -16,7 +16,7 @@
 //! property test keeps the two in agreement.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use datafusion::arrow::datatypes::IntervalMonthDayNano;
 use datafusion::catalog::{TableFunctionArgs, TableFunctionImpl, TableProvider};
@@ -69,17 +69,38 @@ impl WindowKind {
     }
 }
 
-/// Registers `tumble` and `hop` over `tables` (source name → its in-memory table).
-pub(crate) fn register(ctx: &SessionContext, tables: &BTreeMap<String, Arc<dyn TableProvider>>) {
+/// One call of a window function in a query: which source, which time column, which windows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WindowUse {
+    /// The source table the function was called on.
+    pub source: String,
+    /// The time column the windows are assigned by.
+    pub time_column: String,
+    /// The windows.
+    pub kind: WindowKind,
+}
+
+/// The window function calls seen while planning a query, in call order.
+pub(crate) type WindowUses = Arc<Mutex<Vec<WindowUse>>>;
+
+/// Registers `tumble` and `hop` over `tables` (source name → its in-memory table); every call
+/// planned is recorded in the returned list.
+pub(crate) fn register(
+    ctx: &SessionContext,
+    tables: &BTreeMap<String, Arc<dyn TableProvider>>,
+) -> WindowUses {
+    let uses = WindowUses::default();
     for kind in [FunctionKind::Tumble, FunctionKind::Hop] {
         ctx.register_udtf(
             kind.name(),
             Arc::new(WindowFunction {
                 kind,
                 tables: tables.clone(),
+                uses: Arc::clone(&uses),
             }),
         );
     }
+    uses
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -110,6 +131,7 @@ impl FunctionKind {
 struct WindowFunction {
     kind: FunctionKind,
     tables: BTreeMap<String, Arc<dyn TableProvider>>,
+    uses: WindowUses,
 }
 
 impl WindowFunction {
@@ -248,6 +270,13 @@ impl TableFunctionImpl for WindowFunction {
             }
         };
         debug_assert_eq!(size, window.size());
+        if let Ok(mut uses) = self.uses.lock() {
+            uses.push(WindowUse {
+                source: table.to_string(),
+                time_column: ts.to_string(),
+                kind: window,
+            });
+        }
         Ok(Arc::new(ViewTable::new(plan, None)))
     }
 }
@@ -255,7 +284,7 @@ impl TableFunctionImpl for WindowFunction {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::query::StreamingQuery;
+    use crate::query::{QuerySettings, StreamingQuery};
     use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION};
     use arrow::array::{AsArray, Int64Array, RecordBatch, StringArray, TimestampMicrosecondArray};
     use arrow::datatypes::{
@@ -311,7 +340,11 @@ mod tests {
     /// (offset, window_start, window_end) for every output row, sorted.
     async fn assign(sql: &str, times: &[i64]) -> Vec<(i64, i64, i64)> {
         let (schema, batch) = events(times);
-        let query = StreamingQuery::plan(sql, &[("clicks".into(), schema)], true)
+        let lineage = QuerySettings {
+            lineage: true,
+            ..QuerySettings::default()
+        };
+        let query = StreamingQuery::plan(sql, &[("clicks".into(), schema)], &lineage)
             .await
             .unwrap();
         let out = query
@@ -378,6 +411,10 @@ mod tests {
     #[tokio::test]
     async fn bad_calls_say_what_is_wrong() {
         let (schema, _) = events(&[0]);
+        let lineage = QuerySettings {
+            lineage: true,
+            ..QuerySettings::default()
+        };
         for (sql, wanted) in [
             ("SELECT * FROM tumble(clicks, ts)", "usage: tumble("),
             (
@@ -397,7 +434,7 @@ mod tests {
                 "multiple of the slide",
             ),
         ] {
-            let e = StreamingQuery::plan(sql, &[("clicks".into(), Arc::clone(&schema))], true)
+            let e = StreamingQuery::plan(sql, &[("clicks".into(), Arc::clone(&schema))], &lineage)
                 .await
                 .err()
                 .map(|e| e.to_string())

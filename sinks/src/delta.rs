@@ -2,14 +2,15 @@
 //!
 //! ## Tables
 //! - the **output** table at `path`;
-//! - the **dead-letter** table at `dead_letter_path` (default `<path>_dead_letter`).
+//! - the **dead-letter** table at `dead_letter_path` (default `<path>_dead_letter`);
+//! - windowed jobs: the **late** table at `late_path` (default `<path>_late`).
 //!
-//! Both are created on first run (the output with the query's schema), so they can be queried
+//! They are created on first run (the output with the query's schema), so they can be queried
 //! before any row arrives.
 //!
 //! ## Commit protocol (one batch)
-//! 1. Dead letters, if any: skipped if the table already holds `txn(job_id, batch_id)`, else one
-//!    append carrying that txn.
+//! 1. Side tables (dead letters, late rows), if the batch has rows for them: each skipped if it
+//!    already holds `txn(job_id, batch_id)`, else one append carrying that txn.
 //! 2. Output: the table's txn version for the job must be `batch_id - 1` (or absent for batch 0).
 //!    If it is `batch_id` already, the batch was committed before a crash: nothing is written.
 //!    Otherwise one append carrying the txn — or, when the batch produced no rows, a bare commit
@@ -97,6 +98,7 @@ impl DeltaSinkConfig {
 pub struct DeltaSink {
     output: TableHandle,
     dead_letters: TableHandle,
+    late: TableHandle,
     target_file_size: Option<NonZeroU64>,
     job_id: String,
 }
@@ -130,6 +132,10 @@ impl DeltaSink {
                 config.path.trim_end_matches('/')
             ))?,
         };
+        let late = match &config.late_path {
+            Some(p) => table_url(p)?,
+            None => table_url(&format!("{}_late", config.path.trim_end_matches('/')))?,
+        };
         let target_file_size = match &config.target_file_size {
             None => None,
             Some(text) => Some(NonZeroU64::new(parse_size(text)?).ok_or_else(|| {
@@ -139,6 +145,7 @@ impl DeltaSink {
         Ok(DeltaSink {
             output: TableHandle::new(output),
             dead_letters: TableHandle::new(dead),
+            late: TableHandle::new(late),
             target_file_size,
             job_id: String::new(),
         })
@@ -147,6 +154,11 @@ impl DeltaSink {
     /// The dead-letter table's location.
     pub fn dead_letter_location(&self) -> &Url {
         &self.dead_letters.url
+    }
+
+    /// The late table's location.
+    pub fn late_location(&self) -> &Url {
+        &self.late.url
     }
 }
 
@@ -218,6 +230,28 @@ impl TableHandle {
             ) => Ok(None),
             Err(e) => Err(self.err(e)),
         }
+    }
+
+    /// Every row of the table at its latest version (none if there is no table).
+    async fn read_all(&self) -> Result<Vec<RecordBatch>> {
+        let Some(table) = self.open_existing().await? else {
+            return Ok(Vec::new());
+        };
+        let ctx = deltalake::datafusion::prelude::SessionContext::new();
+        table
+            .update_datafusion_session(&ctx.state())
+            .map_err(|e| self.err(e))?;
+        let provider = table
+            .table_provider()
+            .await
+            .map_err(|e| self.err(e.into()))?;
+        let rows = ctx
+            .read_table(provider)
+            .map_err(|e| self.err(e.into()))?
+            .collect()
+            .await
+            .map_err(|e| self.err(e.into()))?;
+        Ok(rows)
     }
 
     /// The table at its latest version.
@@ -513,12 +547,20 @@ impl Sink for DeltaSink {
         &self.output.url
     }
 
-    async fn open(&mut self, job_id: &str, output_schema: SchemaRef) -> sluice_engine::Result<()> {
+    async fn open(
+        &mut self,
+        job_id: &str,
+        output_schema: SchemaRef,
+        late_schema: Option<SchemaRef>,
+    ) -> sluice_engine::Result<()> {
         self.job_id = job_id.to_string();
         self.output.open_or_create(&output_schema).await?;
         self.dead_letters
             .open_or_create(&dead_letter_schema())
             .await?;
+        if let Some(late_schema) = late_schema {
+            self.late.open_or_create(&late_schema).await?;
+        }
         Ok(())
     }
 
@@ -551,22 +593,11 @@ impl Sink for DeltaSink {
     }
 
     async fn read_output(&self) -> sluice_engine::Result<Vec<RecordBatch>> {
-        let Some(table) = self.output.open_existing().await? else {
-            return Ok(Vec::new());
-        };
-        let err = |source| SinkError::Delta {
-            table: self.output.url.to_string(),
-            source,
-        };
-        let ctx = deltalake::datafusion::prelude::SessionContext::new();
-        table.update_datafusion_session(&ctx.state()).map_err(err)?;
-        let provider = table.table_provider().await.map_err(|e| err(e.into()))?;
-        Ok(ctx
-            .read_table(provider)
-            .map_err(|e| err(e.into()))?
-            .collect()
-            .await
-            .map_err(|e| err(e.into()))?)
+        Ok(self.output.read_all().await?)
+    }
+
+    async fn read_late(&self) -> sluice_engine::Result<Vec<RecordBatch>> {
+        Ok(self.late.read_all().await?)
     }
 
     async fn commit(&self, batch: BatchCommit) -> sluice_engine::Result<CommitOutcome> {
@@ -574,17 +605,22 @@ impl Sink for DeltaSink {
         let props = || properties(&self.job_id, batch_id, &batch.manifest);
 
         // 1. Side tables first, each skipped if it already holds this batch.
-        if batch.dead_letters.iter().any(|b| b.num_rows() > 0) {
-            self.dead_letters
-                .append_batch(
-                    &self.job_id,
-                    batch_id,
-                    &batch.dead_letters,
-                    props,
-                    self.target_file_size,
-                    false,
-                )
-                .await?;
+        for (table, rows) in [
+            (&self.dead_letters, &batch.dead_letters),
+            (&self.late, &batch.late),
+        ] {
+            if rows.iter().any(|b| b.num_rows() > 0) {
+                table
+                    .append_batch(
+                        &self.job_id,
+                        batch_id,
+                        rows,
+                        props,
+                        self.target_file_size,
+                        false,
+                    )
+                    .await?;
+            }
         }
         crash_point("after_side_tables", batch_id);
 

@@ -1,0 +1,202 @@
+//! Late rows: events that arrived after a window they belong to had closed.
+//!
+//! A closed window has been emitted (append mode) and its state purged, so a row that falls into
+//! it can no longer change it. Such a row is never dropped silently: it goes once to the late
+//! table with the watermark that was in force and the windows it missed, and it still counts in
+//! any of its windows that are open (hopping windows overlap). The late table's schema is the
+//! source row's columns plus [`WATERMARK`], [`WINDOWS_MISSED`] and `batch_id` (DESIGN.md).
+
+use std::sync::Arc;
+
+use arrow::array::{
+    ArrayRef, AsArray, BooleanArray, Int64Array, ListBuilder, RecordBatch,
+    TimestampMicrosecondArray, TimestampMicrosecondBuilder,
+};
+use arrow::compute::filter_record_batch;
+use arrow::datatypes::{DataType, Field, Schema, SchemaRef, TimestampMicrosecondType};
+
+use crate::error::{Error, Result};
+use crate::event_time::event_time_type;
+use crate::offsets::BatchId;
+use crate::window::WindowKind;
+
+/// Late-table column: the watermark in force when the row arrived.
+pub const WATERMARK: &str = "_watermark";
+/// Late-table column: the starts of the windows the row missed.
+pub const WINDOWS_MISSED: &str = "_windows_missed";
+/// Late-table column: the batch that read the row.
+pub const BATCH_ID: &str = "batch_id";
+
+/// The late table's schema for rows of `source` (a source schema after event-time parsing).
+pub fn late_schema(source: &SchemaRef) -> SchemaRef {
+    let mut fields: Vec<Field> = source.fields().iter().map(|f| f.as_ref().clone()).collect();
+    fields.push(Field::new(WATERMARK, event_time_type(), false));
+    fields.push(Field::new(
+        WINDOWS_MISSED,
+        DataType::List(Arc::new(Field::new_list_field(event_time_type(), true))),
+        false,
+    ));
+    fields.push(Field::new(BATCH_ID, DataType::Int64, false));
+    Arc::new(Schema::new(fields))
+}
+
+/// Which windows are closed under a watermark: those whose end plus the allowed lateness is at
+/// or below it.
+#[derive(Debug, Clone, Copy)]
+pub struct Lateness {
+    /// The windows rows are assigned to.
+    pub kind: WindowKind,
+    /// How long after its end a window still accepts rows, in µs.
+    pub allowed_lateness: i64,
+}
+
+impl Lateness {
+    /// Whether the window starting at `start` is closed under `watermark`.
+    pub fn is_closed(&self, start: i64, watermark: i64) -> bool {
+        start
+            .saturating_add(self.kind.size())
+            .saturating_add(self.allowed_lateness)
+            <= watermark
+    }
+
+    /// The smallest window start that is still open under `watermark`.
+    pub fn first_open_start(&self, watermark: i64) -> i64 {
+        watermark
+            .saturating_sub(self.kind.size())
+            .saturating_sub(self.allowed_lateness)
+            .saturating_add(1)
+    }
+
+    /// The rows of `rows` (with event time in `time_column`) that missed a closed window, as
+    /// late-table rows; `None` if none did. Without a watermark nothing is closed.
+    ///
+    /// # Errors
+    /// If `time_column` is missing or not a timestamp (a planning bug, not a data problem).
+    pub fn late_rows(
+        &self,
+        rows: &RecordBatch,
+        time_column: &str,
+        watermark: Option<i64>,
+        batch_id: BatchId,
+    ) -> Result<Option<RecordBatch>> {
+        let Some(watermark) = watermark else {
+            return Ok(None);
+        };
+        let times = rows
+            .column_by_name(time_column)
+            .and_then(|c| c.as_primitive_opt::<TimestampMicrosecondType>())
+            .ok_or_else(|| {
+                Error::UnsupportedQuery(format!(
+                    "the window's time column '{time_column}' is not an event-time column"
+                ))
+            })?;
+        let mut keep = Vec::with_capacity(rows.num_rows());
+        let mut missed = ListBuilder::new(TimestampMicrosecondBuilder::new().with_timezone("UTC"))
+            .with_field(Arc::new(Field::new_list_field(event_time_type(), true)));
+        for i in 0..rows.num_rows() {
+            // Event time is never null here: rows without it are dead letters already.
+            let starts: Vec<i64> = self
+                .kind
+                .starts(times.value(i))
+                .into_iter()
+                .filter(|s| self.is_closed(*s, watermark))
+                .collect();
+            keep.push(!starts.is_empty());
+            if !starts.is_empty() {
+                missed.values().append_slice(&starts);
+                missed.append(true);
+            }
+        }
+        let late = filter_record_batch(rows, &BooleanArray::from(keep))?;
+        if late.num_rows() == 0 {
+            return Ok(None);
+        }
+        let n = late.num_rows();
+        let mut columns: Vec<ArrayRef> = late.columns().to_vec();
+        columns.push(Arc::new(
+            TimestampMicrosecondArray::from(vec![watermark; n]).with_timezone("UTC"),
+        ));
+        columns.push(Arc::new(missed.finish()));
+        columns.push(Arc::new(Int64Array::from(vec![batch_id.0; n])));
+        Ok(Some(RecordBatch::try_new(
+            late_schema(&rows.schema()),
+            columns,
+        )?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::Array;
+
+    const MINUTE: i64 = 60_000_000;
+
+    fn rows(times: &[i64]) -> RecordBatch {
+        let schema = Arc::new(Schema::new(vec![Field::new(
+            "ts",
+            event_time_type(),
+            false,
+        )]));
+        RecordBatch::try_new(
+            schema,
+            vec![Arc::new(
+                TimestampMicrosecondArray::from(times.to_vec()).with_timezone("UTC"),
+            )],
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_row_is_late_for_the_closed_windows_only() {
+        let hop = Lateness {
+            kind: WindowKind::Hop {
+                slide: 20_000_000,
+                size: MINUTE,
+            },
+            allowed_lateness: 10_000_000,
+        };
+        // Watermark 1:30: windows ending by 1:20 are closed ([0:20, 1:20) and before).
+        let watermark = 90_000_000;
+        let late = hop
+            .late_rows(
+                &rows(&[65_000_000, 85_000_000, 100_000_000]),
+                "ts",
+                Some(watermark),
+                BatchId(7),
+            )
+            .unwrap()
+            .unwrap();
+        // 1:05 is in [0:20,1:20) (closed), [0:40,1:40) and [1:00,2:00) (open); 1:25 and 1:40 miss none.
+        assert_eq!(late.num_rows(), 1);
+        let missed = late
+            .column_by_name(WINDOWS_MISSED)
+            .unwrap()
+            .as_list::<i32>();
+        let starts = missed.value(0);
+        assert_eq!(
+            starts.as_primitive::<TimestampMicrosecondType>().values(),
+            &[20_000_000]
+        );
+        assert_eq!(late.schema(), late_schema(&rows(&[]).schema()));
+        assert!(
+            hop.late_rows(&rows(&[65_000_000]), "ts", None, BatchId(0))
+                .unwrap()
+                .is_none()
+        );
+        assert_eq!(late.column_by_name(BATCH_ID).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn the_first_open_start_agrees_with_is_closed() {
+        let l = Lateness {
+            kind: WindowKind::Tumble { size: MINUTE },
+            allowed_lateness: 5,
+        };
+        for wm in [-3 * MINUTE, 0, 7, MINUTE + 5, 10 * MINUTE + 3] {
+            let first = l.first_open_start(wm);
+            assert!(!l.is_closed(first, wm));
+            assert!(l.is_closed(first - 1, wm));
+        }
+    }
+}
