@@ -755,11 +755,18 @@ fn status_watermark(out: &Path) -> String {
     watermark.split(' ').next().unwrap().to_string()
 }
 
-/// Partition 0 of `sparse` delivers events at 10:11 … 10:15, one every 300 ms.
-async fn keep_partition_0_going(broker: &Broker, first_id: i64) {
-    for minute in 11..=15 {
+/// Partition 0 of `topic` delivers events at 10:`minutes`, one every 300 ms, ids from
+/// `first_id`.
+async fn keep_partition_0_going(
+    broker: &Broker,
+    topic: &str,
+    first_id: i64,
+    minutes: std::ops::RangeInclusive<i64>,
+) {
+    let first_minute = *minutes.start();
+    for minute in minutes {
         let ts = format!("2026-11-29T10:{minute:02}:00Z");
-        produce_event(broker, "sparse", 0, first_id + minute - 11, &ts).await;
+        produce_event(broker, topic, 0, first_id + minute - first_minute, &ts).await;
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
 }
@@ -806,7 +813,7 @@ async fn a_silent_partition_holds_the_watermark_unless_idle_timeout_releases_it(
         "max_out_of_orderness = \"10s\"",
     );
     live.wait_for_rows(11).await;
-    keep_partition_0_going(&broker, 11).await;
+    keep_partition_0_going(&broker, "sparse", 11, 11..=15).await;
     live.wait_for_rows(16).await;
     assert!(terminate(&mut live.child).success());
     assert_eq!(status_watermark(&live.out), "2026-11-29T09:59:50Z");
@@ -838,6 +845,101 @@ async fn a_silent_partition_holds_the_watermark_unless_idle_timeout_releases_it(
     produce_event(&broker, "sparse", 1, 99, "2026-11-29T09:00:00Z").await;
     assert_ok(&run_sluice(&["run", &live.available_now_copy()], &[]));
     assert_eq!(status_watermark(&live.out), "2026-11-29T10:15:50Z");
+}
+
+/// Windows per minute over the Kafka test schema (event time is the `ts` string).
+const WINDOWED_KAFKA_SQL: &str = "sql = \"SELECT window_start, count(*) AS n, max(id) AS last_id \
+     FROM tumble(clicks, ts, INTERVAL '1' MINUTE) GROUP BY window_start\"";
+
+/// Waits until `sluice status` shows `wanted` in the end offsets.
+async fn wait_for_offsets(wanted: &str, live: &mut LiveJob) {
+    let out = live.out.clone();
+    let out = out.as_path();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        if out.join("_delta_log").exists() {
+            let status = status_of(out);
+            if status_field(&status, "end offsets").is_some_and(|o| o.contains(wanted)) {
+                return;
+            }
+        }
+        assert!(
+            live.child.try_wait().unwrap().is_none(),
+            "the job exited: {}",
+            live.log_text()
+        );
+        assert!(Instant::now() < deadline, "{}", live.log_text());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn windows_close_past_a_silent_partition_only_with_idle_timeout() {
+    let broker = Broker::start();
+    broker.create_topic("idlewin", 2).await;
+    // Partition 1 speaks once, at 10:00; partition 0 goes on to 10:10.
+    produce_event(&broker, "idlewin", 1, 0, "2026-11-29T10:00:00Z").await;
+    for minute in 1..=10 {
+        let ts = format!("2026-11-29T10:{minute:02}:00Z");
+        produce_event(&broker, "idlewin", 0, minute, &ts).await;
+    }
+    let start = |dir: &Path, extra: &str| {
+        let job = write_kafka_job(dir, &broker, "idlewin", extra, EVERY_200MS);
+        let text = std::fs::read_to_string(&job).unwrap();
+        let sql_line = text.lines().find(|l| l.starts_with("sql = ")).unwrap();
+        std::fs::write(&job, text.replace(sql_line, WINDOWED_KAFKA_SQL)).unwrap();
+        let log = dir.join("job.log");
+        let child = spawn_job(&job, &log);
+        LiveJob {
+            job,
+            log,
+            child,
+            out: dir.join("out"),
+        }
+    };
+
+    // Without idle_timeout the silent partition holds the watermark at 09:59:50 while partition
+    // 0 moves on to 10:15: every event is read, no window closes, nothing is written
+    // (documented: visible as watermark lag).
+    let holds = tempfile::tempdir().unwrap();
+    let mut live = start(holds.path(), "max_out_of_orderness = \"10s\"");
+    keep_partition_0_going(&broker, "idlewin", 11, 11..=15).await;
+    wait_for_offsets(r#""0":15,"1":1"#, &mut live).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(terminate(&mut live.child).success());
+    assert_eq!(status_watermark(&live.out), "2026-11-29T09:59:50Z");
+    assert!(table_values(&live.out, &[]).await.is_empty());
+
+    // With idle_timeout = 1s, partition 1 stops counting once silent that long: the watermark
+    // follows partition 0 (to 10:20 − 10 s) and the windows 10:00 … 10:18 close and are written.
+    let released = tempfile::tempdir().unwrap();
+    let mut live = start(
+        released.path(),
+        "max_out_of_orderness = \"10s\"\nidle_timeout = \"1s\"",
+    );
+    wait_for_offsets(r#""0":15,"1":1"#, &mut live).await;
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    keep_partition_0_going(&broker, "idlewin", 16, 16..=20).await;
+    live.wait_for_rows(19).await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let log_text = live.log_text();
+    assert!(terminate(&mut live.child).success());
+    assert_eq!(status_watermark(&live.out), "2026-11-29T10:19:50Z");
+    let rows = table_values(&live.out, &[]).await;
+    let mut windows: Vec<(&str, i64)> = rows
+        .iter()
+        .map(|r| {
+            (
+                &r["window_start"].as_str().unwrap()[11..16],
+                r["n"].as_i64().unwrap(),
+            )
+        })
+        .collect();
+    windows.sort();
+    let expected: Vec<(String, i64)> = (0..=18).map(|m| (format!("10:{m:02}"), 1)).collect();
+    let expected: Vec<(&str, i64)> = expected.iter().map(|(s, n)| (s.as_str(), *n)).collect();
+    assert_eq!(windows, expected, "{log_text}");
+    assert!(log_text.contains("idle=1"), "{log_text}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -13,3 +13,4 @@ mod dead_letters;
 mod formats;
 mod kafka;
 mod reconcile;
+mod windows;

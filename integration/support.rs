@@ -150,8 +150,41 @@ impl Events {
     }
 }
 
-/// A job file over `input` writing to `out`, with the test query.
+/// The stateless test query.
+pub const STATELESS_SQL: &str = "
+SELECT id, user_id, CAST(code AS INT) AS code, amount * 2 AS double_amount,
+       date_trunc('minute', ts) AS minute, ts
+FROM events
+WHERE user_id <> 3
+";
+
+/// The windowed test query: hopping 30 s windows every 10 s, several aggregates, a CAST that
+/// fails on poison lines (so they are isolated into dead letters on the windowed path too).
+pub const WINDOWED_SQL: &str = "
+SELECT window_start, window_end, user_id % 3 AS bucket,
+       count(*) AS n, sum(CAST(code AS INT)) AS codes, avg(amount) AS mean,
+       max(amount) AS hi, count(DISTINCT user_id) AS users
+FROM hop(events, ts, INTERVAL '10' SECOND, INTERVAL '30' SECOND)
+WHERE user_id <> 3
+GROUP BY window_start, window_end, user_id % 3
+";
+
+/// A job file over `input` writing to `out`, with the stateless test query.
 pub fn write_job(path: &Path, job_id: &str, input: &Path, out: &Path, max_files: usize) -> PathBuf {
+    write_job_with(path, job_id, input, out, max_files, STATELESS_SQL, "")
+}
+
+/// A job file over `input` writing to `out` with `sql`; `extra_query` goes into `[query]`
+/// (e.g. `allowed_lateness = "30s"`).
+pub fn write_job_with(
+    path: &Path,
+    job_id: &str,
+    input: &Path,
+    out: &Path,
+    max_files: usize,
+    sql: &str,
+    extra_query: &str,
+) -> PathBuf {
     let text = format!(
         r#"
 [job]
@@ -163,6 +196,7 @@ path = "{input}"
 format = "json"
 schema = "id BIGINT, user_id BIGINT, code VARCHAR, amount DOUBLE, ts TIMESTAMP"
 event_time = "ts"
+max_out_of_orderness = "2s"
 max_files_per_batch = {max_files}
 
 [sink]
@@ -173,12 +207,8 @@ path = "{out}"
 mode = "available-now"
 
 [query]
-sql = """
-SELECT id, user_id, CAST(code AS INT) AS code, amount * 2 AS double_amount,
-       date_trunc('minute', ts) AS minute, ts
-FROM events
-WHERE user_id <> 3
-"""
+{extra_query}
+sql = """{sql}"""
 "#,
         input = input.display(),
         out = out.display(),
@@ -241,6 +271,13 @@ pub async fn table_values(path: &Path, drop: &[&str]) -> Vec<serde_json::Map<Str
         .collect();
     rows.sort_by_key(|r| Value::Object(r.clone()).to_string());
     rows
+}
+
+/// `<table>_late`, the default late table of a sink at `table`.
+pub fn late_table(table: &Path) -> PathBuf {
+    let mut s = table.as_os_str().to_owned();
+    s.push("_late");
+    PathBuf::from(s)
 }
 
 /// `<table>_dead_letter`, the default dead-letter table of a sink at `table`.

@@ -535,6 +535,7 @@ impl Pipeline {
             let written = windowed.write_state(batch_id).await?;
             counters.state_bytes_written = written.bytes_written;
             state_files = written.live_files;
+            crash_point("after_state", batch_id);
         }
         if let Some(size) = self.query.state_size() {
             counters.state_rows = size.rows;

@@ -5,8 +5,8 @@
 //! `SLUICE_CRASH_AT=<point>:<batch_id>` (for example `after_side_tables:3`) makes the process send
 //! itself SIGKILL when it reaches that point; unset, a crash point costs one comparison.
 //!
-//! Points, in the order a batch passes them: `after_intent`, `after_manifest`,
-//! `after_side_tables`, `after_commit`.
+//! Points, in the order a batch passes them: `after_intent`, `after_state` (windowed jobs: state
+//! files written, manifest not yet), `after_manifest`, `after_side_tables`, `after_commit`.
 //!
 //! Pause points are the same idea for races: `SLUICE_PAUSE_AT=<point>:<millis>` makes every pass
 //! through that point wait, so a test can make two writers' commits overlap on purpose.

@@ -172,7 +172,7 @@ impl Job {
             expected_rows: expected.num_rows(),
             table_rows: actual.num_rows(),
             late_rows: 0,
-            diff: compare(&expected, &actual)?,
+            diff: compare(&expected, &actual, &lineage_key(&output_schema))?,
         })
     }
 }
@@ -310,8 +310,18 @@ async fn reconcile_windows(
         expected_rows: expected.num_rows(),
         table_rows: actual.num_rows(),
         late_rows,
-        diff: compare(&expected, &actual)?,
+        diff: compare(&expected, &actual, &[column])?,
     })
+}
+
+/// The lineage columns, if the output carries them.
+fn lineage_key(schema: &SchemaRef) -> Vec<&'static str> {
+    let keyed = schema.index_of(SOURCE_PARTITION).is_ok() && schema.index_of(SOURCE_OFFSET).is_ok();
+    if keyed {
+        vec![SOURCE_PARTITION, SOURCE_OFFSET]
+    } else {
+        vec![]
+    }
 }
 
 /// The rows of `all` less one occurrence of each row of `remove` (same schema).
@@ -382,18 +392,17 @@ fn json_rows(batch: &RecordBatch) -> Result<Vec<serde_json::Map<String, Value>>>
         .map_err(|e| Error::InvalidJob(format!("reconcile: rows do not serialize: {e}")))
 }
 
-/// Compares two multisets of rows, grouped by lineage when the rows carry it.
-fn compare(expected: &RecordBatch, actual: &RecordBatch) -> Result<RowDiff> {
-    let keyed = expected.schema().index_of(SOURCE_PARTITION).is_ok()
-        && expected.schema().index_of(SOURCE_OFFSET).is_ok();
+/// Compares two multisets of rows, grouped by the `key` columns (lineage for stateless jobs, the
+/// window for windowed ones), so leftover rows are paired within their group.
+fn compare(expected: &RecordBatch, actual: &RecordBatch, key: &[&str]) -> Result<RowDiff> {
     let group = |rows: Vec<serde_json::Map<String, Value>>| {
         let mut groups: BTreeMap<String, Vec<String>> = BTreeMap::new();
         for row in rows {
-            let key = if keyed {
-                format!("{}@{}", row[SOURCE_PARTITION], row[SOURCE_OFFSET])
-            } else {
-                String::new()
-            };
+            let key = key
+                .iter()
+                .map(|k| row.get(*k).map(Value::to_string).unwrap_or_default())
+                .collect::<Vec<_>>()
+                .join("@");
             groups
                 .entry(key)
                 .or_default()
@@ -507,7 +516,8 @@ mod tests {
             ("0", 3, 0.1 + 0.2),
         ]);
         let actual = rows(&[("0", 1, 2.0), ("0", 1, 9.0), ("0", 3, 0.3), ("0", 4, 5.0)]);
-        let r = compare(&expected, &actual).unwrap();
+        let key = [SOURCE_PARTITION, SOURCE_OFFSET];
+        let r = compare(&expected, &actual, &key).unwrap();
         // (0,1,2.0) equal; (0,3) equal within tolerance; (0,1,1.0) vs (0,1,9.0) differ;
         // (0,2) missing; (0,4) extra.
         assert_eq!(r.matching, 2);
@@ -517,6 +527,9 @@ mod tests {
         assert!(r.missing[0].contains("\"_source_offset\":2"));
         assert_eq!(r.extra.len(), 1);
         assert_eq!(r.differences(), 3);
-        assert_eq!(compare(&expected, &expected).unwrap().differences(), 0);
+        assert_eq!(
+            compare(&expected, &expected, &key).unwrap().differences(),
+            0
+        );
     }
 }

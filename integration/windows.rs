@@ -1,0 +1,210 @@
+//! Windowed jobs end to end: windows emitted once when the watermark closes them, late rows in
+//! the late table with the counter matching, rows within the allowed lateness counted, and
+//! `sluice reconcile` agreeing with the output until a row is corrupted.
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use crate::support::*;
+
+/// Writes one JSON file of `(id, user_id, amount, "HH:MM:SS")` events on 2026-11-01.
+fn write_events(dir: &Path, name: &str, events: &[(i64, i64, f64, &str)]) {
+    std::fs::create_dir_all(dir).unwrap();
+    let text: String = events
+        .iter()
+        .map(|(id, user, amount, time)| {
+            format!(
+                r#"{{"id":{id},"user_id":{user},"code":"{id}","amount":{amount},"ts":"2026-11-01T{time}Z"}}"#
+            ) + "\n"
+        })
+        .collect();
+    std::fs::write(dir.join(name), text).unwrap();
+}
+
+/// `count` events 10 s apart from `start` (minutes, seconds after 09:00), ids from `first_id`.
+fn every_10s(first_id: i64, start: (u32, u32), count: usize) -> Vec<(i64, i64, f64, String)> {
+    (0..count)
+        .map(|i| {
+            let s = start.0 * 60 + start.1 + 10 * i as u32;
+            let id = first_id + i as i64;
+            (
+                id,
+                id % 3,
+                id as f64 * 1.5,
+                format!("09:{:02}:{:02}", s / 60, s % 60),
+            )
+        })
+        .collect()
+}
+
+fn file(dir: &Path, name: &str, events: Vec<(i64, i64, f64, String)>) {
+    let events: Vec<(i64, i64, f64, &str)> = events
+        .iter()
+        .map(|(a, b, c, d)| (*a, *b, *c, d.as_str()))
+        .collect();
+    write_events(dir, name, &events);
+}
+
+const SQL: &str = "
+SELECT window_start, window_end, user_id,
+       count(*) AS clicks, sum(amount) AS amount, min(amount) AS lo, max(amount) AS hi,
+       avg(amount) AS mean, count(DISTINCT id) AS ids
+FROM tumble(events, ts, INTERVAL '1' MINUTE)
+GROUP BY window_start, window_end, user_id
+";
+
+fn reconcile(job: &str, from: &str, to: &str) -> (bool, String, String) {
+    let out = run_sluice(
+        &[
+            "reconcile",
+            job,
+            "--from-time",
+            &format!("2026-11-01T{from}Z"),
+            "--to-time",
+            &format!("2026-11-01T{to}Z"),
+        ],
+        &[],
+    );
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).to_string(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    )
+}
+
+/// Total clicks per window start ("HH:MM") in the output.
+async fn clicks_per_window(table: &Path) -> Vec<(String, i64)> {
+    let mut totals: std::collections::BTreeMap<String, i64> = Default::default();
+    for row in table_values(table, &[]).await {
+        let start = row["window_start"].as_str().unwrap()[11..16].to_string();
+        *totals.entry(start).or_default() += row["clicks"].as_i64().unwrap();
+    }
+    totals.into_iter().collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn late_rows_go_to_the_late_table_rows_within_the_lateness_count_and_reconcile_agrees() {
+    let ws = tempfile::tempdir().unwrap();
+    let input = ws.path().join("input");
+    // Batch 0: 09:00:00 … 09:01:50 → watermark 09:01:48 (2 s out-of-orderness), which closes
+    // [09:00, 09:01) (end + 30 s allowed lateness = 09:01:30).
+    file(&input, "a.json", every_10s(1, (0, 0), 12));
+    // Batch 1: a row of 09:00:40 (its window closed: late), a row of 09:01:05 (behind the
+    // watermark, but its window is open: counted), then 09:02:00 … 09:03:00.
+    let mut b = vec![
+        (100, 1, 10.0, "09:00:40".to_string()),
+        (101, 2, 20.0, "09:01:05".to_string()),
+    ];
+    b.extend(every_10s(102, (2, 0), 7));
+    file(&input, "b.json", b);
+    // Batch 2: up to 09:05:00, closing [09:01, 09:02) … [09:03, 09:04).
+    file(&input, "c.json", every_10s(200, (3, 10), 12));
+
+    let out = ws.path().join("out");
+    let job = write_job_with(
+        &ws.path().join("job.toml"),
+        "late_test",
+        &input,
+        &out,
+        1,
+        SQL,
+        "allowed_lateness = \"30s\"",
+    );
+    let job = job.to_str().unwrap();
+    let run = run_sluice(&["run", job], &[]);
+    assert_ok(&run);
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        stdout.contains("3 batch(es) committed this run (rows in 33, out"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("late 1)"), "{stdout}");
+
+    // Windows 09:00 … 09:03 are closed and written once; 09:04 is still open.
+    assert_eq!(
+        clicks_per_window(&out).await,
+        vec![
+            ("09:00".to_string(), 6), // ids 1–6; not the late id 100
+            ("09:01".to_string(), 7), // ids 7–12 and the in-lateness id 101
+            ("09:02".to_string(), 6),
+            ("09:03".to_string(), 6),
+        ]
+    );
+
+    // The late row: in the late table with the watermark it met and the window it missed.
+    let late = table_values(&late_table(&out), &[]).await;
+    assert_eq!(late.len(), 1, "{late:?}");
+    assert_eq!(late[0]["id"], 100);
+    assert_eq!(late[0]["_watermark"], "2026-11-01T09:01:48Z");
+    assert_eq!(
+        late[0]["_windows_missed"],
+        Value::Array(vec!["2026-11-01T09:00:00Z".into()])
+    );
+    assert_eq!(late[0]["batch_id"], 1);
+    assert_eq!(late[0]["_source_offset"], 1);
+    // The per-batch counter matches (batch 1's manifest), and the state holds the open window.
+    let manifest = |batch: u32| -> Value {
+        let path = out.join(format!("_sluice/late_test/batches/{batch}/manifest.json"));
+        serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+    };
+    assert_eq!(manifest(1)["counters"]["rows_late"], 1);
+    assert_eq!(manifest(2)["counters"]["rows_late"], 0);
+    assert!(manifest(2)["counters"]["state_rows"].as_u64().unwrap() > 0);
+    assert!(!manifest(2)["state_files"].as_array().unwrap().is_empty());
+
+    // A real Delta reader sees the windows and the late row.
+    let read = python_read(&late_table(&out));
+    assert_eq!(read["rows"].as_array().unwrap().len(), 1, "{read}");
+    let read = python_read(&out);
+    assert_eq!(read["rows"].as_array().unwrap().len(), 12, "{read}");
+
+    // A restart with nothing new writes nothing and keeps the state.
+    assert_ok(&run_sluice(&["run", job], &[]));
+    assert_eq!(clicks_per_window(&out).await.len(), 4);
+
+    // Reconcile: the period's windows equal a batch recomputation minus the late row.
+    let (ok, stdout, stderr) = reconcile(job, "09:00:00", "09:04:00");
+    assert!(ok, "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("matching 12, missing 0, extra 0, different 0"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("late rows: 1"), "{stdout}");
+    // An open window is refused by name.
+    let (ok, _, stderr) = reconcile(job, "09:00:00", "09:05:00");
+    assert!(!ok);
+    assert!(stderr.contains("the period is not closed yet"), "{stderr}");
+
+    // Corrupt one window's count, then lose another window's row: both caught.
+    let table = deltalake::open_table(url::Url::from_directory_path(&out).unwrap())
+        .await
+        .unwrap();
+    let (table, _) = table
+        .update()
+        .with_predicate("window_start = '2026-11-01T09:01:00Z' AND user_id = 0")
+        .with_update("clicks", "clicks + 1")
+        .await
+        .unwrap();
+    let (ok, stdout, stderr) = reconcile(job, "09:00:00", "09:04:00");
+    assert!(!ok);
+    assert!(
+        stdout.contains("matching 11, missing 0, extra 0, different 1"),
+        "{stdout}"
+    );
+    assert!(
+        stderr.contains("does not reconcile: 1 difference(s)"),
+        "{stderr}"
+    );
+    table
+        .delete()
+        .with_predicate("window_start = '2026-11-01T09:02:00Z' AND user_id = 1")
+        .await
+        .unwrap();
+    let (ok, stdout, _) = reconcile(job, "09:00:00", "09:04:00");
+    assert!(!ok);
+    assert!(
+        stdout.contains("missing 1, extra 0, different 1"),
+        "{stdout}"
+    );
+}
