@@ -14,7 +14,9 @@ use sluice::connectors::files::{FileFormat, FilesSource, FilesSourceConfig};
 use sluice::engine::checkpoint::CheckpointStore;
 use sluice::engine::query::{BatchWatermark, QuerySettings, StreamingQuery};
 use sluice::engine::source::{SOURCE_OFFSET, SOURCE_PARTITION};
-use sluice::engine::{BatchCommit, BatchId, OffsetRange, Sink, Source, SourceContext};
+use sluice::engine::{
+    BatchCommit, BatchId, OffsetRange, OutputTables, Sink, Source, SourceContext,
+};
 use sluice::sinks::delta::{DeltaSink, DeltaSinkConfig};
 
 const ROWS: usize = 100_000;
@@ -128,7 +130,7 @@ fn delta_commit(c: &mut Criterion) {
     let batch = input_batch();
     let mut sink =
         DeltaSink::new(DeltaSinkConfig::new(dir.path().join("t").to_string_lossy())).unwrap();
-    rt.block_on(sink.open("bench", batch.schema(), None))
+    rt.block_on(sink.open("bench", OutputTables::append(batch.schema())))
         .unwrap();
     let mut next = 0;
     let mut group = c.benchmark_group("delta_sink");

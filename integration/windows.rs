@@ -89,17 +89,10 @@ async fn late_rows_go_to_the_late_table_rows_within_the_lateness_count_and_recon
     let input = ws.path().join("input");
     // Batch 0: 09:00:00 … 09:01:50 → watermark 09:01:48 (2 s out-of-orderness), which closes
     // [09:00, 09:01) (end + 30 s allowed lateness = 09:01:30).
-    file(&input, "a.json", every_10s(1, (0, 0), 12));
     // Batch 1: a row of 09:00:40 (its window closed: late), a row of 09:01:05 (behind the
     // watermark, but its window is open: counted), then 09:02:00 … 09:03:00.
-    let mut b = vec![
-        (100, 1, 10.0, "09:00:40".to_string()),
-        (101, 2, 20.0, "09:01:05".to_string()),
-    ];
-    b.extend(every_10s(102, (2, 0), 7));
-    file(&input, "b.json", b);
     // Batch 2: up to 09:05:00, closing [09:01, 09:02) … [09:03, 09:04).
-    file(&input, "c.json", every_10s(200, (3, 10), 12));
+    write_late_test_input(&input);
 
     let out = ws.path().join("out");
     let job = write_job_with(
@@ -207,4 +200,132 @@ async fn late_rows_go_to_the_late_table_rows_within_the_lateness_count_and_recon
         stdout.contains("missing 1, extra 0, different 1"),
         "{stdout}"
     );
+}
+
+/// The three files of the late-data test.
+fn write_late_test_input(input: &Path) {
+    file(input, "a.json", every_10s(1, (0, 0), 12));
+    let mut b = vec![
+        (100, 1, 10.0, "09:00:40".to_string()),
+        (101, 2, 20.0, "09:01:05".to_string()),
+    ];
+    b.extend(every_10s(102, (2, 0), 7));
+    file(input, "b.json", b);
+    file(input, "c.json", every_10s(200, (3, 10), 12));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn update_mode_upserts_windows_as_they_change_and_running_aggregates_with_state_ttl() {
+    let ws = tempfile::tempdir().unwrap();
+    let input = ws.path().join("input");
+    write_late_test_input(&input);
+
+    // Windows in update mode: every batch upserts the windows it changed (Delta MERGE on
+    // window_start, window_end, user_id), so the open window 09:04 is there too, and 09:01
+    // was written after batch 0 with 6 clicks, then updated to 7 by the in-lateness row.
+    let out = ws.path().join("windows");
+    let job = write_job_with(
+        &ws.path().join("windows.toml"),
+        "update_windows",
+        &input,
+        &out,
+        1,
+        SQL,
+        "allowed_lateness = \"30s\"",
+    );
+    let text = std::fs::read_to_string(&job).unwrap();
+    std::fs::write(
+        &job,
+        text.replace("kind = \"delta\"", "kind = \"delta\"\nmode = \"update\""),
+    )
+    .unwrap();
+    let job = job.to_str().unwrap();
+    assert_ok(&run_sluice(&["run", job], &[]));
+    assert_eq!(
+        clicks_per_window(&out).await,
+        vec![
+            ("09:00".to_string(), 6),
+            ("09:01".to_string(), 7),
+            ("09:02".to_string(), 6),
+            ("09:03".to_string(), 6),
+            ("09:04".to_string(), 6), // still open: its latest value
+            ("09:05".to_string(), 1),
+        ]
+    );
+    assert_eq!(table_values(&out, &[]).await.len(), 16, "one row per key");
+    assert_eq!(table_values(&late_table(&out), &[]).await.len(), 1);
+    // After batch 0 (table version 1) the open window 09:01 showed its 6 clicks so far.
+    let url = url::Url::from_directory_path(&out).unwrap();
+    let first = deltalake::open_table_with_version(url, 1).await.unwrap();
+    let ctx = datafusion::prelude::SessionContext::new();
+    first.update_datafusion_session(&ctx.state()).unwrap();
+    ctx.register_table("t", first.table_provider().await.unwrap())
+        .unwrap();
+    let early = ctx
+        .sql("SELECT sum(clicks) AS c FROM t WHERE window_start = '2026-11-01T09:01:00Z'")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    assert_eq!(rows_as_json(&early), vec![r#"{"c":6}"#.to_string()]);
+    let commits = txn_versions(&out, "update_windows");
+    assert_eq!(commits, vec![0, 1, 2]);
+    let read = python_read(&out);
+    assert_eq!(read["rows"].as_array().unwrap().len(), 16, "{read}");
+    // Reconcile: the closed windows' latest values equal the batch recomputation.
+    let (ok, stdout, stderr) = reconcile(job, "09:00:00", "09:04:00");
+    assert!(ok, "{stdout}\n{stderr}");
+
+    // A running aggregate: per user, over all time, each batch upserting the users it changed;
+    // state_ttl bounds the state (every user here is fresh, so all three stay).
+    let out = ws.path().join("running");
+    let job = write_job_with(
+        &ws.path().join("running.toml"),
+        "running",
+        &input,
+        &out,
+        1,
+        "SELECT user_id, count(*) AS clicks, sum(amount) AS amount FROM events GROUP BY user_id",
+        "state_ttl = \"1h\"",
+    );
+    let text = std::fs::read_to_string(&job).unwrap();
+    std::fs::write(
+        &job,
+        text.replace("kind = \"delta\"", "kind = \"delta\"\nmode = \"update\""),
+    )
+    .unwrap();
+    let job = job.to_str().unwrap();
+    assert_ok(&run_sluice(&["run", job], &[]));
+    let rows = table_values(&out, &[]).await;
+    let clicks: Vec<(i64, i64)> = rows
+        .iter()
+        .map(|r| {
+            (
+                r["user_id"].as_i64().unwrap(),
+                r["clicks"].as_i64().unwrap(),
+            )
+        })
+        .collect();
+    // 33 events: ids 1–12, 100–108, 200–211 by id % 3 (ids 100 and 101 have users 1 and 2).
+    let mut want = [0i64; 3];
+    for id in (1..=12).chain(102..=108).chain(200..=211) {
+        want[(id % 3) as usize] += 1;
+    }
+    want[1] += 1;
+    want[2] += 1;
+    assert_eq!(clicks, vec![(0, want[0]), (1, want[1]), (2, want[2])]);
+    let manifest: Value = serde_json::from_slice(
+        &std::fs::read(out.join("_sluice/running/batches/2/manifest.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(manifest["counters"]["state_rows"], 3);
+
+    // Without state_ttl a running aggregate is refused, naming the setting.
+    let text = std::fs::read_to_string(job).unwrap();
+    std::fs::write(job, text.replace("state_ttl = \"1h\"", "")).unwrap();
+    let out = run_sluice(&["validate", job], &[]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("unless state_ttl is set"), "{stderr}");
 }

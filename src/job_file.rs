@@ -14,7 +14,7 @@ use anyhow::{Context, Result, bail};
 use serde::Deserialize;
 use sluice_connectors::files::{FilesSource, FilesSourceConfig};
 use sluice_connectors::kafka::{KafkaSource, KafkaSourceConfig};
-use sluice_engine::{EventTimeConfig, EventTimeFormat, Job, Trigger, parse_duration};
+use sluice_engine::{EventTimeConfig, EventTimeFormat, Job, OutputMode, Trigger, parse_duration};
 use sluice_sinks::delta::{DeltaSink, DeltaSinkConfig};
 
 /// The whole job file.
@@ -98,8 +98,12 @@ struct SinkCommon {
     kind: String,
     #[serde(default = "default_true")]
     lineage: bool,
+    #[serde(default)]
+    mode: Option<String>,
+    #[serde(default)]
+    key: Option<Vec<String>>,
 }
-const SINK_COMMON_KEYS: [&str; 2] = ["kind", "lineage"];
+const SINK_COMMON_KEYS: [&str; 4] = ["kind", "lineage", "mode", "key"];
 
 fn default_true() -> bool {
     true
@@ -155,22 +159,22 @@ pub async fn load(path: &Path, trigger: Option<Trigger>) -> Result<(Job, JobFile
         Some(t) => t,
         None => parse_trigger(&file.trigger).with_context(|| ctx("trigger"))?,
     };
-    if file.query.state_ttl.is_some() {
-        bail!(
-            "{}: state_ttl bounds running (non-windowed) aggregates, which need update mode; \
-             this version runs windowed aggregates, whose state the watermark bounds",
-            ctx("query")
-        );
-    }
+    let state_ttl = match &file.query.state_ttl {
+        Some(v) => Some(parse_duration("state_ttl", v).with_context(|| ctx("query"))?),
+        None => None,
+    };
     let allowed_lateness = match &file.query.allowed_lateness {
         Some(v) => parse_duration("allowed_lateness", v).with_context(|| ctx("query"))?,
-        None => std::time::Duration::ZERO,
+        None => Duration::ZERO,
     };
 
     let mut builder = Job::builder(file.job.id.clone())
         .with_sql(file.query.sql.clone())
         .with_trigger(trigger)
         .with_allowed_lateness(allowed_lateness);
+    if let Some(ttl) = state_ttl {
+        builder = builder.with_state_ttl(ttl);
+    }
     if let Some(checkpoint) = &file.job.checkpoint {
         let url = sluice_engine::location::directory_url(&resolve(&base, checkpoint))
             .with_context(|| ctx("job"))?;
@@ -225,8 +229,19 @@ pub async fn load(path: &Path, trigger: Option<Trigger>) -> Result<(Job, JobFile
             ctx("sink")
         ),
     };
+    let mode: OutputMode = match &common.mode {
+        Some(m) => m.parse().with_context(|| ctx("sink"))?,
+        None => OutputMode::Append,
+    };
+    if common.key.is_some() && mode != OutputMode::Update {
+        bail!(
+            "{}: key is the upsert key of mode = \"update\"; remove it or set the mode",
+            ctx("sink")
+        );
+    }
     let job = builder
         .with_sink(sink)
+        .with_output_mode(mode, common.key)
         .with_lineage(common.lineage)
         .build()
         .with_context(|| format!("job file {}", path.display()))?;

@@ -41,6 +41,7 @@ use crate::event_time::rows_in_period;
 use crate::job::Job;
 use crate::offsets::{BatchId, Offset, OffsetRange, PartitionId, plan_ranges};
 use crate::query::BatchWatermark;
+use crate::sink::OutputTables;
 use crate::sink::{CommitOutcome, Replacement};
 use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION};
 
@@ -161,7 +162,14 @@ impl Job {
         let settings = query_settings(&self);
         let (sources, mut query) =
             open_sources_and_query(self.sources, &self.sql, &settings, &checkpoint).await?;
-        if query.is_windowed() {
+        if self.output_mode == crate::sink::OutputMode::Update {
+            return Err(Error::UnsupportedQuery(
+                "backfill of update-mode jobs is not available yet; backfill replaces the rows \
+                 of append-mode jobs"
+                    .into(),
+            ));
+        }
+        if query.is_stateful() {
             return Err(Error::UnsupportedQuery(
                 "backfill of windowed jobs (replacing every window the range touches) is not \
                  available yet; backfill runs stateless jobs"
@@ -308,7 +316,8 @@ impl Job {
             }
         }
         let mut sink = self.sink;
-        sink.open(&self.id, output_schema, None).await?;
+        sink.open(&self.id, OutputTables::append(output_schema))
+            .await?;
         let outcome = sink
             .replace(Replacement {
                 app_id: report.spec.app_id.clone(),

@@ -188,6 +188,9 @@ pub(crate) fn query_settings(job: &Job) -> QuerySettings {
     QuerySettings {
         lineage: job.lineage,
         allowed_lateness: job.allowed_lateness,
+        output_mode: job.output_mode,
+        key: job.key.clone(),
+        state_ttl: job.state_ttl,
         event_time: job
             .sources
             .iter()
@@ -252,8 +255,7 @@ impl Pipeline {
         } = job;
         let (sources, mut query) =
             open_sources_and_query(sources, &sql, &settings, &checkpoint).await?;
-        sink.open(&job_id, query.output_schema(), query.late_schema())
-            .await?;
+        sink.open(&job_id, query.output_tables()).await?;
         let last = sink.committed_batch(&job_id).await?;
         let (next_batch, committed, watermark, state_files) =
             match last {
@@ -282,8 +284,8 @@ impl Pipeline {
                 }
             };
         // The state the last committed batch left, from the files its manifest lists.
-        if let Some(windowed) = query.windowed_mut() {
-            windowed
+        if let Some(stateful) = query.stateful_mut() {
+            stateful
                 .restore(
                     StateLog::new(&checkpoint),
                     &state_files,
@@ -531,8 +533,8 @@ impl Pipeline {
         // state file list — live once the commit lands.
         let t = Instant::now();
         let mut state_files = Vec::new();
-        if let Some(windowed) = self.query.windowed_mut() {
-            let written = windowed.write_state(batch_id).await?;
+        if let Some(stateful) = self.query.stateful_mut() {
+            let written = stateful.write_state(batch_id).await?;
             counters.state_bytes_written = written.bytes_written;
             state_files = written.live_files;
             crash_point("after_state", batch_id);
@@ -580,8 +582,8 @@ impl Pipeline {
         let t = Instant::now();
         let keep_from = BatchId(batch_id.0 + 1 - i64::from(self.keep_batches));
         self.checkpoint.purge_batches_before(keep_from).await?;
-        if let Some(windowed) = self.query.windowed_mut() {
-            windowed.collect_garbage().await?;
+        if let Some(stateful) = self.query.stateful_mut() {
+            stateful.collect_garbage().await?;
         }
         let purge_time = t.elapsed();
 

@@ -11,7 +11,7 @@ use url::Url;
 
 use crate::error::{Error, Result};
 use crate::event_time::EventTimeConfig;
-use crate::sink::Sink;
+use crate::sink::{OutputMode, Sink};
 use crate::source::Source;
 
 /// When batches run.
@@ -89,6 +89,13 @@ pub struct Job {
     pub keep_batches: u32,
     /// Windowed queries: how long after its end a window still accepts rows.
     pub allowed_lateness: Duration,
+    /// Append rows, or upsert them on a key.
+    pub output_mode: OutputMode,
+    /// Update mode: the upsert key (default: the query's group columns).
+    pub key: Option<Vec<String>>,
+    /// Running (non-windowed) aggregates: how long after its newest event (in watermark time) a
+    /// group's state is kept.
+    pub state_ttl: Option<Duration>,
 }
 
 impl fmt::Debug for Job {
@@ -118,6 +125,9 @@ impl Job {
             lineage: true,
             keep_batches: 10,
             allowed_lateness: Duration::ZERO,
+            output_mode: OutputMode::Append,
+            key: None,
+            state_ttl: None,
         }
     }
 }
@@ -147,6 +157,9 @@ pub struct JobBuilder {
     lineage: bool,
     keep_batches: u32,
     allowed_lateness: Duration,
+    output_mode: OutputMode,
+    key: Option<Vec<String>>,
+    state_ttl: Option<Duration>,
 }
 
 impl JobBuilder {
@@ -208,6 +221,21 @@ impl JobBuilder {
         self
     }
 
+    /// Sets the output mode (default: append) and, for update mode, the upsert key (default:
+    /// the query's group columns; required for a stateless query).
+    pub fn with_output_mode(mut self, mode: OutputMode, key: Option<Vec<String>>) -> Self {
+        self.output_mode = mode;
+        self.key = key;
+        self
+    }
+
+    /// Running (non-windowed) aggregates: drop a group's state once the watermark is `ttl` past
+    /// its newest event.
+    pub fn with_state_ttl(mut self, ttl: Duration) -> Self {
+        self.state_ttl = Some(ttl);
+        self
+    }
+
     /// Checks and returns the job.
     ///
     /// # Errors
@@ -256,6 +284,9 @@ impl JobBuilder {
             lineage: self.lineage,
             keep_batches: self.keep_batches,
             allowed_lateness: self.allowed_lateness,
+            output_mode: self.output_mode,
+            key: self.key,
+            state_ttl: self.state_ttl,
         })
     }
 }

@@ -41,9 +41,9 @@ pub mod schema;
 pub mod sink;
 pub mod source;
 pub mod state_store;
+pub mod stateful_aggregate;
 pub mod watermark;
 pub mod window;
-pub mod windowed;
 
 pub use checkpoint::{BatchCounters, BatchIntent, BatchManifest, CheckpointStore};
 pub use driver::{RunSummary, Validation};
@@ -51,7 +51,7 @@ pub use error::{Error, Result};
 pub use event_time::{EventTimeConfig, EventTimeFormat};
 pub use job::{Job, JobBuilder, SourceSpec, Trigger, parse_duration};
 pub use offsets::{BatchId, Offset, OffsetRange, PartitionId};
-pub use sink::{BatchCommit, CommitOutcome, Replacement, Sink};
+pub use sink::{BatchCommit, CommitOutcome, OutputMode, OutputTables, Replacement, Sink};
 pub use source::{AvailableRange, DeadLetter, Source, SourceContext, SourceRead};
 
 /// Re-exported so connectors and sinks use the engine's exact versions.

@@ -5,9 +5,9 @@
 //! parallel: a batch's rows are split across DataFusion's target partitions.
 //!
 //! A query is either **stateless** (expressions, WHERE, UNION ALL, UNNEST: each batch's output
-//! depends on its rows only) or **windowed**: one aggregate over a `tumble`/`hop` window, whose
-//! state is carried between batches and whose windows are emitted as the watermark closes them
-//! (see [`crate::windowed`]).
+//! depends on its rows only) or **stateful**: one aggregate — over a `tumble`/`hop` window, or a
+//! running aggregate in update mode — whose state is carried between batches (see
+//! [`crate::stateful_aggregate`]).
 //!
 //! A query-time error caused by some rows (a failing `CAST`) must not stall the job. Stateless
 //! output is row-local and partial aggregate states merge, so [`StreamingQuery::execute_isolating`]
@@ -30,8 +30,9 @@ use datafusion::prelude::{SessionConfig, SessionContext};
 use crate::aggregate_state::AggregateState;
 use crate::error::{Error, Result};
 use crate::offsets::BatchId;
+use crate::sink::{OutputMode, OutputTables};
 use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION};
-use crate::windowed::{StateSize, WindowedAggregate, plan_windowed};
+use crate::stateful_aggregate::{StateSize, StatefulAggregate, StatefulSettings, plan_stateful};
 
 /// A row on which the query failed, with the error.
 #[derive(Debug)]
@@ -63,6 +64,12 @@ pub struct QuerySettings {
     pub allowed_lateness: Duration,
     /// Each source's event-time column (sources without event time are absent).
     pub event_time: BTreeMap<String, String>,
+    /// Append rows, or upsert them on a key.
+    pub output_mode: OutputMode,
+    /// Update mode: the upsert key (default: the aggregate's group columns).
+    pub key: Option<Vec<String>>,
+    /// Running aggregates: how long a group outlives its newest event.
+    pub state_ttl: Option<Duration>,
 }
 
 /// The watermark a batch runs under.
@@ -80,7 +87,9 @@ pub struct BatchWatermark {
 pub struct StreamingQuery {
     tables: SourceTables,
     plan: LogicalPlan,
-    windowed: Option<WindowedAggregate>,
+    stateful: Option<StatefulAggregate>,
+    /// Update mode: the columns output rows are upserted on.
+    merge_key: Option<Vec<String>>,
 }
 
 /// The session and the in-memory tables the sources' rows are loaded into.
@@ -94,7 +103,7 @@ impl std::fmt::Debug for StreamingQuery {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StreamingQuery")
             .field("plan", &self.plan.display_indent().to_string())
-            .field("windowed", &self.windowed)
+            .field("stateful", &self.stateful)
             .finish()
     }
 }
@@ -143,9 +152,15 @@ impl StreamingQuery {
         let uses = crate::window::register(&ctx, &providers);
         let plan = ctx.state().create_logical_plan(sql).await?;
         let uses = uses.lock().map(|u| u.clone()).unwrap_or_default();
-        let lateness = i64::try_from(settings.allowed_lateness.as_micros()).unwrap_or(i64::MAX);
-        let windowed = plan_windowed(&ctx, &plan, &uses, &settings.event_time, lateness).await?;
-        let plan = if settings.lineage && windowed.is_none() {
+        let micros = |d: Duration| i64::try_from(d.as_micros()).unwrap_or(i64::MAX);
+        let stateful_settings = StatefulSettings {
+            event_time: &settings.event_time,
+            allowed_lateness: micros(settings.allowed_lateness),
+            mode: settings.output_mode,
+            state_ttl: settings.state_ttl.map(micros),
+        };
+        let stateful = plan_stateful(&ctx, &plan, &uses, stateful_settings).await?;
+        let plan = if settings.lineage && stateful.is_none() {
             let plan = carry_lineage(plan)?;
             let schema = plan.schema();
             for col in [SOURCE_PARTITION, SOURCE_OFFSET] {
@@ -160,6 +175,18 @@ impl StreamingQuery {
         } else {
             plan
         };
+        let merge_key = match settings.output_mode {
+            OutputMode::Append => None,
+            OutputMode::Update => Some(merge_key(&plan, stateful.as_ref(), settings)?),
+        };
+        if settings.state_ttl.is_some() && stateful.as_ref().is_none_or(|s| s.window().is_some())
+        {
+            return Err(Error::InvalidJob(
+                "state_ttl bounds the state of running aggregates (GROUP BY without a window); \
+                 this query has none — windows leave the state when the watermark closes them"
+                    .into(),
+            ));
+        }
         Ok(StreamingQuery {
             tables: SourceTables {
                 ctx,
@@ -167,8 +194,19 @@ impl StreamingQuery {
                 partitions,
             },
             plan,
-            windowed,
+            stateful,
+            merge_key,
         })
+    }
+
+    /// The tables the job writes: output (with its upsert key in update mode) and, for a
+    /// windowed query, the late table.
+    pub fn output_tables(&self) -> OutputTables {
+        OutputTables {
+            output: self.output_schema(),
+            late: self.late_schema(),
+            merge_key: self.merge_key.clone(),
+        }
     }
 
     /// The schema of the rows the query produces.
@@ -176,9 +214,9 @@ impl StreamingQuery {
         Arc::new(self.plan.schema().as_arrow().clone())
     }
 
-    /// Whether the query aggregates over windows (and so has state and late rows).
-    pub fn is_windowed(&self) -> bool {
-        self.windowed.is_some()
+    /// Whether the query carries state between batches (an aggregate).
+    pub fn is_stateful(&self) -> bool {
+        self.stateful.is_some()
     }
 
     /// The optimised logical plan, for `sluice validate`.
@@ -190,8 +228,8 @@ impl StreamingQuery {
     /// The late table's schema, for a windowed query: its source's columns plus the late
     /// columns (see [`crate::late`]).
     pub fn late_schema(&self) -> Option<SchemaRef> {
-        let w = self.windowed.as_ref()?;
-        let (schema, _) = self.tables.tables.get(&w.window.source)?;
+        let (window, _) = self.window()?;
+        let (schema, _) = self.tables.tables.get(&window.source)?;
         Some(crate::late::late_schema(schema))
     }
 
@@ -207,23 +245,22 @@ impl StreamingQuery {
         watermark: Option<i64>,
         batch_id: BatchId,
     ) -> Result<Option<RecordBatch>> {
-        match &self.windowed {
-            Some(w) if w.window.source == source => {
-                w.lateness
-                    .late_rows(rows, &w.window.time_column, watermark, batch_id)
+        match self.window() {
+            Some((window, lateness)) if window.source == source => {
+                lateness.late_rows(rows, &window.time_column, watermark, batch_id)
             }
             _ => Ok(None),
         }
     }
 
-    /// The windowed part, for the driver's state handling.
-    pub(crate) fn windowed_mut(&mut self) -> Option<&mut WindowedAggregate> {
-        self.windowed.as_mut()
+    /// The stateful part, for the driver's state handling.
+    pub(crate) fn stateful_mut(&mut self) -> Option<&mut StatefulAggregate> {
+        self.stateful.as_mut()
     }
 
     /// State rows and bytes after the last batch (`None` for a stateless query).
     pub fn state_size(&self) -> Option<StateSize> {
-        self.windowed.as_ref().map(WindowedAggregate::state_size)
+        self.stateful.as_ref().map(StatefulAggregate::state_size)
     }
 
     /// Runs the query over one batch of input per source (stateless queries).
@@ -238,9 +275,9 @@ impl StreamingQuery {
         self.tables.run(&self.plan, inputs, None).await
     }
 
-    /// Runs one batch: a stateless query over the rows; a windowed one merges the rows of open
-    /// windows (under `watermark.before`) into its state and emits the windows
-    /// `watermark.after` closes. Rows on which the query fails are found by splitting the
+    /// Runs one batch: a stateless query over the rows; a stateful one merges the rows of open
+    /// windows (under `watermark.before`) into its state and emits what its output mode says
+    /// under `watermark.after` (see [`crate::stateful_aggregate`]). Rows on which the query fails are found by splitting the
     /// input, returned as failed, and the rest proceeds.
     ///
     /// # Errors
@@ -251,16 +288,16 @@ impl StreamingQuery {
         inputs: &BTreeMap<String, RecordBatch>,
         watermark: BatchWatermark,
     ) -> Result<QueryOutput> {
-        let Some(windowed) = self.windowed.as_mut() else {
+        let Some(stateful) = self.stateful.as_mut() else {
             return self.tables.isolate(&self.plan, inputs, None).await;
         };
-        let plan = windowed.partial_plan(watermark.before)?;
+        let plan = stateful.partial_plan(watermark.before)?;
         let partials = self
             .tables
-            .isolate(&plan, inputs, Some(windowed.operator()))
+            .isolate(&plan, inputs, Some(stateful.operator()))
             .await?;
-        windowed.accumulate(partials.batches).await?;
-        let batches = windowed.emit(&self.tables.ctx, watermark.after).await?;
+        stateful.accumulate(partials.batches).await?;
+        let batches = stateful.emit(&self.tables.ctx, watermark.after).await?;
         Ok(QueryOutput {
             batches,
             failed: partials.failed,
@@ -280,7 +317,7 @@ impl StreamingQuery {
         parts: Vec<(BTreeMap<String, RecordBatch>, Option<i64>)>,
     ) -> Result<QueryOutput> {
         let mut out = QueryOutput::default();
-        let Some(windowed) = self.windowed.as_mut() else {
+        let Some(stateful) = self.stateful.as_mut() else {
             for (inputs, _) in parts {
                 let part = self.tables.isolate(&self.plan, &inputs, None).await?;
                 out.batches.extend(part.batches);
@@ -290,22 +327,22 @@ impl StreamingQuery {
         };
         let mut partials = Vec::new();
         for (inputs, watermark) in parts {
-            let plan = windowed.partial_plan(watermark)?;
+            let plan = stateful.partial_plan(watermark)?;
             let part = self
                 .tables
-                .isolate(&plan, &inputs, Some(windowed.operator()))
+                .isolate(&plan, &inputs, Some(stateful.operator()))
                 .await?;
             partials.extend(part.batches);
             out.failed.extend(part.failed);
         }
-        windowed.accumulate(partials).await?;
-        out.batches = windowed.emit(&self.tables.ctx, Some(i64::MAX)).await?;
+        stateful.accumulate(partials).await?;
+        out.batches = stateful.emit(&self.tables.ctx, Some(i64::MAX)).await?;
         Ok(out)
     }
 
     /// The window a windowed query aggregates over, and when its windows close.
     pub(crate) fn window(&self) -> Option<(&crate::window::WindowUse, crate::late::Lateness)> {
-        self.windowed.as_ref().map(|w| (&w.window, w.lateness))
+        self.stateful.as_ref()?.window()
     }
 }
 
@@ -395,6 +432,48 @@ impl SourceTables {
         }
         Ok(out)
     }
+}
+
+/// Update mode's upsert key: the configured `key`, else the aggregate's group columns; every key
+/// column must be in the output.
+fn merge_key(
+    plan: &LogicalPlan,
+    stateful: Option<&StatefulAggregate>,
+    settings: &QuerySettings,
+) -> Result<Vec<String>> {
+    let key = match (&settings.key, stateful) {
+        (Some(key), _) => key.clone(),
+        (None, Some(s)) => s.group_columns().to_vec(),
+        (None, None) => {
+            return Err(Error::InvalidJob(
+                "mode = \"update\" upserts rows on a key: set key = [\"…\"] in [sink] to the \
+                 columns that identify a row"
+                    .into(),
+            ));
+        }
+    };
+    let schema = plan.schema();
+    for k in &key {
+        if !schema.fields().iter().any(|f| f.name() == k) {
+            return Err(Error::InvalidJob(format!(
+                "update mode upserts on {}, but the query's output has no column '{k}' (its \
+                 columns: {}); select it, or set key = [\"…\"] in [sink]",
+                key.join(", "),
+                schema
+                    .fields()
+                    .iter()
+                    .map(|f| f.name().as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
+    }
+    if key.is_empty() {
+        return Err(Error::InvalidJob(
+            "update mode needs a key; set key = [\"…\"] in [sink]".into(),
+        ));
+    }
+    Ok(key)
 }
 
 /// The first node that makes the plan's result depend on how the input is split into batches

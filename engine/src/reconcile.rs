@@ -123,7 +123,7 @@ impl Job {
             sources: &sources,
             manifest: &manifest,
         };
-        if query.is_windowed() {
+        if query.is_stateful() {
             return reconcile_windows(self.sink.as_ref(), committed, query, from, to).await;
         }
         let mut query = query;
@@ -219,10 +219,13 @@ async fn reconcile_windows(
     from: i64,
     to: i64,
 ) -> Result<Reconciliation> {
-    let (window, lateness) = query
-        .window()
-        .map(|(w, l)| (w.clone(), l))
-        .ok_or_else(|| Error::InvalidJob("reconcile: the query has no window".into()))?;
+    let (window, lateness) = query.window().map(|(w, l)| (w.clone(), l)).ok_or_else(|| {
+        Error::InvalidJob(
+            "reconcile compares closed event-time periods, and a running aggregate (no \
+                 window) has none: each group's value keeps changing"
+                .into(),
+        )
+    })?;
     let output_schema = query.output_schema();
     let column = [WINDOW_START, WINDOW_END]
         .into_iter()

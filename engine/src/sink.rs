@@ -16,6 +16,53 @@ use url::Url;
 use crate::error::Result;
 use crate::offsets::{BatchId, OffsetRange, PartitionId};
 
+/// How a batch's output rows reach the output table.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum OutputMode {
+    /// Each batch appends its rows; a windowed job emits each window once, when it closes.
+    #[default]
+    Append,
+    /// Each batch upserts its rows (MERGE on the key columns); a windowed or running aggregate
+    /// emits every group that changed, so the table always shows the latest value.
+    Update,
+}
+
+impl std::str::FromStr for OutputMode {
+    type Err = crate::error::Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "append" => Ok(OutputMode::Append),
+            "update" => Ok(OutputMode::Update),
+            other => Err(crate::error::Error::InvalidJob(format!(
+                "mode '{other}' is not one of append, update"
+            ))),
+        }
+    }
+}
+
+/// The tables a job writes, as [`Sink::open`] prepares them.
+#[derive(Debug, Clone)]
+pub struct OutputTables {
+    /// The output rows' schema.
+    pub output: SchemaRef,
+    /// Windowed jobs: the late rows' schema (see [`crate::late`]).
+    pub late: Option<SchemaRef>,
+    /// Update mode: the columns output rows are upserted on; `None` appends.
+    pub merge_key: Option<Vec<String>>,
+}
+
+impl OutputTables {
+    /// An append-only output of `schema` with no late table.
+    pub fn append(schema: SchemaRef) -> Self {
+        OutputTables {
+            output: schema,
+            late: None,
+            merge_key: None,
+        }
+    }
+}
+
 /// What one batch hands to the sink.
 #[derive(Debug)]
 pub struct BatchCommit {
@@ -78,14 +125,9 @@ pub trait Sink: Send + Sync {
     /// Where the sink writes; the default checkpoint lives below it, in `_sluice/<job_id>`.
     fn location(&self) -> &Url;
 
-    /// Prepares the tables for `job_id` (creating them if needed) for output rows of
-    /// `output_schema` and, for a windowed job, late rows of `late_schema`.
-    async fn open(
-        &mut self,
-        job_id: &str,
-        output_schema: SchemaRef,
-        late_schema: Option<SchemaRef>,
-    ) -> Result<()>;
+    /// Prepares the tables for `job_id` (creating them if needed): output rows (appended, or
+    /// merged on `tables.merge_key`) and, for a windowed job, late rows.
+    async fn open(&mut self, job_id: &str, tables: OutputTables) -> Result<()>;
 
     /// Commits one batch, idempotently.
     async fn commit(&self, batch: BatchCommit) -> Result<CommitOutcome>;

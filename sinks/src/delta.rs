@@ -37,7 +37,7 @@ use sluice_engine::dead_letter::{SOURCE_NAME, dead_letter_schema};
 use sluice_engine::fault::{crash_point, pause_point};
 use sluice_engine::source::{SOURCE_OFFSET, SOURCE_PARTITION};
 use sluice_engine::{
-    BatchCommit, BatchId, CommitOutcome, OffsetRange, PartitionId, Replacement, Sink,
+    BatchCommit, BatchId, CommitOutcome, OffsetRange, OutputTables, PartitionId, Replacement, Sink,
 };
 use tokio::sync::Mutex;
 use tracing::warn;
@@ -45,29 +45,12 @@ use url::Url;
 
 use crate::error::{Result, SinkError};
 
-/// Output mode of the sink.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum OutputMode {
-    /// Each batch appends its rows.
-    #[default]
-    Append,
-    /// Each batch upserts changed rows (MERGE on the key).
-    Update,
-}
-
 /// The `[sink]` settings of `kind = "delta"`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DeltaSinkConfig {
     /// The output table: local path or URL.
     pub path: String,
-    /// `append` (default) or `update`.
-    #[serde(default)]
-    pub mode: OutputMode,
-    /// Update mode without windows: the upsert key.
-    #[serde(default)]
-    pub key: Option<Vec<String>>,
     /// The dead-letter table (default `<path>_dead_letter`).
     #[serde(default)]
     pub dead_letter_path: Option<String>,
@@ -84,8 +67,6 @@ impl DeltaSinkConfig {
     pub fn new(path: impl Into<String>) -> Self {
         DeltaSinkConfig {
             path: path.into(),
-            mode: OutputMode::Append,
-            key: None,
             dead_letter_path: None,
             late_path: None,
             target_file_size: None,
@@ -101,6 +82,8 @@ pub struct DeltaSink {
     late: TableHandle,
     target_file_size: Option<NonZeroU64>,
     job_id: String,
+    /// Update mode: the columns output rows are merged on.
+    merge_key: Option<Vec<String>>,
 }
 
 /// One Delta table: where it is, and its latest loaded state.
@@ -117,13 +100,6 @@ impl DeltaSink {
     /// If a path is not usable, `target_file_size` does not parse, or `mode = "update"` (which
     /// needs keyed state and is not available yet).
     pub fn new(config: DeltaSinkConfig) -> Result<Self> {
-        if config.mode == OutputMode::Update || config.key.is_some() {
-            return Err(SinkError::Config(
-                "mode = \"update\" (and `key`) needs keyed state, which this version does not have \
-                 yet; use mode = \"append\""
-                    .into(),
-            ));
-        }
         let output = table_url(&config.path)?;
         let dead = match &config.dead_letter_path {
             Some(p) => table_url(p)?,
@@ -148,6 +124,7 @@ impl DeltaSink {
             late: TableHandle::new(late),
             target_file_size,
             job_id: String::new(),
+            merge_key: None,
         })
     }
 
@@ -312,6 +289,59 @@ impl TableHandle {
         Ok((rows, files, bytes))
     }
 
+    /// Upserts `batches` on the `key` columns (MERGE: matching rows updated, others inserted)
+    /// in one commit with `properties`, or commits the txn alone if there are no rows. Returns
+    /// (rows, files, bytes) added.
+    async fn merge(
+        &self,
+        table: DeltaTable,
+        batches: Vec<RecordBatch>,
+        key: &[String],
+        properties: CommitProperties,
+    ) -> Result<(u64, u64, u64)> {
+        let rows: u64 = batches.iter().map(|b| b.num_rows() as u64).sum();
+        let Some(schema) = batches
+            .iter()
+            .find(|b| b.num_rows() > 0)
+            .map(|b| b.schema())
+        else {
+            return self.append(table, Vec::new(), properties, None).await;
+        };
+        let ctx = deltalake::datafusion::prelude::SessionContext::new();
+        let source = ctx
+            .read_batches(batches.into_iter().filter(|b| b.num_rows() > 0))
+            .map_err(|e| self.err(e.into()))?;
+        let predicate = key
+            .iter()
+            .map(|k| format!("(target.{q} IS NOT DISTINCT FROM source.{q})", q = ident(k)))
+            .collect::<Vec<_>>()
+            .join(" AND ");
+        let columns: Vec<String> = schema.fields().iter().map(|f| f.name().clone()).collect();
+        let (table, _metrics) = table
+            .merge(source, predicate)
+            .with_source_alias("source")
+            .with_target_alias("target")
+            .with_commit_properties(properties)
+            .when_matched_update(|update| {
+                columns.iter().fold(update, |u, c| {
+                    u.update(c.as_str(), format!("source.{}", ident(c)))
+                })
+            })
+            .and_then(|m| {
+                m.when_not_matched_insert(|insert| {
+                    columns.iter().fold(insert, |i, c| {
+                        i.set(c.as_str(), format!("source.{}", ident(c)))
+                    })
+                })
+            })
+            .map_err(|e| self.err(e))?
+            .await
+            .map_err(|e| self.err(e))?;
+        let (files, bytes) = self.added_files(&table).await?;
+        *self.table.lock().await = Some(table);
+        Ok((rows, files, bytes))
+    }
+
     /// Replaces the rows matching `predicate` with `batches` in one commit carrying
     /// `txn(app_id, 0)`, unless the table already holds that txn. A commit that conflicts with
     /// a concurrent writer is retried on the new table version, with backoff.
@@ -388,7 +418,7 @@ impl TableHandle {
         batch_id: BatchId,
         batches: &[RecordBatch],
         properties: impl Fn() -> CommitProperties,
-        target_file_size: Option<NonZeroU64>,
+        write: BatchWrite<'_>,
         in_sequence: bool,
     ) -> Result<Option<(u64, u64, u64)>> {
         let mut retry = ConflictRetry::new(&self.url, format!("batch {}", batch_id.0));
@@ -415,10 +445,16 @@ impl TableHandle {
             if in_sequence {
                 pause_point("before_output_commit").await;
             }
-            match self
-                .append(table, batches.to_vec(), properties(), target_file_size)
-                .await
-            {
+            let written = match write {
+                BatchWrite::Append { target_file_size } => {
+                    self.append(table, batches.to_vec(), properties(), target_file_size)
+                        .await
+                }
+                BatchWrite::Merge { key } => {
+                    self.merge(table, batches.to_vec(), key, properties()).await
+                }
+            };
+            match written {
                 Ok(added) => return Ok(Some(added)),
                 Err(e) => {
                     let conflict = match &e {
@@ -524,6 +560,22 @@ fn lineage_predicate(ranges: &BTreeMap<PartitionId, OffsetRange>) -> String {
 }
 
 /// A SQL string literal.
+/// A column name as a quoted SQL identifier.
+fn ident(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// How a batch's rows are written.
+#[derive(Debug, Clone, Copy)]
+enum BatchWrite<'a> {
+    /// Appended, in files of about this size.
+    Append {
+        target_file_size: Option<NonZeroU64>,
+    },
+    /// Merged on these key columns.
+    Merge { key: &'a [String] },
+}
+
 fn quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', "''"))
 }
@@ -547,18 +599,14 @@ impl Sink for DeltaSink {
         &self.output.url
     }
 
-    async fn open(
-        &mut self,
-        job_id: &str,
-        output_schema: SchemaRef,
-        late_schema: Option<SchemaRef>,
-    ) -> sluice_engine::Result<()> {
+    async fn open(&mut self, job_id: &str, tables: OutputTables) -> sluice_engine::Result<()> {
         self.job_id = job_id.to_string();
-        self.output.open_or_create(&output_schema).await?;
+        self.merge_key = tables.merge_key;
+        self.output.open_or_create(&tables.output).await?;
         self.dead_letters
             .open_or_create(&dead_letter_schema())
             .await?;
-        if let Some(late_schema) = late_schema {
+        if let Some(late_schema) = tables.late {
             self.late.open_or_create(&late_schema).await?;
         }
         Ok(())
@@ -610,15 +658,11 @@ impl Sink for DeltaSink {
             (&self.late, &batch.late),
         ] {
             if rows.iter().any(|b| b.num_rows() > 0) {
+                let write = BatchWrite::Append {
+                    target_file_size: self.target_file_size,
+                };
                 table
-                    .append_batch(
-                        &self.job_id,
-                        batch_id,
-                        rows,
-                        props,
-                        self.target_file_size,
-                        false,
-                    )
+                    .append_batch(&self.job_id, batch_id, rows, props, write, false)
                     .await?;
             }
         }
@@ -632,7 +676,12 @@ impl Sink for DeltaSink {
                 batch_id,
                 &batch.output,
                 props,
-                self.target_file_size,
+                match &self.merge_key {
+                    Some(key) => BatchWrite::Merge { key },
+                    None => BatchWrite::Append {
+                        target_file_size: self.target_file_size,
+                    },
+                },
                 true,
             )
             .await?
@@ -784,19 +833,5 @@ mod tests {
                 .to_string()
                 .contains("'lots'")
         );
-    }
-
-    #[test]
-    fn update_mode_is_refused_with_a_reason() {
-        let err = DeltaSink::new(DeltaSinkConfig {
-            path: "/tmp/x".into(),
-            mode: OutputMode::Update,
-            key: None,
-            dead_letter_path: None,
-            late_path: None,
-            target_file_size: None,
-        })
-        .unwrap_err();
-        assert!(err.to_string().contains("update"), "{err}");
     }
 }

@@ -1,4 +1,4 @@
-//! Windowed aggregation across batches: the stateful part of a streaming query.
+//! Aggregation across batches: the stateful part of a streaming query.
 //!
 //! A query such as
 //!
@@ -8,40 +8,49 @@
 //! GROUP BY window_start, window_end, user_id
 //! ```
 //!
-//! is split at its **window aggregate** (the aggregate grouping by `window_start` or
-//! `window_end` whose input needs no state) into three parts:
+//! is split at its **aggregate** (the one whose input needs no state) into three parts:
 //!
 //! ```text
-//!  upper      Projection / Filter / outer aggregate by window …   runs over the windows that close
+//!  upper      Projection / Filter / outer aggregate by window …   runs over the groups emitted
 //!  ─────────────────────────────────────────────────────────────────────────────────────────────────
 //!  aggregate  GROUP BY window, keys: partial states, merged into the keyed state (AggregateState)
 //!  ─────────────────────────────────────────────────────────────────────────────────────────────────
 //!  lower      tumble/hop view, WHERE, expressions                runs over each batch's rows
 //! ```
 //!
-//! Each batch, rows of windows that are still open under the watermark in force are aggregated
-//! into partial states (DataFusion's own, see [`crate::aggregate_state`]) and merged into the
-//! state: one row per open (window, group). Rows of windows already closed are late (see
-//! [`crate::late`]) and left out. Then, under the batch's new watermark, every window whose end
-//! plus the allowed lateness has passed is finished, removed from the state, and fed to the upper
-//! part, whose result is the batch's output. So each window is emitted exactly once (append
-//! mode) with every on-time row in it, and the state holds only open windows.
+//! Each batch, the rows of windows still open under the watermark in force are aggregated into
+//! partial states (DataFusion's own, see [`crate::aggregate_state`]) and merged into the state:
+//! one row per (window, group). Rows of windows already closed are late (see [`crate::late`])
+//! and left out. What is emitted depends on the output mode:
 //!
-//! The upper part sees only whole windows, and only the windows closing in this batch, so it
-//! must work per window: an outer aggregate must group by the window and a window function must
-//! partition by it (Nexmark q5, q7). Planning checks this.
+//! - **append**: under the batch's new watermark, every window whose end plus the allowed
+//!   lateness has passed is finished, removed from the state and fed to the upper part — each
+//!   window is written exactly once, with every on-time row in it;
+//! - **update**: every group the batch changed is finished and emitted (the sink upserts it),
+//!   so the table always holds the latest value; closed windows then leave the state.
+//!
+//! A **running aggregate** (`GROUP BY user_id`, no window; update mode only) keeps one row per
+//! group, and drops a group once the watermark is `state_ttl` past its newest event — tracked
+//! by a hidden `max(event time)` aggregate carried in the state. So state is bounded either way.
+//!
+//! In append mode the upper part sees only whole windows, and only those closing in this batch,
+//! so it must work per window: an outer aggregate must group by the window and a window function
+//! must partition by it (Nexmark q5, q7). In update mode it sees only the changed groups, so it
+//! may only project. Planning checks both.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::Arc;
 
 use arrow::array::{AsArray, BooleanArray, RecordBatch, TimestampMicrosecondArray};
 use arrow::compute::filter_record_batch;
 use arrow::compute::kernels::cmp;
 use arrow::datatypes::{Field, Schema, SchemaRef, TimestampMicrosecondType};
+use arrow::row::{RowConverter, SortField};
 use datafusion::catalog::MemTable;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::common::{Column, ScalarValue};
 use datafusion::datasource::provider_as_source;
+use datafusion::functions_aggregate::expr_fn::max;
 use datafusion::logical_expr::{Aggregate, Expr, LogicalPlan, LogicalPlanBuilder, lit};
 use datafusion::prelude::SessionContext;
 
@@ -49,11 +58,14 @@ use crate::aggregate_state::AggregateState;
 use crate::error::{Error, Result};
 use crate::late::Lateness;
 use crate::offsets::BatchId;
+use crate::sink::OutputMode;
 use crate::state_store::{StateLog, StateWrite};
 use crate::window::{WINDOW_END, WINDOW_START, WindowUse};
 
-/// The table the upper part reads the finished windows from.
-const FINISHED_TABLE: &str = "__sluice_finished_windows";
+/// The table the upper part reads the finished groups from.
+const FINISHED_TABLE: &str = "__sluice_finished_groups";
+/// The hidden aggregate a running aggregate's state carries: each group's newest event time.
+const NEWEST_EVENT: &str = "__sluice_newest_event";
 
 /// Which window column identifies a window in the state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,29 +83,58 @@ impl WindowColumn {
     }
 }
 
+/// What the aggregate groups by, which decides when a group leaves the state.
+#[derive(Debug, Clone)]
+enum Grouping {
+    /// A window (and keys): a group leaves when the watermark closes its window.
+    Window {
+        window: WindowUse,
+        lateness: Lateness,
+        column: WindowColumn,
+    },
+    /// Keys only: a group leaves once the watermark is `ttl` µs past its newest event.
+    Running { ttl: i64 },
+}
+
 /// State rows and bytes, reported per batch.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StateSize {
-    /// Rows: one per open (window, group).
+    /// Rows: one per live (window, group).
     pub rows: u64,
     /// Bytes the rows take in memory (Arrow buffers).
     pub bytes: u64,
 }
 
-/// A query's window aggregate, its state, and what runs above it.
-pub(crate) struct WindowedAggregate {
-    /// The window function call the aggregate's rows come from.
-    pub(crate) window: WindowUse,
-    /// When its windows close.
-    pub(crate) lateness: Lateness,
+/// How [`plan_stateful`] plans the aggregate.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StatefulSettings<'a> {
+    /// Each source's event-time column.
+    pub(crate) event_time: &'a BTreeMap<String, String>,
+    /// How long after its end a window accepts rows, µs.
+    pub(crate) allowed_lateness: i64,
+    /// Append or update.
+    pub(crate) mode: OutputMode,
+    /// Running aggregates: how long a group outlives its newest event, µs.
+    pub(crate) state_ttl: Option<i64>,
+}
+
+/// A query's stateful aggregate, its state, and what runs above it.
+pub(crate) struct StatefulAggregate {
+    grouping: Grouping,
+    mode: OutputMode,
+    /// The aggregate as run each batch (a running aggregate's carries [`NEWEST_EVENT`]).
     aggregate: LogicalPlan,
     operator: AggregateState,
-    window_column: WindowColumn,
-    /// Position of the window column among the state's columns.
-    state_window_index: usize,
-    /// One row per open (window, group): partial aggregate states.
+    /// How many leading state columns are group columns.
+    group_count: usize,
+    /// The state column whose value decides when a row leaves: the window column, or the
+    /// newest event time.
+    purge_index: usize,
+    /// The group columns that are plain columns, by name: the default upsert key.
+    group_columns: Vec<String>,
+    /// The state: one row per live (window, group), as partial aggregate states.
     state: Vec<RecordBatch>,
-    /// This batch's partial rows of still-open windows: the state delta to write.
+    /// This batch's partial rows: what changed, and the state delta to write.
     changes: Vec<RecordBatch>,
     upper: LogicalPlan,
     finished: Arc<MemTable>,
@@ -101,31 +142,29 @@ pub(crate) struct WindowedAggregate {
     log: Option<StateLog>,
 }
 
-impl std::fmt::Debug for WindowedAggregate {
+impl std::fmt::Debug for StatefulAggregate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("WindowedAggregate")
-            .field("window", &self.window)
+        f.debug_struct("StatefulAggregate")
+            .field("grouping", &self.grouping)
+            .field("mode", &self.mode)
             .field("aggregate", &self.aggregate.display().to_string())
             .finish()
     }
 }
 
-/// Finds the query's window aggregate; `None` if the query needs no state.
-///
-/// `event_time` maps each source to its event-time column.
-pub(crate) async fn plan_windowed(
+/// Finds the query's stateful aggregate; `None` if the query needs no state.
+pub(crate) async fn plan_stateful(
     ctx: &SessionContext,
     plan: &LogicalPlan,
     uses: &[WindowUse],
-    event_time: &std::collections::BTreeMap<String, String>,
-    allowed_lateness: i64,
-) -> Result<Option<WindowedAggregate>> {
+    settings: StatefulSettings<'_>,
+) -> Result<Option<StatefulAggregate>> {
     if crate::query::stateful_node(plan).is_none() {
         return Ok(None);
     }
-    // The aggregates whose input needs no state: the candidates for the window aggregate.
+    // The aggregates whose input needs no state: the candidates.
     let mut aggregates: Vec<LogicalPlan> = Vec::new();
-    plan.apply(|node| {
+    let _ = plan.apply(|node| {
         if let LogicalPlan::Aggregate(a) = node
             && crate::query::stateful_node(&a.input).is_none()
             && !aggregates.contains(node)
@@ -133,26 +172,26 @@ pub(crate) async fn plan_windowed(
             aggregates.push(node.clone());
         }
         Ok(TreeNodeRecursion::Continue)
-    })?;
-    let aggregate = match aggregates.as_slice() {
+    });
+    let original = match aggregates.as_slice() {
         [] => {
             let node = crate::query::stateful_node(plan).unwrap_or_default();
             return Err(Error::UnsupportedQuery(format!(
                 "`{node}` needs state across batches; streaming jobs run SELECT with expressions, \
-                 WHERE, UNION ALL, UNNEST, and aggregates over tumble/hop windows — no joins, \
-                 ORDER BY, LIMIT or DISTINCT below a window aggregate"
+                 WHERE, UNION ALL, UNNEST, and one aggregate (over tumble/hop windows, or a \
+                 running aggregate in update mode) — no joins, ORDER BY, LIMIT or DISTINCT below it"
             )));
         }
         [one] => one.clone(),
         _ => {
             return Err(Error::UnsupportedQuery(
                 "the query has several different aggregates over its sources; a streaming job \
-                 has one window aggregate (an outer aggregate over its result is fine)"
+                 has one (an outer aggregate over its result is fine)"
                     .into(),
             ));
         }
     };
-    let LogicalPlan::Aggregate(agg) = &aggregate else {
+    let LogicalPlan::Aggregate(agg) = &original else {
         unreachable!("collected aggregates only")
     };
     let grouped_by = |name: &str| {
@@ -161,17 +200,120 @@ pub(crate) async fn plan_windowed(
             .any(|e| matches!(e, Expr::Column(c) if c.name == name))
     };
     let window_column = if grouped_by(WINDOW_START) {
-        WindowColumn::Start
+        Some(WindowColumn::Start)
     } else if grouped_by(WINDOW_END) {
-        WindowColumn::End
+        Some(WindowColumn::End)
     } else {
-        return Err(Error::UnsupportedQuery(format!(
-            "`{}` groups by neither window_start nor window_end: an aggregate over a stream \
-             needs a window (FROM tumble(…) or hop(…), GROUP BY window_start, …); running \
-             aggregates without windows need update mode, which this version does not have yet",
-            aggregate.display()
-        )));
+        None
     };
+    let (grouping, aggregate) = match window_column {
+        Some(column) => {
+            let window = the_window(uses, settings.event_time)?;
+            let lateness = Lateness {
+                kind: window.kind,
+                allowed_lateness: settings.allowed_lateness,
+            };
+            let grouping = Grouping::Window {
+                window,
+                lateness,
+                column,
+            };
+            (grouping, original.clone())
+        }
+        None => running_aggregate(&original, settings)?,
+    };
+
+    let operator = AggregateState::plan(&ctx.state(), &aggregate).await?;
+    let state_schema = operator.state_schema();
+    let group_count = agg.group_expr.len();
+    let purge_column = match &grouping {
+        Grouping::Window { column, .. } => column.name().to_string(),
+        // A max's partial state is one column, named after the aggregate; the last one.
+        Grouping::Running { .. } => state_schema
+            .fields()
+            .last()
+            .map(|f| f.name().clone())
+            .unwrap_or_default(),
+    };
+    let purge_index = state_schema.index_of(&purge_column).map_err(|_| {
+        Error::UnsupportedQuery(format!(
+            "the aggregate's state has no column {purge_column} (its columns: {state_schema})"
+        ))
+    })?;
+    let group_columns = agg
+        .group_expr
+        .iter()
+        .filter_map(|e| match e {
+            Expr::Column(c) => Some(c.name.clone()),
+            _ => None,
+        })
+        .collect();
+
+    // The upper part reads the finished groups from a table with the aggregate's schema.
+    let finished_schema = Arc::new(Schema::new(
+        original
+            .schema()
+            .fields()
+            .iter()
+            .enumerate()
+            .map(|(i, f)| Field::new(format!("c{i}"), f.data_type().clone(), true))
+            .collect::<Vec<_>>(),
+    ));
+    let finished = Arc::new(MemTable::try_new(
+        Arc::clone(&finished_schema),
+        vec![vec![]],
+    )?);
+    let renamed = original
+        .schema()
+        .iter()
+        .enumerate()
+        .map(|(i, (qualifier, field))| {
+            Expr::Column(Column::new(Some(FINISHED_TABLE), format!("c{i}")))
+                .alias_qualified(qualifier.cloned(), field.name())
+        })
+        .collect::<Vec<_>>();
+    let replacement = LogicalPlanBuilder::scan(
+        FINISHED_TABLE,
+        provider_as_source(Arc::clone(&finished) as _),
+        None,
+    )?
+    .project(renamed)?
+    .build()?;
+    let upper = plan
+        .clone()
+        .transform_down(|node| {
+            if node == original {
+                Ok(Transformed::new(
+                    replacement.clone(),
+                    true,
+                    TreeNodeRecursion::Jump,
+                ))
+            } else {
+                Ok(Transformed::no(node))
+            }
+        })?
+        .data;
+    check_upper(&upper, settings.mode)?;
+
+    Ok(Some(StatefulAggregate {
+        grouping,
+        mode: settings.mode,
+        aggregate,
+        operator,
+        group_count,
+        purge_index,
+        group_columns,
+        state: Vec::new(),
+        changes: Vec::new(),
+        upper,
+        finished,
+        finished_schema,
+        log: None,
+    }))
+}
+
+/// The one window function call a windowed aggregate reads, over an event-time column.
+fn the_window(uses: &[WindowUse], event_time: &BTreeMap<String, String>) -> Result<WindowUse> {
     let mut distinct: Vec<&WindowUse> = Vec::new();
     for u in uses {
         if !distinct.contains(&u) {
@@ -196,104 +338,89 @@ pub(crate) async fn plan_windowed(
         }
     };
     match event_time.get(&window.source) {
-        Some(column) if *column == window.time_column => {}
-        Some(column) => {
-            return Err(Error::UnsupportedQuery(format!(
-                "the window is over {}.{}, but the source's event time is '{column}': windows \
-                 close on the event-time watermark, so they must be over the event_time column",
-                window.source, window.time_column
-            )));
-        }
-        None => {
-            return Err(Error::UnsupportedQuery(format!(
-                "the window is over source '{}', which has no event_time: set event_time in \
-                 [sources.{}] so windows can close on its watermark",
-                window.source, window.source
-            )));
-        }
+        Some(column) if *column == window.time_column => Ok(window),
+        Some(column) => Err(Error::UnsupportedQuery(format!(
+            "the window is over {}.{}, but the source's event time is '{column}': windows \
+             close on the event-time watermark, so they must be over the event_time column",
+            window.source, window.time_column
+        ))),
+        None => Err(Error::UnsupportedQuery(format!(
+            "the window is over source '{}', which has no event_time: set event_time in \
+             [sources.{}] so windows can close on its watermark",
+            window.source, window.source
+        ))),
     }
-
-    let operator = AggregateState::plan(&ctx.state(), &aggregate).await?;
-    let state_window_index = operator
-        .state_schema()
-        .index_of(window_column.name())
-        .map_err(|_| {
-            Error::UnsupportedQuery(format!(
-                "the aggregate's state has no column {} (its columns: {})",
-                window_column.name(),
-                operator.state_schema()
-            ))
-        })?;
-
-    // The upper part reads the finished windows from a table with the aggregate's schema.
-    let finished_schema = Arc::new(Schema::new(
-        aggregate
-            .schema()
-            .fields()
-            .iter()
-            .enumerate()
-            .map(|(i, f)| Field::new(format!("c{i}"), f.data_type().clone(), true))
-            .collect::<Vec<_>>(),
-    ));
-    let finished = Arc::new(MemTable::try_new(
-        Arc::clone(&finished_schema),
-        vec![vec![]],
-    )?);
-    let renamed = aggregate
-        .schema()
-        .iter()
-        .enumerate()
-        .map(|(i, (qualifier, field))| {
-            Expr::Column(Column::new(Some(FINISHED_TABLE), format!("c{i}")))
-                .alias_qualified(qualifier.cloned(), field.name())
-        })
-        .collect::<Vec<_>>();
-    let replacement = LogicalPlanBuilder::scan(
-        FINISHED_TABLE,
-        provider_as_source(Arc::clone(&finished) as _),
-        None,
-    )?
-    .project(renamed)?
-    .build()?;
-    let upper = plan
-        .clone()
-        .transform_down(|node| {
-            if node == aggregate {
-                Ok(Transformed::new(
-                    replacement.clone(),
-                    true,
-                    TreeNodeRecursion::Jump,
-                ))
-            } else {
-                Ok(Transformed::no(node))
-            }
-        })?
-        .data;
-    check_upper(&upper)?;
-
-    Ok(Some(WindowedAggregate {
-        lateness: Lateness {
-            kind: window.kind,
-            allowed_lateness,
-        },
-        window,
-        aggregate,
-        operator,
-        window_column,
-        state_window_index,
-        state: Vec::new(),
-        changes: Vec::new(),
-        upper,
-        finished,
-        finished_schema,
-        log: None,
-    }))
 }
 
-/// Checks that what runs above the window aggregate works per window: it reads no source
-/// directly, does not LIMIT, and its aggregates group by (its window functions partition by) a
-/// window column or a rename of one.
-fn check_upper(upper: &LogicalPlan) -> Result<()> {
+/// A running aggregate (no window): allowed in update mode with `state_ttl`; planned with a
+/// hidden `max(event time)` so each group's newest event is in its state.
+fn running_aggregate(
+    original: &LogicalPlan,
+    settings: StatefulSettings<'_>,
+) -> Result<(Grouping, LogicalPlan)> {
+    let LogicalPlan::Aggregate(agg) = original else {
+        unreachable!("an aggregate")
+    };
+    if settings.mode != OutputMode::Update {
+        return Err(Error::UnsupportedQuery(format!(
+            "`{}` groups by neither window_start nor window_end: in append mode an aggregate over \
+             a stream needs a window (FROM tumble(…) or hop(…), GROUP BY window_start, …) so each \
+             row is written once; a running aggregate needs mode = \"update\" in [sink] (and \
+             state_ttl)",
+            original.display()
+        )));
+    }
+    let Some(ttl) = settings.state_ttl else {
+        return Err(Error::UnsupportedQuery(
+            "a running aggregate (GROUP BY without a window) keeps a row per key for ever \
+             unless state_ttl is set in [query] (for example state_ttl = \"24h\"): set it to \
+             bound the state"
+                .into(),
+        ));
+    };
+    let mut sources = BTreeSet::new();
+    let _ = agg.input.apply(|node| {
+        if let LogicalPlan::TableScan(scan) = node {
+            sources.insert(scan.table_name.table().to_string());
+        }
+        Ok(TreeNodeRecursion::Continue)
+    });
+    let [source] = sources.iter().collect::<Vec<_>>()[..] else {
+        return Err(Error::UnsupportedQuery(format!(
+            "a running aggregate reads one source; this one reads {}",
+            sources.into_iter().collect::<Vec<_>>().join(", ")
+        )));
+    };
+    let time = settings.event_time.get(source).ok_or_else(|| {
+        Error::UnsupportedQuery(format!(
+            "state_ttl counts in event time, and source '{source}' has no event_time"
+        ))
+    })?;
+    let (qualifier, _) = agg
+        .input
+        .schema()
+        .qualified_field_with_unqualified_name(time)
+        .map_err(|_| {
+            Error::UnsupportedQuery(format!(
+                "state_ttl needs the event-time column '{time}' below the aggregate; keep it in \
+                 the subquery's SELECT list"
+            ))
+        })?;
+    let newest = max(Expr::Column(Column::new(qualifier.cloned(), time))).alias(NEWEST_EVENT);
+    let mut aggr_expr = agg.aggr_expr.clone();
+    aggr_expr.push(newest);
+    let aggregate = LogicalPlan::Aggregate(Aggregate::try_new(
+        Arc::clone(&agg.input),
+        agg.group_expr.clone(),
+        aggr_expr,
+    )?);
+    Ok((Grouping::Running { ttl }, aggregate))
+}
+
+/// Checks what runs above the aggregate: it reads no source directly and does not LIMIT; in
+/// append mode its aggregates group by (its window functions partition by) a window column or a
+/// rename of one; in update mode it only projects.
+fn check_upper(upper: &LogicalPlan, mode: OutputMode) -> Result<()> {
     // Names that carry the window, bottom up: window_start, window_end and their aliases.
     let mut window_names: BTreeSet<String> = [WINDOW_START, WINDOW_END]
         .into_iter()
@@ -301,31 +428,52 @@ fn check_upper(upper: &LogicalPlan) -> Result<()> {
         .collect();
     let mut problem: Option<String> = None;
     let is_window = |e: &Expr, names: &BTreeSet<String>| matches!(e, Expr::Column(c) if names.contains(&c.name));
-    upper.apply(|node| {
+    let partitioned_by_window = |e: &Expr, names: &BTreeSet<String>| {
+        let f = match e {
+            Expr::WindowFunction(f) => f,
+            Expr::Alias(a) => match a.expr.as_ref() {
+                Expr::WindowFunction(f) => f,
+                _ => return false,
+            },
+            _ => return false,
+        };
+        f.params.partition_by.iter().any(|p| is_window(p, names))
+    };
+    let _ = upper.apply(|node| {
         if let LogicalPlan::Projection(p) = node {
             for e in &p.expr {
                 if let Expr::Alias(a) = e
-                    && matches!(a.expr.as_ref(), Expr::Column(c) if c.name == WINDOW_START || c.name == WINDOW_END)
+                    && matches!(a.expr.as_ref(), Expr::Column(c) if window_names.contains(&c.name))
                 {
                     window_names.insert(a.name.clone());
                 }
             }
         }
         Ok(TreeNodeRecursion::Continue)
-    })?;
-    upper.apply(|node| {
+    });
+    let _ = upper.apply(|node| {
         let bad = match node {
             LogicalPlan::TableScan(scan) if scan.table_name.table() != FINISHED_TABLE => {
                 Some(format!(
-                    "`{}` reads a source beside the window aggregate (stream joins are not \
-                     supported yet)",
+                    "`{}` reads a source beside the aggregate (stream joins are not supported \
+                     yet)",
                     node.display()
                 ))
             }
             LogicalPlan::Limit(_) => Some(format!(
-                "`{}` above a window aggregate would cut each batch's windows, not the stream",
+                "`{}` above the aggregate would cut each batch's groups, not the stream",
                 node.display()
             )),
+            LogicalPlan::Aggregate(_) | LogicalPlan::Window(_) | LogicalPlan::Filter(_)
+                if mode == OutputMode::Update =>
+            {
+                Some(format!(
+                    "`{}` above the aggregate: in update mode each batch emits only the groups \
+                     it changed, so what runs above the aggregate may only compute columns \
+                     (no outer aggregate, window function or HAVING)",
+                    node.display()
+                ))
+            }
             LogicalPlan::Aggregate(a)
                 if !a.group_expr.iter().any(|e| is_window(e, &window_names)) =>
             {
@@ -336,22 +484,10 @@ fn check_upper(upper: &LogicalPlan) -> Result<()> {
                 ))
             }
             LogicalPlan::Window(w)
-                if !w.window_expr.iter().all(|e| match e {
-                    Expr::WindowFunction(f) => f
-                        .params
-                        .partition_by
-                        .iter()
-                        .any(|p| is_window(p, &window_names)),
-                    Expr::Alias(a) => match a.expr.as_ref() {
-                        Expr::WindowFunction(f) => f
-                            .params
-                            .partition_by
-                            .iter()
-                            .any(|p| is_window(p, &window_names)),
-                        _ => false,
-                    },
-                    _ => false,
-                }) =>
+                if !w
+                    .window_expr
+                    .iter()
+                    .all(|e| partitioned_by_window(e, &window_names)) =>
             {
                 Some(format!(
                     "the window function in `{}` must PARTITION BY the window (window_start or \
@@ -366,35 +502,47 @@ fn check_upper(upper: &LogicalPlan) -> Result<()> {
             return Ok(TreeNodeRecursion::Stop);
         }
         Ok(TreeNodeRecursion::Continue)
-    })?;
+    });
     match problem {
         None => Ok(()),
         Some(p) => Err(Error::UnsupportedQuery(p)),
     }
 }
 
-impl WindowedAggregate {
-    /// The aggregate over the rows of windows still open under `watermark` (all rows if none):
-    /// what each batch runs; its first phase gives the batch's partial states.
+impl StatefulAggregate {
+    /// The window function call the rows come from, and when its windows close (`None` for a
+    /// running aggregate).
+    pub(crate) fn window(&self) -> Option<(&WindowUse, Lateness)> {
+        match &self.grouping {
+            Grouping::Window {
+                window, lateness, ..
+            } => Some((window, *lateness)),
+            Grouping::Running { .. } => None,
+        }
+    }
+
+    /// The group columns that are plain columns: the default upsert key.
+    pub(crate) fn group_columns(&self) -> &[String] {
+        &self.group_columns
+    }
+
+    /// The aggregate over the rows of windows still open under `watermark` (all rows if none,
+    /// or for a running aggregate): what each batch runs; its first phase gives the batch's
+    /// partial states.
     pub(crate) fn partial_plan(&self, watermark: Option<i64>) -> Result<LogicalPlan> {
         let LogicalPlan::Aggregate(agg) = &self.aggregate else {
             unreachable!("planned from an aggregate")
         };
-        let Some(watermark) = watermark else {
+        let (Some(watermark), Grouping::Window { column, .. }) = (watermark, &self.grouping) else {
             return Ok(self.aggregate.clone());
-        };
-        let first_open = self.lateness.first_open_start(watermark);
-        let bound = match self.window_column {
-            WindowColumn::Start => first_open,
-            WindowColumn::End => first_open.saturating_add(self.lateness.kind.size()),
         };
         let (qualifier, _) = agg
             .input
             .schema()
-            .qualified_field_with_unqualified_name(self.window_column.name())?;
-        let column = Expr::Column(Column::new(qualifier.cloned(), self.window_column.name()));
-        let open = column.gt_eq(lit(ScalarValue::TimestampMicrosecond(
-            Some(bound),
+            .qualified_field_with_unqualified_name(column.name())?;
+        let window = Expr::Column(Column::new(qualifier.cloned(), column.name()));
+        let open = window.gt_eq(lit(ScalarValue::TimestampMicrosecond(
+            Some(self.purge_bound(watermark)),
             Some("UTC".into()),
         )));
         let input = LogicalPlanBuilder::from(Arc::clone(&agg.input))
@@ -405,6 +553,23 @@ impl WindowedAggregate {
             agg.group_expr.clone(),
             agg.aggr_expr.clone(),
         )?))
+    }
+
+    /// State rows whose purge column is below this leave the state under `watermark`: windows
+    /// closed, or groups whose newest event is `state_ttl` behind.
+    fn purge_bound(&self, watermark: i64) -> i64 {
+        match &self.grouping {
+            Grouping::Window {
+                lateness, column, ..
+            } => {
+                let first_open = lateness.first_open_start(watermark);
+                match column {
+                    WindowColumn::Start => first_open,
+                    WindowColumn::End => first_open.saturating_add(lateness.kind.size()),
+                }
+            }
+            Grouping::Running { ttl } => watermark.saturating_sub(*ttl).saturating_add(1),
+        }
     }
 
     /// The aggregate's three phases.
@@ -425,31 +590,53 @@ impl WindowedAggregate {
         Ok(())
     }
 
-    /// Finishes every window closed under `watermark` (`i64::MAX`: every window, for the end of
-    /// a bounded run), removes it from the state, and runs the upper part over it.
+    /// Emits what the output mode says (append: every window closed under `watermark`; update:
+    /// every group this batch changed), drops what the watermark has closed or expired from the
+    /// state, and runs the upper part over the emitted groups. `i64::MAX` closes everything (the
+    /// end of a bounded run).
     pub(crate) async fn emit(
         &mut self,
         ctx: &SessionContext,
         watermark: Option<i64>,
     ) -> Result<Vec<RecordBatch>> {
-        let Some(watermark) = watermark else {
-            return Ok(Vec::new());
+        let emitted = match self.mode {
+            OutputMode::Append => {
+                let Some(watermark) = watermark else {
+                    return Ok(Vec::new());
+                };
+                let state = std::mem::take(&mut self.state);
+                let (closed, open) = self.split_purged(state, watermark)?;
+                self.state = open;
+                closed
+            }
+            OutputMode::Update => {
+                let changed = self.changed_groups()?;
+                if let Some(watermark) = watermark {
+                    let state = std::mem::take(&mut self.state);
+                    self.state = self.split_purged(state, watermark)?.1;
+                }
+                changed
+            }
         };
-        let state = std::mem::take(&mut self.state);
-        let (closed, open) = self.split_closed(state, watermark)?;
-        self.state = open;
-        let changes = std::mem::take(&mut self.changes);
-        self.changes = self.split_closed(changes, watermark)?.1;
-        if closed.is_empty() {
+        if let Some(watermark) = watermark {
+            let changes = std::mem::take(&mut self.changes);
+            self.changes = self.split_purged(changes, watermark)?.1;
+        }
+        if emitted.is_empty() {
             return Ok(Vec::new());
         }
-        let finished = self.operator.finish(closed).await?;
-        let finished = finished
+        let width = self.finished_schema.fields().len();
+        let finished = self
+            .operator
+            .finish(emitted)
+            .await?
             .into_iter()
             .map(|b| {
+                // A running aggregate's hidden newest-event column is last: not the query's.
+                let columns = b.columns()[..width].to_vec();
                 Ok(RecordBatch::try_new(
                     Arc::clone(&self.finished_schema),
-                    b.columns().to_vec(),
+                    columns,
                 )?)
             })
             .collect::<Result<Vec<_>>>()?;
@@ -466,45 +653,71 @@ impl WindowedAggregate {
         Ok(out?.into_iter().filter(|b| b.num_rows() > 0).collect())
     }
 
-    /// Splits state rows into those of windows closed under `watermark` and the rest.
-    fn split_closed(
+    /// The state rows of the groups this batch changed.
+    fn changed_groups(&self) -> Result<Vec<RecordBatch>> {
+        if self.changes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let schema = self.operator.state_schema();
+        let fields = schema.fields()[..self.group_count]
+            .iter()
+            .map(|f| SortField::new(f.data_type().clone()))
+            .collect();
+        let converter = RowConverter::new(fields)?;
+        let mut changed = HashSet::new();
+        for b in &self.changes {
+            let rows = converter.convert_columns(&b.columns()[..self.group_count])?;
+            changed.extend(rows.iter().map(|r| r.as_ref().to_vec()));
+        }
+        let mut out = Vec::new();
+        for b in &self.state {
+            let rows = converter.convert_columns(&b.columns()[..self.group_count])?;
+            let keep: BooleanArray = rows
+                .iter()
+                .map(|r| Some(changed.contains(r.as_ref())))
+                .collect();
+            let picked = filter_record_batch(b, &keep)?;
+            if picked.num_rows() > 0 {
+                out.push(picked);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Splits state rows into those that leave the state under `watermark` and the rest.
+    fn split_purged(
         &self,
         rows: Vec<RecordBatch>,
         watermark: i64,
     ) -> Result<(Vec<RecordBatch>, Vec<RecordBatch>)> {
-        let (mut closed, mut open) = (Vec::new(), Vec::new());
+        let (mut gone, mut kept) = (Vec::new(), Vec::new());
         for b in rows {
-            let mask = self.closed_mask(&b, watermark)?;
-            let c = filter_record_batch(&b, &mask)?;
-            let o = filter_record_batch(&b, &arrow::compute::not(&mask)?)?;
-            if c.num_rows() > 0 {
-                closed.push(c);
+            let mask = self.purge_mask(&b, watermark)?;
+            let g = filter_record_batch(&b, &mask)?;
+            let k = filter_record_batch(&b, &arrow::compute::not(&mask)?)?;
+            if g.num_rows() > 0 {
+                gone.push(g);
             }
-            if o.num_rows() > 0 {
-                open.push(o);
+            if k.num_rows() > 0 {
+                kept.push(k);
             }
         }
-        Ok((closed, open))
+        Ok((gone, kept))
     }
 
-    fn closed_mask(&self, batch: &RecordBatch, watermark: i64) -> Result<BooleanArray> {
-        let windows = batch
-            .column(self.state_window_index)
+    fn purge_mask(&self, batch: &RecordBatch, watermark: i64) -> Result<BooleanArray> {
+        let column = batch
+            .column(self.purge_index)
             .as_primitive_opt::<TimestampMicrosecondType>()
             .ok_or_else(|| {
                 Error::UnsupportedQuery(format!(
-                    "the state's {} column is not a timestamp",
-                    self.window_column.name()
+                    "the state's column {} is not a timestamp",
+                    batch.schema().field(self.purge_index).name()
                 ))
             })?;
-        let first_open = self.lateness.first_open_start(watermark);
-        let bound = match self.window_column {
-            WindowColumn::Start => first_open,
-            WindowColumn::End => first_open.saturating_add(self.lateness.kind.size()),
-        };
-        let bound = TimestampMicrosecondArray::from(vec![bound])
-            .with_data_type(arrow::array::Array::data_type(windows).clone());
-        Ok(cmp::lt(windows, &arrow::array::Scalar::new(bound))?)
+        let bound = TimestampMicrosecondArray::from(vec![self.purge_bound(watermark)])
+            .with_data_type(arrow::array::Array::data_type(column).clone());
+        Ok(cmp::lt(column, &arrow::array::Scalar::new(bound))?)
     }
 
     /// Rows and in-memory bytes of the state.
@@ -519,8 +732,8 @@ impl WindowedAggregate {
         }
     }
 
-    /// Restores the state from the files a committed manifest lists: merged, and without the
-    /// windows closed under the restored `watermark`.
+    /// Restores the state from the files a committed manifest lists: merged, and without what
+    /// the restored `watermark` has closed or expired.
     pub(crate) async fn restore(
         &mut self,
         mut log: StateLog,
@@ -535,7 +748,7 @@ impl WindowedAggregate {
         };
         if let Some(watermark) = watermark {
             let state = std::mem::take(&mut self.state);
-            self.state = self.split_closed(state, watermark)?.1;
+            self.state = self.split_purged(state, watermark)?.1;
         }
         self.changes.clear();
         self.log = Some(log);
@@ -671,6 +884,7 @@ mod tests {
             lineage: true,
             allowed_lateness: lateness,
             event_time: BTreeMap::from([("t".to_string(), "ts".to_string())]),
+            ..QuerySettings::default()
         }
     }
 
@@ -713,20 +927,39 @@ mod tests {
         chunks: &[Vec<Event>],
         restart_after: usize,
     ) -> (Vec<Vec<String>>, u64) {
+        let run = streamed_with(sql, chunks, restart_after, &settings(Duration::ZERO)).await;
+        (displayed(&run.outputs.concat()), run.late)
+    }
+
+    /// What a streamed run produced.
+    struct StreamedRun {
+        /// Each batch's output, the final flush last.
+        outputs: Vec<Vec<RecordBatch>>,
+        late: u64,
+        /// State rows after each batch.
+        state_rows: Vec<u64>,
+    }
+
+    async fn streamed_with(
+        sql: &str,
+        chunks: &[Vec<Event>],
+        restart_after: usize,
+        settings: &QuerySettings,
+    ) -> StreamedRun {
         let dir = tempfile::tempdir().unwrap();
         let checkpoint =
             CheckpointStore::open(&url::Url::from_directory_path(dir.path()).unwrap()).unwrap();
         let sources = [("t".to_string(), schema())];
-        let settings = settings(Duration::ZERO);
         let plan = || StreamingQuery::plan(sql, &sources, &settings);
         let mut query = plan().await.unwrap();
         query
-            .windowed_mut()
+            .stateful_mut()
             .unwrap()
             .restore(StateLog::new(&checkpoint), &[], None)
             .await
             .unwrap();
         let mut out = Vec::new();
+        let mut state_rows = Vec::new();
         let mut watermark: Option<i64> = None;
         let mut late = 0;
         for (i, chunk) in chunks.iter().enumerate() {
@@ -747,10 +980,11 @@ mod tests {
             let inputs = BTreeMap::from([("t".to_string(), rows)]);
             let result = query.execute_isolating(&inputs, step).await.unwrap();
             assert!(result.failed.is_empty());
-            out.extend(result.batches);
+            out.push(result.batches);
+            state_rows.push(query.state_size().unwrap().rows);
             watermark = after;
             let written = query
-                .windowed_mut()
+                .stateful_mut()
                 .unwrap()
                 .write_state(BatchId(i as i64))
                 .await
@@ -758,7 +992,7 @@ mod tests {
             if i == restart_after {
                 query = plan().await.unwrap();
                 query
-                    .windowed_mut()
+                    .stateful_mut()
                     .unwrap()
                     .restore(StateLog::new(&checkpoint), &written.live_files, watermark)
                     .await
@@ -774,8 +1008,37 @@ mod tests {
             .execute_isolating(&BTreeMap::new(), step)
             .await
             .unwrap();
-        out.extend(result.batches);
-        (displayed(&out), late)
+        out.push(result.batches);
+        StreamedRun {
+            outputs: out,
+            late,
+            state_rows,
+        }
+    }
+
+    /// Applies each batch's rows as upserts keyed by their first `key` columns, like the Delta
+    /// MERGE of update mode: the final table.
+    fn upserted(outputs: &[Vec<RecordBatch>], key: usize) -> Vec<Vec<String>> {
+        let mut table: BTreeMap<Vec<String>, Vec<String>> = BTreeMap::new();
+        for batch_rows in outputs {
+            let rows = displayed(batch_rows);
+            let keys: std::collections::BTreeSet<&[String]> =
+                rows.iter().map(|r| &r[..key]).collect();
+            assert_eq!(keys.len(), rows.len(), "a batch emits a key once");
+            for row in rows {
+                table.insert(row[..key].to_vec(), row);
+            }
+        }
+        table.into_values().collect()
+    }
+
+    fn assert_rows_close(got: &[Vec<String>], want: &[Vec<String>], what: &str) {
+        assert_eq!(got.len(), want.len(), "{what}: {got:?}\nvs\n{want:?}");
+        for (g, w) in got.iter().zip(want) {
+            for (a, b) in g.iter().zip(w) {
+                assert!(close(a, b), "{what}: {g:?} vs {w:?}");
+            }
+        }
     }
 
     /// Events one second apart from BASE, each up to the out-of-orderness bound earlier than
@@ -824,6 +1087,82 @@ mod tests {
         }
     }
 
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(8))]
+        /// Update mode: each batch emits the groups it changed; upserting them as the sink's
+        /// MERGE does leaves the batch result — for windows and for a running aggregate.
+        #[test]
+        fn update_mode_upserts_end_at_the_batch_recomputation(
+            events in proptest::collection::vec((0..OUT_OF_ORDERNESS, 0..3u8, -40..40i64), 1..200),
+            cuts in proptest::collection::vec(0..200usize, 0..6),
+            restart_after in 0..6usize,
+        ) {
+            let (all, chunks) = arrange(&events, &cuts);
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let update = QuerySettings {
+                output_mode: OutputMode::Update,
+                state_ttl: None,
+                ..settings(Duration::ZERO)
+            };
+            let (windowed, windowed_batch) = queries().swap_remove(0);
+            let run = rt.block_on(streamed_with(&windowed, &chunks, restart_after, &update));
+            let want = rt.block_on(batch_result(&windowed_batch, &all));
+            assert_rows_close(&upserted(&run.outputs, 3), &want, &windowed);
+
+            let running = format!("SELECT k, {AGGREGATES} FROM t GROUP BY k");
+            let with_ttl = QuerySettings {
+                state_ttl: Some(Duration::from_secs(86_400)),
+                ..update
+            };
+            let run = rt.block_on(streamed_with(&running, &chunks, restart_after, &with_ttl));
+            let want = rt.block_on(batch_result(&running, &all));
+            assert_rows_close(&upserted(&run.outputs, 1), &want, &running);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_running_aggregate_forgets_a_key_state_ttl_after_its_newest_event() {
+        // Key 0 speaks at 0 s and 10 s, key 1 from 0 s to 200 s; a 60 s TTL.
+        let mut events: Vec<Event> = vec![(BASE, 0, 1), (BASE + 10 * SECOND, 0, 2)];
+        events.extend((0..=20).map(|i| (BASE + i * 10 * SECOND, 1, i)));
+        events.sort();
+        let chunks: Vec<Vec<Event>> = events.chunks(4).map(<[Event]>::to_vec).collect();
+        let settings = QuerySettings {
+            output_mode: OutputMode::Update,
+            state_ttl: Some(Duration::from_secs(60)),
+            ..settings(Duration::ZERO)
+        };
+        let sql = "SELECT k, count(*) AS n FROM t GROUP BY k";
+        let run = streamed_with(sql, &chunks, 99, &settings).await;
+        // Two keys while key 0 is fresh; once the watermark is 60 s past 00:00:10, one.
+        assert_eq!(run.state_rows.first(), Some(&2));
+        assert_eq!(run.state_rows.last(), Some(&1));
+        // Every batch emitted key 1 (it changed); key 0 only while it had events.
+        let emitted: Vec<Vec<Vec<String>>> = run.outputs.iter().map(|b| displayed(b)).collect();
+        assert!(
+            emitted[..emitted.len() - 1]
+                .iter()
+                .all(|rows| rows.iter().any(|r| r[0] == "k1"))
+        );
+        assert_eq!(
+            emitted.iter().flatten().filter(|r| r[0] == "k0").count(),
+            1,
+            "{emitted:?}"
+        );
+        let refused = StreamingQuery::plan(
+            sql,
+            &[("t".to_string(), schema())],
+            &QuerySettings {
+                state_ttl: None,
+                ..settings.clone()
+            },
+        )
+        .await
+        .unwrap_err()
+        .to_string();
+        assert!(refused.contains("unless state_ttl is set"), "{refused}");
+    }
+
     #[tokio::test]
     async fn late_rows_are_left_out_of_closed_windows_and_counted() {
         let sql = &queries()[0].0;
@@ -856,12 +1195,12 @@ mod tests {
         for (sql, wanted) in [
             (
                 "SELECT k, count(*) FROM t GROUP BY k",
-                "groups by neither window_start nor window_end",
+                "needs mode = \"update\"",
             ),
             (
                 "SELECT window_start, count(*) FROM tumble(t, ts, INTERVAL '1' MINUTE) \
                  GROUP BY window_start ORDER BY window_start LIMIT 3",
-                "would cut each batch's windows",
+                "would cut each batch's groups",
             ),
             (
                 "SELECT max(c) FROM (SELECT window_start, k, count(*) AS c \
