@@ -329,3 +329,78 @@ async fn update_mode_upserts_windows_as_they_change_and_running_aggregates_with_
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("unless state_ttl is set"), "{stderr}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sessions_merge_across_batches_and_reconcile() {
+    let ws = tempfile::tempdir().unwrap();
+    let input = ws.path().join("input");
+    let ev = |id: i64, user: i64, time: &str| (id, user, 1.0, time.to_string());
+    file(
+        &input,
+        "a.json",
+        vec![
+            ev(1, 1, "09:00:00"),
+            ev(2, 2, "09:00:05"),
+            ev(3, 1, "09:00:20"),
+        ],
+    );
+    // 09:00:10 arrives after 09:00:20 (within the out-of-orderness) and joins user 1's session.
+    file(
+        &input,
+        "b.json",
+        vec![ev(4, 1, "09:00:10"), ev(5, 1, "09:01:30")],
+    );
+    file(
+        &input,
+        "c.json",
+        vec![
+            ev(6, 1, "09:01:35"),
+            ev(7, 2, "09:02:00"),
+            ev(8, 9, "09:05:00"),
+        ],
+    );
+    let out = ws.path().join("out");
+    let job = write_job_with(
+        &ws.path().join("job.toml"),
+        "sessions",
+        &input,
+        &out,
+        1,
+        "SELECT window_start, window_end, user_id, count(*) AS clicks, min(id) AS first_id
+         FROM session(events, ts, INTERVAL '30' SECOND)
+         GROUP BY window_start, window_end, user_id",
+        "",
+    );
+    let job = job.to_str().unwrap();
+    assert_ok(&run_sluice(&["run", job], &[]));
+    let mut sessions: Vec<(String, String, i64, i64)> = table_values(&out, &[])
+        .await
+        .iter()
+        .map(|r| {
+            (
+                r["window_start"].as_str().unwrap()[11..19].to_string(),
+                r["window_end"].as_str().unwrap()[11..19].to_string(),
+                r["user_id"].as_i64().unwrap(),
+                r["clicks"].as_i64().unwrap(),
+            )
+        })
+        .collect();
+    sessions.sort();
+    let s = |a: &str, b: &str, user: i64, n: i64| (a.to_string(), b.to_string(), user, n);
+    assert_eq!(
+        sessions,
+        vec![
+            s("09:00:00", "09:00:50", 1, 3),
+            s("09:00:05", "09:00:35", 2, 1),
+            s("09:01:30", "09:02:05", 1, 2),
+            s("09:02:00", "09:02:30", 2, 1),
+        ],
+        "user 9's session is still open"
+    );
+    let (ok, stdout, stderr) = reconcile(job, "09:00:00", "09:06:00");
+    assert!(ok, "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("matching 4, missing 0, extra 0, different 0"),
+        "{stdout}"
+    );
+}

@@ -179,8 +179,7 @@ impl StreamingQuery {
             OutputMode::Append => None,
             OutputMode::Update => Some(merge_key(&plan, stateful.as_ref(), settings)?),
         };
-        if settings.state_ttl.is_some() && stateful.as_ref().is_none_or(|s| s.window().is_some())
-        {
+        if settings.state_ttl.is_some() && stateful.as_ref().is_none_or(|s| s.window().is_some()) {
             return Err(Error::InvalidJob(
                 "state_ttl bounds the state of running aggregates (GROUP BY without a window); \
                  this query has none — windows leave the state when the watermark closes them"

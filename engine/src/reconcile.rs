@@ -40,7 +40,7 @@ use crate::query::StreamingQuery;
 use crate::sink::Sink;
 use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION};
 use crate::watermark::display_watermark;
-use crate::window::{WINDOW_END, WINDOW_START};
+use crate::window::{WINDOW_END, WINDOW_START, WindowKind};
 
 /// How far apart two floats may be (relative) and still count as equal.
 pub const FLOAT_TOLERANCE: f64 = 1e-9;
@@ -237,15 +237,17 @@ async fn reconcile_windows(
                     .into(),
             )
         })?;
-    // Every window in the period must be closed, or the table cannot hold it yet.
+    // Every window in the period must be closed, or the table cannot hold it yet. (A session's
+    // end is known only from the data: sessions still open are left out of both sides below.)
     let size = window.kind.size();
+    let sessions = matches!(window.kind, WindowKind::Session { .. });
     let (first, last) = match column {
         WINDOW_START => (from, to - 1),
         _ => (from.saturating_sub(size), (to - 1).saturating_sub(size)),
     };
     let last_start = window.kind.starts(last).last().copied().unwrap_or(last);
     let watermark = committed.manifest.watermark_micros;
-    if !watermark.is_some_and(|wm| lateness.is_closed(last_start, wm)) {
+    if !sessions && !watermark.is_some_and(|wm| lateness.is_closed(last_start, wm)) {
         return Err(Error::InvalidJob(format!(
             "reconcile: the period is not closed yet: the window starting at {} closes when the \
              watermark passes its end plus the allowed lateness, and the job's watermark is {}; \
@@ -260,7 +262,13 @@ async fn reconcile_windows(
         .iter()
         .find(|s| s.name == window.source)
         .ok_or_else(|| Error::source(&window.source, "not among the job's sources"))?;
-    let (lo, hi) = (first.saturating_sub(size), last.saturating_add(size) + 1);
+    // The events of the windows overlapping the period; for sessions, which can span any
+    // length, every committed event.
+    let (lo, hi) = if sessions {
+        (i64::MIN, i64::MAX)
+    } else {
+        (first.saturating_sub(size), last.saturating_add(size) + 1)
+    };
     let raw = committed.read(source, lo, hi).await?;
 
     // Late rows of those events, grouped by the watermark they met: replayed under it.
@@ -304,7 +312,28 @@ async fn reconcile_windows(
     }
     let recomputed = query.execute_bounded(parts).await?;
     let expected = concat_batches(&output_schema, &recomputed.batches)?;
-    let expected = rows_in_period(&expected, column, from, to)?;
+    let mut expected = rows_in_period(&expected, column, from, to)?;
+    if sessions {
+        // Only sessions closed under the job's watermark are final (and in the table).
+        let ends = expected
+            .column_by_name(WINDOW_END)
+            .ok_or_else(|| {
+                Error::InvalidJob(
+                    "reconcile: a session job's output must have window_end, to tell closed \
+                     sessions from open ones"
+                        .into(),
+                )
+            })?
+            .clone();
+        let ends = cast::cast(&ends, &DataType::Int64)?;
+        let wm = watermark.unwrap_or(i64::MIN);
+        let closed: BooleanArray = ends
+            .as_primitive::<Int64Type>()
+            .iter()
+            .map(|e| e.map(|e| e.saturating_add(lateness.allowed_lateness) <= wm))
+            .collect();
+        expected = filter_record_batch(&expected, &closed)?;
+    }
     let table = conform(&output_schema, &sink.read_output().await?)?;
     let actual = rows_in_period(&table, column, from, to)?;
     Ok(Reconciliation {

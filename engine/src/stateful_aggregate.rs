@@ -60,7 +60,7 @@ use crate::late::Lateness;
 use crate::offsets::BatchId;
 use crate::sink::OutputMode;
 use crate::state_store::{StateLog, StateWrite};
-use crate::window::{WINDOW_END, WINDOW_START, WindowUse};
+use crate::window::{WINDOW_END, WINDOW_START, WindowKind, WindowUse};
 
 /// The table the upper part reads the finished groups from.
 const FINISHED_TABLE: &str = "__sluice_finished_groups";
@@ -209,6 +209,27 @@ pub(crate) async fn plan_stateful(
     let (grouping, aggregate) = match window_column {
         Some(column) => {
             let window = the_window(uses, settings.event_time)?;
+            // A session is identified by both its bounds, and leaves the state by its end.
+            let column = match window.kind {
+                WindowKind::Session { .. } => {
+                    if !(grouped_by(WINDOW_START) && grouped_by(WINDOW_END)) {
+                        return Err(Error::UnsupportedQuery(
+                            "an aggregate over session(…) must GROUP BY window_start, \
+                             window_end and its keys"
+                                .into(),
+                        ));
+                    }
+                    if settings.mode == OutputMode::Update {
+                        return Err(Error::UnsupportedQuery(
+                            "sessions run in append mode: a session's bounds change as it grows, \
+                             so an upserted row would be left behind under its old bounds"
+                                .into(),
+                        ));
+                    }
+                    WindowColumn::End
+                }
+                _ => column,
+            };
             let lateness = Lateness {
                 kind: window.kind,
                 allowed_lateness: settings.allowed_lateness,
@@ -585,9 +606,92 @@ impl StatefulAggregate {
         }
         let mut all = std::mem::take(&mut self.state);
         all.extend(partials.iter().cloned());
-        self.state = self.operator.merge(all).await?;
+        let merged = self.operator.merge(all).await?;
+        self.state = self.merge_sessions(merged).await?;
         self.changes = partials;
         Ok(())
+    }
+
+    fn is_session(&self) -> bool {
+        matches!(
+            &self.grouping,
+            Grouping::Window { window, .. } if matches!(window.kind, WindowKind::Session { .. })
+        )
+    }
+
+    /// Sessions: merges the overlapping sessions of each key into one (bounds widened, partial
+    /// states merged). Other groupings: unchanged.
+    async fn merge_sessions(&self, state: Vec<RecordBatch>) -> Result<Vec<RecordBatch>> {
+        if !self.is_session() || state.is_empty() {
+            return Ok(state);
+        }
+        let schema = self.operator.state_schema();
+        let all = arrow::compute::concat_batches(&schema, &state)?;
+        let (start_index, end_index) =
+            (schema.index_of(WINDOW_START)?, schema.index_of(WINDOW_END)?);
+        let starts = all
+            .column(start_index)
+            .as_primitive::<TimestampMicrosecondType>();
+        let ends = all
+            .column(end_index)
+            .as_primitive::<TimestampMicrosecondType>();
+        let key_columns: Vec<usize> = (0..self.group_count)
+            .filter(|i| *i != start_index && *i != end_index)
+            .collect();
+        let converter = RowConverter::new(
+            key_columns
+                .iter()
+                .map(|i| SortField::new(schema.field(*i).data_type().clone()))
+                .collect(),
+        )?;
+        let key_arrays: Vec<_> = key_columns
+            .iter()
+            .map(|i| Arc::clone(all.column(*i)))
+            .collect();
+        let keys = converter.convert_columns(&key_arrays)?;
+        let mut order: Vec<usize> = (0..all.num_rows()).collect();
+        order.sort_by(|a, b| {
+            keys.row(*a)
+                .cmp(&keys.row(*b))
+                .then(starts.value(*a).cmp(&starts.value(*b)))
+        });
+        let mut new_starts = starts.values().to_vec();
+        let mut new_ends = ends.values().to_vec();
+        let mut merged_any = false;
+        let mut run: Vec<usize> = Vec::new();
+        let (mut run_start, mut run_end) = (0, 0);
+        let mut close_run = |run: &mut Vec<usize>, start: i64, end: i64| {
+            for r in run.drain(..) {
+                new_starts[r] = start;
+                new_ends[r] = end;
+            }
+        };
+        for (position, &row) in order.iter().enumerate() {
+            let same_key = position > 0 && keys.row(order[position - 1]) == keys.row(row);
+            if same_key && starts.value(row) < run_end {
+                run_end = run_end.max(ends.value(row));
+                merged_any = true;
+            } else {
+                close_run(&mut run, run_start, run_end);
+                (run_start, run_end) = (starts.value(row), ends.value(row));
+            }
+            run.push(row);
+        }
+        close_run(&mut run, run_start, run_end);
+        if !merged_any {
+            return Ok(vec![all]);
+        }
+        let mut columns = all.columns().to_vec();
+        let timestamps = |values: Vec<i64>| {
+            Arc::new(
+                TimestampMicrosecondArray::from(values)
+                    .with_data_type(arrow::array::Array::data_type(starts).clone()),
+            ) as arrow::array::ArrayRef
+        };
+        columns[start_index] = timestamps(new_starts);
+        columns[end_index] = timestamps(new_ends);
+        let widened = RecordBatch::try_new(Arc::clone(&schema), columns)?;
+        self.operator.merge(vec![widened]).await
     }
 
     /// Emits what the output mode says (append: every window closed under `watermark`; update:
@@ -618,7 +722,11 @@ impl StatefulAggregate {
                 changed
             }
         };
-        if let Some(watermark) = watermark {
+        // The delta to write keeps only rows of live groups — except for sessions, where a
+        // closed one-row session may be part of a merged session still open.
+        if let Some(watermark) = watermark
+            && !self.is_session()
+        {
             let changes = std::mem::take(&mut self.changes);
             self.changes = self.split_purged(changes, watermark)?.1;
         }
@@ -744,7 +852,8 @@ impl StatefulAggregate {
         self.state = if rows.is_empty() {
             Vec::new()
         } else {
-            self.operator.merge(rows).await?
+            let merged = self.operator.merge(rows).await?;
+            self.merge_sessions(merged).await?
         };
         if let Some(watermark) = watermark {
             let state = std::mem::take(&mut self.state);
@@ -871,7 +980,19 @@ mod tests {
         };
         let tumble = "tumble(t, ts, INTERVAL '1' MINUTE)";
         let hop = "hop(t, ts, INTERVAL '20' SECOND, INTERVAL '1' MINUTE)";
+        // Sessions with a 5 s gap: a key's session ends after 5 s without an event of it.
+        let order = "PARTITION BY k ORDER BY ts, _source_offset";
+        let session_rows = format!(
+            "(SELECT *, min(ts) OVER (PARTITION BY k, sid) AS window_start, \
+             max(ts) OVER (PARTITION BY k, sid) + INTERVAL '5 seconds' AS window_end FROM \
+             (SELECT *, sum(new_session) OVER ({order} ROWS UNBOUNDED PRECEDING) AS sid FROM \
+             (SELECT *, CASE WHEN lag(ts) OVER ({order}) IS NULL OR \
+             CAST(ts AS BIGINT) - CAST(lag(ts) OVER ({order}) AS BIGINT) >= 5000000 \
+             THEN 1 ELSE 0 END AS new_session FROM t)))"
+        );
+        let session = "session(t, ts, INTERVAL '5' SECOND)";
         vec![
+            (per_key(session), per_key(&session_rows)),
             (per_key(tumble), per_key(tumble_rows)),
             (per_key(hop), per_key(hop_rows)),
             (outer(hop), outer(hop_rows)),
@@ -1104,7 +1225,7 @@ mod tests {
                 state_ttl: None,
                 ..settings(Duration::ZERO)
             };
-            let (windowed, windowed_batch) = queries().swap_remove(0);
+            let (windowed, windowed_batch) = queries().swap_remove(1);
             let run = rt.block_on(streamed_with(&windowed, &chunks, restart_after, &update));
             let want = rt.block_on(batch_result(&windowed_batch, &all));
             assert_rows_close(&upserted(&run.outputs, 3), &want, &windowed);
@@ -1165,7 +1286,7 @@ mod tests {
 
     #[tokio::test]
     async fn late_rows_are_left_out_of_closed_windows_and_counted() {
-        let sql = &queries()[0].0;
+        let sql = &queries()[1].0;
         // Batch 1 moves the watermark to 00:01:40 (closing [00:00, 00:01)); batch 2 brings an
         // event of 00:00:30 (late) and one of 00:01:30 (on time).
         let chunks = vec![
@@ -1225,7 +1346,7 @@ mod tests {
             event_time: BTreeMap::new(),
             ..settings(Duration::ZERO)
         };
-        let e = StreamingQuery::plan(&queries()[0].0, &sources, &no_event_time)
+        let e = StreamingQuery::plan(&queries()[1].0, &sources, &no_event_time)
             .await
             .unwrap_err()
             .to_string();

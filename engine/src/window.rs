@@ -4,11 +4,15 @@
 //!   holds its `ts`;
 //! - `hop(t, ts, slide, size)` — every row of `t` once per window of length `size` starting
 //!   every `slide` that holds its `ts` (`size / slide` rows per input row; `size` must be a
-//!   multiple of `slide`).
+//!   multiple of `slide`);
+//! - `session(t, ts, gap)` — every row of `t` once, in its own session `[ts, ts + gap)`; the
+//!   aggregate over it (grouped by `window_start, window_end` and the keys) merges overlapping
+//!   sessions of a key into one, so a session ends after `gap` without an event of its key.
 //!
-//! Both return `t`'s columns (lineage included) plus `window_start` and `window_end`
-//! (timestamps). Windows are aligned to the Unix epoch, like `date_bin`. Sizes are SQL intervals
-//! of a fixed length (`INTERVAL '1' MINUTE`; months are not a fixed length and are refused).
+//! All return `t`'s columns (lineage included) plus `window_start` and `window_end`
+//! (timestamps). Tumbling and hopping windows are aligned to the Unix epoch, like `date_bin`.
+//! Sizes are SQL intervals of a fixed length (`INTERVAL '1' MINUTE`; months are not a fixed
+//! length and are refused).
 //!
 //! A function call becomes a view over the source's in-memory table, so the plan is built once
 //! and sees each batch's rows like any other query. [`WindowKind::starts`] is the same
@@ -46,6 +50,11 @@ pub enum WindowKind {
         /// Window length, a multiple of `slide`.
         size: i64,
     },
+    /// Sessions: each row starts as `[ts, ts + gap)`; overlapping sessions of a key merge.
+    Session {
+        /// How long a session lasts after its last event.
+        gap: i64,
+    },
 }
 
 impl WindowKind {
@@ -53,10 +62,12 @@ impl WindowKind {
     pub fn size(&self) -> i64 {
         match self {
             WindowKind::Tumble { size } | WindowKind::Hop { size, .. } => *size,
+            WindowKind::Session { gap } => *gap,
         }
     }
 
-    /// The start of every window that holds event time `ts`, oldest first.
+    /// The start of every window that holds event time `ts`, oldest first (for a session: the
+    /// row's own session, before merging).
     pub fn starts(&self, ts: i64) -> Vec<i64> {
         match *self {
             WindowKind::Tumble { size } => vec![ts - ts.rem_euclid(size)],
@@ -65,6 +76,7 @@ impl WindowKind {
                 let count = size / slide;
                 (0..count).rev().map(|i| last - i * slide).collect()
             }
+            WindowKind::Session { .. } => vec![ts],
         }
     }
 }
@@ -90,7 +102,11 @@ pub(crate) fn register(
     tables: &BTreeMap<String, Arc<dyn TableProvider>>,
 ) -> WindowUses {
     let uses = WindowUses::default();
-    for kind in [FunctionKind::Tumble, FunctionKind::Hop] {
+    for kind in [
+        FunctionKind::Tumble,
+        FunctionKind::Hop,
+        FunctionKind::Session,
+    ] {
         ctx.register_udtf(
             kind.name(),
             Arc::new(WindowFunction {
@@ -107,6 +123,7 @@ pub(crate) fn register(
 enum FunctionKind {
     Tumble,
     Hop,
+    Session,
 }
 
 impl FunctionKind {
@@ -114,6 +131,7 @@ impl FunctionKind {
         match self {
             FunctionKind::Tumble => "tumble",
             FunctionKind::Hop => "hop",
+            FunctionKind::Session => "session",
         }
     }
 
@@ -123,6 +141,7 @@ impl FunctionKind {
             FunctionKind::Hop => {
                 "hop(table, time_column, INTERVAL '10' SECOND, INTERVAL '1' MINUTE) (slide, size)"
             }
+            FunctionKind::Session => "session(table, time_column, INTERVAL '30' MINUTE) (gap)",
         }
     }
 }
@@ -213,6 +232,13 @@ impl TableFunctionImpl for WindowFunction {
                 }
                 (t, ts, WindowKind::Hop { slide, size })
             }
+            (FunctionKind::Session, [t, ts, gap]) => (
+                t,
+                ts,
+                WindowKind::Session {
+                    gap: self.interval(gap, "gap")?,
+                },
+            ),
             _ => return self.fail(format!("takes {} arguments", self.kind.usage())),
         };
         let table = self.column_name(table, "first argument (the table)")?;
@@ -267,6 +293,14 @@ impl TableFunctionImpl for WindowFunction {
                     .unnest_column(WINDOWS_LIST)?
                     .project(projection)?
                     .build()?
+            }
+            WindowKind::Session { gap } => {
+                let start =
+                    datafusion::logical_expr::cast(col(ts), crate::event_time::event_time_type());
+                let mut projection = columns;
+                projection.push(start.clone().alias(WINDOW_START));
+                projection.push((start + interval_literal(gap)).alias(WINDOW_END));
+                scan.project(projection)?.build()?
             }
         };
         debug_assert_eq!(size, window.size());
