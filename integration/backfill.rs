@@ -247,3 +247,119 @@ async fn a_backfill_concurrent_with_the_live_job_leaves_a_correct_table() {
         "no commit conflicted; the test did not exercise concurrency"
     );
 }
+
+/// A windowed job file over `input` writing to `out` (hopping 30 s windows every 10 s).
+fn windowed_job(
+    ws: &std::path::Path,
+    name: &str,
+    input: &std::path::Path,
+) -> (String, std::path::PathBuf) {
+    let out = ws.join(name);
+    let job = write_job_with(
+        &ws.join(format!("{name}.toml")),
+        name,
+        input,
+        &out,
+        3,
+        WINDOWED_SQL,
+        "",
+    );
+    (job.to_str().unwrap().to_string(), out)
+}
+
+/// Rows of the output whose window starts at `hh:mm:ss` on 2026-11-01.
+fn at(time: &str) -> String {
+    format!("window_start = '2026-11-01T{time}Z'")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn backfilling_a_windowed_range_replaces_exactly_its_windows() {
+    let ws = tempfile::tempdir().unwrap();
+    let input = ws.path().join("input");
+    // 20 files × 5 lines: one event a second from 10:00:00 to 10:01:39, bad lines mixed in.
+    Events::write(&input, 0, 20, 5);
+    let (job, out) = windowed_job(ws.path(), "live", &input);
+    assert_ok(&run_sluice(&["run", &job], &[]));
+    let (reference_job, reference) = windowed_job(ws.path(), "reference", &input);
+    assert_ok(&run_sluice(&["run", &reference_job], &[]));
+    let want = table_rows(&reference).await;
+    assert_eq!(table_rows(&out).await, want);
+
+    // Damage two windows the range covers and one it does not.
+    let table = deltalake::open_table(url::Url::from_directory_path(&out).unwrap())
+        .await
+        .unwrap();
+    let (table, _) = table
+        .update()
+        .with_predicate(at("10:00:20"))
+        .with_update("n", "n + 100")
+        .await
+        .unwrap();
+    let (table, _) = table.delete().with_predicate(at("10:00:10")).await.unwrap();
+    table.delete().with_predicate(at("10:01:00")).await.unwrap();
+
+    // Files 4–5 hold 10:00:20 … 10:00:29: windows starting 10:00:00, 10:00:10 and 10:00:20.
+    let dry = backfill(&job, &["--from", "0:4", "--to", "0:6", "--dry-run"]);
+    assert!(
+        dry.contains(
+            "3 window(s) starting 2026-11-01T10:00:00Z, 2026-11-01T10:00:10Z, 2026-11-01T10:00:20Z"
+        ),
+        "{dry}"
+    );
+    assert!(dry.contains("read widened to whole windows: every committed event with event time in [2026-11-01T10:00:00Z, 2026-11-01T10:00:50Z)"), "{dry}");
+    let done = backfill(&job, &["--from", "0:4", "--to", "0:6"]);
+    assert!(done.contains("replaced 3 window(s)"), "{done}");
+    let after = table_rows(&out).await;
+    let lost: Vec<&String> = want.iter().filter(|r| !after.contains(r)).collect();
+    assert!(
+        !lost.is_empty() && lost.iter().all(|r| r.contains("10:01:00")),
+        "only the window outside the range stays damaged: {lost:?}"
+    );
+    assert_eq!(after.len() + lost.len(), want.len());
+    // Twice: unchanged, dead letters included.
+    let letters = table_rows(&dead_letter_table(&out)).await;
+    backfill(&job, &["--from", "0:4", "--to", "0:6"]);
+    assert_eq!(table_rows(&out).await, after);
+    assert_eq!(table_rows(&dead_letter_table(&out)).await, letters);
+    // Reconcile agrees on the repaired windows.
+    let rec = run_sluice(
+        &[
+            "reconcile",
+            &job,
+            "--from-time",
+            "2026-11-01T10:00:00Z",
+            "--to-time",
+            "2026-11-01T10:00:30Z",
+        ],
+        &[],
+    );
+    assert_ok(&rec);
+    assert!(String::from_utf8_lossy(&rec.stdout).contains("missing 0, extra 0, different 0"));
+
+    // A range touching windows the live job has not closed yet is refused by name.
+    let refused = run_sluice(&["backfill", &job, "--from", "0:18", "--to", "0:20"], &[]);
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        stderr.contains("which the live job has not closed yet"),
+        "{stderr}"
+    );
+
+    // On a fresh table, earliest → latest is the batch run: every window, closed or not.
+    let (fresh_job, fresh) = windowed_job(ws.path(), "fresh", &input);
+    let done = backfill(&fresh_job, &["--from", "earliest", "--to", "latest"]);
+    assert!(done.contains("never committed a batch"), "{done}");
+    let all = table_rows(&fresh).await;
+    assert!(
+        want.iter().all(|r| all.contains(r)),
+        "every closed window is there"
+    );
+    let newest: Vec<&String> = all.iter().filter(|r| !want.contains(r)).collect();
+    assert!(
+        !newest.is_empty()
+            && newest.iter().all(|r| ["10:01:10", "10:01:20", "10:01:30"]
+                .iter()
+                .any(|t| r.contains(t))),
+        "the rest are the windows still open in the stream: {newest:?}"
+    );
+}

@@ -169,6 +169,31 @@ async fn late_rows_go_to_the_late_table_rows_within_the_lateness_count_and_recon
     assert!(!ok);
     assert!(stderr.contains("the period is not closed yet"), "{stderr}");
 
+    // Corrupt one window's count, then lose another window's row: both caught (below, after a
+    // backfill has folded the late row back in).
+    // A backfill of file b (offset 1) recomputes the windows its rows fall into from every
+    // event they hold: the late row now counts in 09:00, and leaves the late table.
+    let done = run_sluice(&["backfill", job, "--from", "0:1", "--to", "0:2"], &[]);
+    assert_ok(&done);
+    let stdout = String::from_utf8_lossy(&done.stdout);
+    assert!(stdout.contains("replaced 4 window(s)"), "{stdout}");
+    assert_eq!(
+        clicks_per_window(&out).await,
+        vec![
+            ("09:00".to_string(), 7),
+            ("09:01".to_string(), 7),
+            ("09:02".to_string(), 6),
+            ("09:03".to_string(), 6),
+        ]
+    );
+    assert!(table_values(&late_table(&out), &[]).await.is_empty());
+    let (ok, stdout, stderr) = reconcile(job, "09:00:00", "09:04:00");
+    assert!(ok, "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("matching 12, missing 0, extra 0, different 0"),
+        "{stdout}"
+    );
+
     // Corrupt one window's count, then lose another window's row: both caught.
     let table = deltalake::open_table(url::Url::from_directory_path(&out).unwrap())
         .await

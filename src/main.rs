@@ -221,7 +221,20 @@ async fn validate(path: PathBuf) -> Result<()> {
     Ok(())
 }
 
+/// The first and last few of a long list.
+fn summarize(items: &[String]) -> String {
+    if items.len() <= 6 {
+        return items.join(", ");
+    }
+    format!(
+        "{}, … {}",
+        items[..3].join(", "),
+        items[items.len() - 3..].join(", ")
+    )
+}
+
 async fn backfill(path: PathBuf, range: BackfillRange, dry_run: bool) -> Result<()> {
+    use sluice::engine::watermark::display_watermark;
     let (job, info) = job_file::load(&path, None).await?;
     let r = job.backfill(range, dry_run).await?;
     let ranges: Vec<String> = r
@@ -235,19 +248,48 @@ async fn backfill(path: PathBuf, range: BackfillRange, dry_run: bool) -> Result<
     } else {
         ranges.join(", ")
     };
+    let windows = r.windows.as_ref().map(|w| {
+        let shown: Vec<String> = w
+            .starts
+            .iter()
+            .map(|s| display_watermark(Some(*s)))
+            .collect();
+        let (from, to) = r.read_span.unwrap_or_default();
+        format!(
+            "{} window(s) starting {}\n  read widened to whole windows: every committed event with \
+             event time in [{}, {})",
+            shown.len(),
+            summarize(&shown),
+            display_watermark(Some(from)),
+            display_watermark(Some(to)),
+        )
+    });
     if r.dry_run {
         println!(
-            "dry run of backfill {} (writes nothing):\n  source {}: offsets {ranges} ({} offsets)\n  \
-             would replace the output rows with _source_partition/_source_offset in those ranges, \
-             and the dead letters of source {} in them",
-            r.spec.app_id, r.spec.source, r.offsets, r.spec.source
+            "dry run of backfill {} (writes nothing):\n  source {}: offsets {ranges} ({} offsets)",
+            r.spec.app_id, r.spec.source, r.offsets
         );
+        match &windows {
+            None => println!(
+                "  would replace the output rows with _source_partition/_source_offset in those \
+                 ranges, and the dead letters of source {} in them",
+                r.spec.source
+            ),
+            Some(w) => println!(
+                "  would replace {w}\n  and the late rows that missed those windows, and the dead \
+                 letters of source {} in the offsets",
+                r.spec.source
+            ),
+        }
         return Ok(());
     }
     println!(
         "backfill {} of job {}: source {} offsets {ranges}",
         r.spec.app_id, info.job_id, r.spec.source
     );
+    if let Some(w) = &windows {
+        println!("  replaced {w}");
+    }
     println!(
         "  rows in {}, out {}, dead-lettered {}; {} file(s), {} bytes written{}; {:.1} s",
         r.rows_in,

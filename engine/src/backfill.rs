@@ -27,23 +27,27 @@
 //! Each backfill gets a number `n` and a folder `<checkpoint>/backfill/<n>/` holding its resolved
 //! ranges (`spec.json`), written before anything else, for the record.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use arrow::array::{AsArray, RecordBatch};
-use arrow::datatypes::Int64Type;
+use arrow::array::{Array, AsArray, RecordBatch};
+use arrow::datatypes::{DataType, Int64Type};
 use serde::{Deserialize, Serialize};
 
 use crate::dead_letter::{dead_letter_batch, dead_letter_from_row};
+use crate::driver::OpenSource;
 use crate::driver::{checkpoint_location, open_sources_and_query, query_settings, read_source};
 use crate::error::{Error, Result};
 use crate::event_time::rows_in_period;
 use crate::job::Job;
+use crate::late::{Lateness, WINDOWS_MISSED};
 use crate::offsets::{BatchId, Offset, OffsetRange, PartitionId, plan_ranges};
 use crate::query::BatchWatermark;
-use crate::sink::OutputTables;
-use crate::sink::{CommitOutcome, Replacement};
+use crate::query::StreamingQuery;
+use crate::sink::{CommitOutcome, ReplacedWindows, Replacement, Sink};
 use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION};
+use crate::watermark::display_watermark;
+use crate::window::{WINDOW_END, WINDOW_START, WindowKind, WindowUse};
 
 /// One end of a backfill range.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -144,6 +148,11 @@ pub struct BackfillReport {
     /// Whether the job had committed batches of its own (a live job); if not, a later `sluice
     /// run` of it would start at its starting offsets and write these rows again.
     pub live_job: bool,
+    /// A windowed job: the windows replaced.
+    pub windows: Option<ReplacedWindows>,
+    /// A windowed job: the event-time span `[from, to)` read to recompute those windows (every
+    /// committed event in it, beyond the range's own offsets).
+    pub read_span: Option<(i64, i64)>,
     /// Wall time.
     pub elapsed: Duration,
 }
@@ -169,10 +178,21 @@ impl Job {
                     .into(),
             ));
         }
-        if query.is_stateful() {
+        let window = query.window().map(|(w, l)| (w.clone(), l));
+        if query.is_stateful() && window.is_none() {
             return Err(Error::UnsupportedQuery(
-                "backfill of windowed jobs (replacing every window the range touches) is not \
-                 available yet; backfill runs stateless jobs"
+                "a running aggregate (no window) has no range to replace: its groups span all \
+                 time"
+                    .into(),
+            ));
+        }
+        if window
+            .as_ref()
+            .is_some_and(|(w, _)| matches!(w.kind, WindowKind::Session { .. }))
+        {
+            return Err(Error::UnsupportedQuery(
+                "backfill of session windows is not available: a session's extent depends on \
+                 events outside any range"
                     .into(),
             ));
         }
@@ -184,7 +204,7 @@ impl Job {
         };
         let output_schema = query.output_schema();
         for col in [SOURCE_PARTITION, SOURCE_OFFSET] {
-            if output_schema.index_of(col).is_err() {
+            if window.is_none() && output_schema.index_of(col).is_err() {
                 return Err(Error::InvalidJob(format!(
                     "backfill finds the rows a range produced by their lineage, and the output \
                      has no column {col}: keep lineage = true in [sink]"
@@ -195,6 +215,7 @@ impl Job {
         // Offsets the live job has not committed yet are its to write: a backfill stops at its
         // committed end offsets (or at the source's latest if the job never ran live).
         let mut available = source.source.available().await?;
+        let mut live_watermark = None;
         let live = match self.sink.committed_batch(&self.id).await? {
             None => false,
             Some(batch) => {
@@ -209,6 +230,7 @@ impl Job {
                 for (p, a) in available.iter_mut() {
                     a.latest = ends.and_then(|e| e.get(p)).copied().unwrap_or(a.initial);
                 }
+                live_watermark = manifest.watermark_micros;
                 true
             }
         };
@@ -245,6 +267,24 @@ impl Job {
             ranges,
         };
         let offsets = spec.ranges.values().map(OffsetRange::len).sum();
+        // A windowed job replaces whole windows: those the range's events fall into (and those
+        // its late rows missed alongside), recomputed from every committed event they hold.
+        let windows = match &window {
+            None => None,
+            Some((window, lateness)) => Some(
+                covered_windows(
+                    source,
+                    &spec.ranges,
+                    &available,
+                    window,
+                    *lateness,
+                    live.then_some(live_watermark),
+                    &output_schema,
+                    self.sink.as_ref(),
+                )
+                .await?,
+            ),
+        };
         let mut report = BackfillReport {
             spec,
             dry_run,
@@ -256,6 +296,8 @@ impl Job {
             bytes_written: 0,
             already_committed: false,
             live_job: live,
+            windows: windows.as_ref().map(|w| w.replaced.clone()),
+            read_span: windows.as_ref().map(|w| w.span),
             elapsed: Duration::ZERO,
         };
         if dry_run {
@@ -269,6 +311,12 @@ impl Job {
                 "another backfill of job '{}' took number {number} at the same time; run it again",
                 self.id
             )));
+        }
+
+        let mut sink = self.sink;
+        sink.open(&self.id, query.output_tables()).await?;
+        if let Some(windows) = windows {
+            return recompute_windows(source, query, sink, report, windows, started).await;
         }
 
         // Read and process in chunks of the per-batch budget, as the stream would.
@@ -315,14 +363,12 @@ impl Job {
                 next.insert(p, r.end);
             }
         }
-        let mut sink = self.sink;
-        sink.open(&self.id, OutputTables::append(output_schema))
-            .await?;
         let outcome = sink
             .replace(Replacement {
                 app_id: report.spec.app_id.clone(),
                 source: report.spec.source.clone(),
                 ranges: report.spec.ranges.clone(),
+                windows: None,
                 output,
                 dead_letters,
                 summary: serde_json::to_value(&report.spec).unwrap_or_default(),
@@ -338,6 +384,192 @@ impl Job {
         report.elapsed = started.elapsed();
         Ok(report)
     }
+}
+
+/// The windows a windowed backfill replaces, and what it reads to recompute them.
+struct CoveredWindows {
+    replaced: ReplacedWindows,
+    /// Event-time span of the events those windows hold.
+    span: (i64, i64),
+    /// Every committed offset (the read is filtered to `span`).
+    committed: BTreeMap<PartitionId, OffsetRange>,
+}
+
+/// The windows the range's events fall into, widened by the windows its late rows missed
+/// alongside (so a late row is either counted by the recomputation everywhere, or nowhere);
+/// with a live job, every one of them must be closed under its watermark — an open window is
+/// the live job's to write.
+#[allow(clippy::too_many_arguments)]
+async fn covered_windows(
+    source: &OpenSource,
+    ranges: &BTreeMap<PartitionId, OffsetRange>,
+    available: &BTreeMap<PartitionId, crate::source::AvailableRange>,
+    window: &WindowUse,
+    lateness: Lateness,
+    live_watermark: Option<Option<i64>>,
+    output_schema: &arrow::datatypes::SchemaRef,
+    sink: &dyn Sink,
+) -> Result<CoveredWindows> {
+    let column = [WINDOW_START, WINDOW_END]
+        .into_iter()
+        .find(|c| output_schema.index_of(c).is_ok())
+        .ok_or_else(|| {
+            Error::InvalidJob(
+                "backfill replaces a windowed job's windows by window_start or window_end, and \
+                 the output has neither; select one of them"
+                    .into(),
+            )
+        })?;
+    let (rows, _) = read_source(source, ranges).await?;
+    let times = event_times(&rows, &window.time_column)?;
+    let mut starts: BTreeSet<i64> = times.iter().flat_map(|t| window.kind.starts(*t)).collect();
+    // Late rows that missed a window in the set: all their missed windows join it.
+    let mut missed_sets: Vec<Vec<i64>> = Vec::new();
+    for b in sink.read_late().await? {
+        let Some(lists) = b
+            .column_by_name(WINDOWS_MISSED)
+            .and_then(|c| c.as_list_opt::<i32>())
+        else {
+            continue;
+        };
+        for i in 0..lists.len() {
+            let list = lists.value(i);
+            let list = arrow::compute::kernels::cast::cast(&list, &DataType::Int64)?;
+            missed_sets.push(list.as_primitive::<Int64Type>().values().to_vec());
+        }
+    }
+    loop {
+        let before = starts.len();
+        for set in &missed_sets {
+            if set.iter().any(|s| starts.contains(s)) {
+                starts.extend(set.iter().copied());
+            }
+        }
+        if starts.len() == before {
+            break;
+        }
+    }
+    if let Some(watermark) = live_watermark
+        && let Some(open) = starts
+            .iter()
+            .find(|s| !watermark.is_some_and(|wm| lateness.is_closed(**s, wm)))
+    {
+        return Err(Error::InvalidJob(format!(
+            "the range touches the window starting at {}, which the live job has not closed \
+             yet (its watermark is {}): that window is the live job's to write; backfill an \
+             earlier range, or wait",
+            display_watermark(Some(*open)),
+            display_watermark(watermark),
+        )));
+    }
+    let size = window.kind.size();
+    let span = match (starts.first(), starts.last()) {
+        (Some(first), Some(last)) => (*first, last.saturating_add(size)),
+        _ => (0, 0),
+    };
+    let values = starts
+        .iter()
+        .map(|s| if column == WINDOW_START { *s } else { s + size })
+        .collect();
+    let committed = available
+        .iter()
+        .map(|(p, a)| (p.clone(), OffsetRange::new(a.initial, a.latest)))
+        .collect();
+    Ok(CoveredWindows {
+        replaced: ReplacedWindows {
+            column: column.to_string(),
+            values,
+            starts: starts.into_iter().collect(),
+        },
+        span,
+        committed,
+    })
+}
+
+/// Event times (µs) of `rows`' column `column`.
+fn event_times(rows: &RecordBatch, column: &str) -> Result<Vec<i64>> {
+    let times = rows
+        .column_by_name(column)
+        .ok_or_else(|| Error::InvalidJob(format!("backfill: rows lack the column {column}")))?;
+    let times = arrow::compute::kernels::cast::cast(times, &DataType::Int64)?;
+    Ok(times.as_primitive::<Int64Type>().iter().flatten().collect())
+}
+
+/// Recomputes the covered windows in one bounded run over every committed event of their span
+/// (watermark +∞ at the end: every window finished) and replaces them; dead letters are
+/// replaced for the range's own offsets.
+async fn recompute_windows(
+    source: &OpenSource,
+    mut query: StreamingQuery,
+    sink: Box<dyn Sink>,
+    mut report: BackfillReport,
+    windows: CoveredWindows,
+    started: Instant,
+) -> Result<BackfillReport> {
+    let in_range = |partition: &str, offset: i64| {
+        report
+            .spec
+            .ranges
+            .get(partition)
+            .is_some_and(|r| r.start <= offset && offset < r.end)
+    };
+    let (rows, letters) = read_source(source, &windows.committed).await?;
+    let time = &source
+        .event_time
+        .as_ref()
+        .ok_or_else(|| Error::source(&source.name, "a windowed job's source has event time"))?
+        .column;
+    let rows = rows_in_period(&rows, time, windows.span.0, windows.span.1)?;
+    report.rows_in = rows.num_rows() as u64;
+    let mut letters: Vec<_> = letters
+        .into_iter()
+        .filter(|l| in_range(&l.partition, l.offset))
+        .collect();
+    let result = query
+        .execute_bounded(vec![(BTreeMap::from([(source.name.clone(), rows)]), None)])
+        .await?;
+    for failed in &result.failed {
+        let letter = dead_letter_from_row(&failed.row, &failed.error)?;
+        if in_range(&letter.partition, letter.offset) {
+            letters.push(letter);
+        }
+    }
+    // Only the covered windows: a hopping window's rows also fall into neighbours.
+    let wanted: BTreeSet<i64> = windows.replaced.values.iter().copied().collect();
+    let mut output = Vec::new();
+    for b in result.batches {
+        let values = event_times(&b, &windows.replaced.column)?;
+        let keep: arrow::array::BooleanArray =
+            values.iter().map(|v| Some(wanted.contains(v))).collect();
+        output.push(arrow::compute::filter_record_batch(&b, &keep)?);
+    }
+    report.rows_out = output.iter().map(|b| b.num_rows() as u64).sum();
+    report.rows_dead_lettered = letters.len() as u64;
+    let dead_letters = if letters.is_empty() {
+        vec![]
+    } else {
+        vec![dead_letter_batch(&source.name, BatchId(0), &letters)?]
+    };
+    let outcome = sink
+        .replace(Replacement {
+            app_id: report.spec.app_id.clone(),
+            source: report.spec.source.clone(),
+            ranges: report.spec.ranges.clone(),
+            windows: Some(windows.replaced),
+            output,
+            dead_letters,
+            summary: serde_json::to_value(&report.spec).unwrap_or_default(),
+        })
+        .await?;
+    match outcome {
+        CommitOutcome::Committed { files, bytes, .. } => {
+            report.files_written = files;
+            report.bytes_written = bytes;
+        }
+        CommitOutcome::AlreadyCommitted => report.already_committed = true,
+    }
+    report.elapsed = started.elapsed();
+    Ok(report)
 }
 
 /// `[from, to)` per partition from the two bounds, checked against what may be replaced:

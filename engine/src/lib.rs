@@ -51,7 +51,9 @@ pub use error::{Error, Result};
 pub use event_time::{EventTimeConfig, EventTimeFormat};
 pub use job::{Job, JobBuilder, SourceSpec, Trigger, parse_duration};
 pub use offsets::{BatchId, Offset, OffsetRange, PartitionId};
-pub use sink::{BatchCommit, CommitOutcome, OutputMode, OutputTables, Replacement, Sink};
+pub use sink::{
+    BatchCommit, CommitOutcome, OutputMode, OutputTables, ReplacedWindows, Replacement, Sink,
+};
 pub use source::{AvailableRange, DeadLetter, Source, SourceContext, SourceRead};
 
 /// Re-exported so connectors and sinks use the engine's exact versions.

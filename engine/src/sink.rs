@@ -78,6 +78,18 @@ pub struct BatchCommit {
     pub manifest: serde_json::Value,
 }
 
+/// The windows a backfill of a windowed job replaces.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplacedWindows {
+    /// The output column identifying a window (`window_start` or `window_end`).
+    pub column: String,
+    /// That column's value (µs since the epoch) for every replaced window.
+    pub values: Vec<i64>,
+    /// The starts of the replaced windows: late rows that missed any of them are deleted from
+    /// the late table (the recomputation counted them).
+    pub starts: Vec<i64>,
+}
+
 /// What a backfill hands to the sink: rows that replace everything its offset ranges produced.
 #[derive(Debug)]
 pub struct Replacement {
@@ -86,9 +98,13 @@ pub struct Replacement {
     pub app_id: String,
     /// The source whose offsets are replaced (dead letters are keyed by source name).
     pub source: String,
-    /// Per partition, the offsets whose rows are replaced (output rows by their lineage
-    /// columns, dead letters by `_source_name`, `_source_partition`, `_source_offset`).
+    /// Per partition, the offsets whose rows are replaced (dead letters by `_source_name`,
+    /// `_source_partition`, `_source_offset`; a stateless job's output rows by their lineage
+    /// columns).
     pub ranges: BTreeMap<PartitionId, OffsetRange>,
+    /// A windowed job: the windows whose output rows (and late rows) are replaced instead of
+    /// lineage ranges.
+    pub windows: Option<ReplacedWindows>,
     /// The recomputed output rows of those offsets.
     pub output: Vec<RecordBatch>,
     /// The recomputed dead letters of those offsets.

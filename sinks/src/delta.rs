@@ -35,6 +35,7 @@ use deltalake::protocol::{DeltaOperation, SaveMode};
 use serde::Deserialize;
 use sluice_engine::dead_letter::{SOURCE_NAME, dead_letter_schema};
 use sluice_engine::fault::{crash_point, pause_point};
+use sluice_engine::late::WINDOWS_MISSED;
 use sluice_engine::source::{SOURCE_OFFSET, SOURCE_PARTITION};
 use sluice_engine::{
     BatchCommit, BatchId, CommitOutcome, OffsetRange, OutputTables, PartitionId, Replacement, Sink,
@@ -537,6 +538,15 @@ impl ConflictRetry {
     }
 }
 
+/// A UTC timestamp (µs since the epoch) as a SQL literal of the event-time type, in the form
+/// delta-rs itself writes predicates in (it records each commit's predicate as text).
+fn timestamp(micros: i64) -> String {
+    let text = chrono::DateTime::from_timestamp_micros(micros)
+        .map(|t| t.format("%Y-%m-%dT%H:%M:%S%.6f").to_string())
+        .unwrap_or_default();
+    format!("arrow_cast('{text}', 'Timestamp(Microsecond, Some(\"UTC\"))')")
+}
+
 /// `(_source_partition = '0' AND _source_offset >= 10 AND _source_offset < 20) OR …`; `false`
 /// when every range is empty.
 fn lineage_predicate(ranges: &BTreeMap<PartitionId, OffsetRange>) -> String {
@@ -626,10 +636,38 @@ impl Sink for DeltaSink {
         self.dead_letters
             .replace_where(&r.app_id, r.dead_letters, &dead_letter_predicate, props)
             .await?;
+        let output_predicate = match &r.windows {
+            None => lineage,
+            Some(w) => {
+                // The recomputation counted every row of these windows: late rows that missed
+                // one of them leave the late table.
+                if self.late.open_existing().await?.is_some() {
+                    let missed = w
+                        .starts
+                        .iter()
+                        .map(|s| format!("array_has({WINDOWS_MISSED}, {})", timestamp(*s)))
+                        .collect::<Vec<_>>();
+                    let missed = if missed.is_empty() {
+                        "false".to_string()
+                    } else {
+                        missed.join(" OR ")
+                    };
+                    self.late
+                        .replace_where(&r.app_id, Vec::new(), &missed, props)
+                        .await?;
+                }
+                if w.values.is_empty() {
+                    "false".to_string()
+                } else {
+                    let values: Vec<String> = w.values.iter().map(|v| timestamp(*v)).collect();
+                    format!("{} IN ({})", ident(&w.column), values.join(", "))
+                }
+            }
+        };
         crash_point("after_side_tables", BatchId(0));
         Ok(self
             .output
-            .replace_where(&r.app_id, r.output, &lineage, props)
+            .replace_where(&r.app_id, r.output, &output_predicate, props)
             .await?)
     }
 
