@@ -12,5 +12,6 @@ mod crash;
 mod dead_letters;
 mod formats;
 mod kafka;
+mod nexmark;
 mod reconcile;
 mod windows;

@@ -14,6 +14,7 @@ use anyhow::{Context, Result, bail};
 use serde::Deserialize;
 use sluice_connectors::files::{FilesSource, FilesSourceConfig};
 use sluice_connectors::kafka::{KafkaSource, KafkaSourceConfig};
+use sluice_connectors::nexmark::{NexmarkSource, NexmarkSourceConfig};
 use sluice_engine::{EventTimeConfig, EventTimeFormat, Job, OutputMode, Trigger, parse_duration};
 use sluice_sinks::delta::{DeltaSink, DeltaSinkConfig};
 
@@ -203,8 +204,12 @@ pub async fn load(path: &Path, trigger: Option<Trigger>) -> Result<(Job, JobFile
                 let config: KafkaSourceConfig = rest.try_into().with_context(|| ctx(&section))?;
                 Box::new(KafkaSource::new(config).with_context(|| ctx(&section))?)
             }
+            "nexmark" => {
+                let config: NexmarkSourceConfig = rest.try_into().with_context(|| ctx(&section))?;
+                Box::new(NexmarkSource::new(config).with_context(|| ctx(&section))?)
+            }
             other => bail!(
-                "{}: kind = \"{other}\" is not a source this build has (files, kafka)",
+                "{}: kind = \"{other}\" is not a source this build has (files, kafka, nexmark)",
                 ctx(&section)
             ),
         };

@@ -8,12 +8,15 @@
 //!   in the recorded order in which files were first seen.
 //! - [`kafka::KafkaSource`] (`kind = "kafka"`): topics of a Kafka-protocol broker; Kafka
 //!   partitions and offsets are the source's partitions and offsets.
+//! - [`nexmark::NexmarkSource`] (`kind = "nexmark"`): the Nexmark benchmark's generator; every
+//!   event a pure function of `(seed, event number)`.
 //!
 //! Both decode text records through the shared `decode` module (bad records isolated by
 //! bisection, schema inference).
 
 pub mod files;
 pub mod kafka;
+pub mod nexmark;
 
 mod decode;
 mod error;
