@@ -213,7 +213,11 @@ fn kind_of(n: u64) -> NexmarkTable {
 /// The id (base 0) of the last person generated at or before event `n`.
 fn last_base0_person_id(n: u64) -> u64 {
     let epoch = n / TOTAL_PROPORTION;
-    let offset = (n % TOTAL_PROPORTION).min(PERSON_PROPORTION - 1);
+    let mut offset = n % TOTAL_PROPORTION;
+    if offset >= PERSON_PROPORTION {
+        // Past this epoch's people: the last one of them.
+        offset = PERSON_PROPORTION - 1;
+    }
     epoch * PERSON_PROPORTION + offset
 }
 
@@ -277,7 +281,8 @@ impl Generator {
     }
 }
 
-/// Arrow builders for one table.
+/// Arrow builders for one table (one value per read, so the variants' sizes do not matter).
+#[allow(clippy::large_enum_variant)]
 enum Columns {
     Person {
         id: Int64Builder,
