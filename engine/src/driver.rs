@@ -76,6 +76,23 @@ pub struct RunSummary {
     pub rows_late: u64,
     /// Where the output went.
     pub location: Option<Url>,
+    /// Each batch this run committed, in order: for benchmarks and progress reports.
+    pub batches: Vec<BatchStats>,
+}
+
+/// What one committed batch took and left.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BatchStats {
+    /// Wall time from reading to the end of the purge, ms.
+    pub millis: u64,
+    /// Rows read.
+    pub rows_in: u64,
+    /// Rows written to the output.
+    pub rows_out: u64,
+    /// State rows after the batch (0 for a stateless job).
+    pub state_rows: u64,
+    /// State bytes in memory after the batch.
+    pub state_bytes: u64,
 }
 
 /// What `sluice validate` prints: the source schemas and the optimised plan.
@@ -605,6 +622,13 @@ impl Pipeline {
         self.summary.rows_out += counters.rows_out;
         self.summary.rows_dead_lettered += counters.rows_dead_lettered;
         self.summary.rows_late += counters.rows_late;
+        self.summary.batches.push(BatchStats {
+            millis: ms(started.elapsed()),
+            rows_in: counters.rows_in,
+            rows_out: counters.rows_out,
+            state_rows: counters.state_rows,
+            state_bytes: counters.state_bytes,
+        });
         let (files, bytes, already) = match outcome {
             CommitOutcome::Committed { files, bytes, .. } => (files, bytes, false),
             CommitOutcome::AlreadyCommitted => (0, 0, true),

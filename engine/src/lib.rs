@@ -46,7 +46,7 @@ pub mod watermark;
 pub mod window;
 
 pub use checkpoint::{BatchCounters, BatchIntent, BatchManifest, CheckpointStore};
-pub use driver::{RunSummary, Validation};
+pub use driver::{BatchStats, RunSummary, Validation};
 pub use error::{Error, Result};
 pub use event_time::{EventTimeConfig, EventTimeFormat};
 pub use job::{Job, JobBuilder, SourceSpec, Trigger, parse_duration};

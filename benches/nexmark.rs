@@ -1,0 +1,229 @@
+//! End-to-end Nexmark benchmark: runs one of the example jobs (`examples/nexmark/<query>.toml`)
+//! over a generated stream into a fresh Delta table, and prints what it took.
+//!
+//! ```text
+//! cargo bench --bench nexmark -- --query q5 --events 10000000 --batch-size 1000000
+//! ```
+//!
+//! Prints events/s, events/s per core, per-batch latency p50/p99, peak RSS, bytes written and
+//! the state rows/bytes at the start, middle and end of the run, and appends the same as one
+//! JSON line (with the git commit) to `benches/results/nexmark.jsonl`.
+//!
+//! Throughput counts every generated event (persons and auctions too), as Nexmark reports do.
+//! The run includes generating, decoding, the query, state and the Delta commits — everything a
+//! job does — but not process start-up.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use sluice::engine::Trigger;
+
+struct Args {
+    query: String,
+    events: u64,
+    batch_size: u64,
+    partitions: u32,
+    results: PathBuf,
+}
+
+fn args() -> Args {
+    let mut args = Args {
+        query: "q0".into(),
+        events: 10_000_000,
+        batch_size: 1_000_000,
+        partitions: 4,
+        results: Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/results/nexmark.jsonl"),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(a) = it.next() {
+        let mut value = || it.next().unwrap_or_else(|| panic!("{a} needs a value"));
+        match a.as_str() {
+            "--query" => args.query = value(),
+            "--events" => args.events = value().replace('_', "").parse().expect("--events N"),
+            "--batch-size" => {
+                args.batch_size = value().replace('_', "").parse().expect("--batch-size N")
+            }
+            "--partitions" => args.partitions = value().parse().expect("--partitions N"),
+            "--results" => args.results = PathBuf::from(value()),
+            // cargo bench passes --bench; criterion-style filters are not used here.
+            "--bench" => {}
+            other => panic!(
+                "unknown argument {other}; use --query qN --events N --batch-size N \
+                 --partitions N --results FILE"
+            ),
+        }
+    }
+    args
+}
+
+/// The example job with the benchmark's stream size, batch size and output.
+fn job_file(args: &Args, dir: &Path) -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let example = root.join(format!("examples/nexmark/{}.toml", args.query));
+    let text =
+        std::fs::read_to_string(&example).unwrap_or_else(|e| panic!("{}: {e}", example.display()));
+    let text = text
+        .replace(
+            "total_events = 10_000_000",
+            &format!(
+                "total_events = {}\nmax_records_per_batch = {}",
+                args.events, args.batch_size
+            ),
+        )
+        .replace(
+            "partitions = 4",
+            &format!("partitions = {}", args.partitions),
+        );
+    let text = with_output(&text, &dir.join("out"));
+    let path = dir.join("job.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// Points `[sink] path` at `out`.
+fn with_output(text: &str, out: &Path) -> String {
+    text.lines()
+        .map(|l| {
+            if l.starts_with("path = \"../out/") {
+                format!("path = \"{}\"", out.display())
+            } else {
+                l.to_string()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn percentile(sorted: &[u64], p: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i]
+}
+
+/// Peak resident set size of this process, bytes (Linux `VmHWM`).
+fn peak_rss() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+fn dir_size(path: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(path) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| {
+            let p = e.path();
+            if p.is_dir() {
+                dir_size(&p)
+            } else {
+                e.metadata().map_or(0, |m| m.len())
+            }
+        })
+        .sum()
+}
+
+fn git_commit() -> String {
+    std::process::Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+fn main() {
+    let args = args();
+    let dir = tempfile::tempdir().unwrap();
+    let path = job_file(&args, dir.path());
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let (summary, elapsed) = rt.block_on(async {
+        let (job, _) = sluice::job_file::load(&path, Some(Trigger::AvailableNow))
+            .await
+            .unwrap();
+        let started = Instant::now();
+        let summary = job.run().await.unwrap();
+        (summary, started.elapsed())
+    });
+    let secs = elapsed.as_secs_f64();
+    let events_per_sec = args.events as f64 / secs;
+    let mut millis: Vec<u64> = summary.batches.iter().map(|b| b.millis).collect();
+    millis.sort_unstable();
+    let (p50, p99) = (percentile(&millis, 0.5), percentile(&millis, 0.99));
+    let rss = peak_rss();
+    let out = dir.path().join("out");
+    let bytes = dir_size(&out);
+    let state_at = |i: usize| {
+        summary
+            .batches
+            .get(i)
+            .map_or((0, 0), |b| (b.state_rows, b.state_bytes))
+    };
+    let n = summary.batches.len();
+    let (start, middle, end) = (state_at(0), state_at(n / 2), state_at(n.saturating_sub(1)));
+    println!(
+        "nexmark {}: {} events in {:.2} s over {} batch(es) of up to {} events, {} partitions",
+        args.query, args.events, secs, n, args.batch_size, args.partitions
+    );
+    println!(
+        "  {:.0} events/s, {:.0} events/s per core ({cores} cores)",
+        events_per_sec,
+        events_per_sec / cores as f64
+    );
+    println!("  batch latency p50 {p50} ms, p99 {p99} ms");
+    println!(
+        "  rows out {}, peak RSS {:.0} MiB, bytes written {:.1} MiB",
+        summary.rows_out,
+        rss as f64 / 1048576.0,
+        bytes as f64 / 1048576.0
+    );
+    println!(
+        "  state rows/bytes: start {}/{}, middle {}/{}, end {}/{}",
+        start.0, start.1, middle.0, middle.1, end.0, end.1
+    );
+    let record = serde_json::json!({
+        "commit": git_commit(),
+        "at": chrono::Utc::now().to_rfc3339(),
+        "query": args.query,
+        "events": args.events,
+        "batch_size": args.batch_size,
+        "partitions": args.partitions,
+        "batches": n,
+        "seconds": secs,
+        "events_per_sec": events_per_sec,
+        "events_per_sec_per_core": events_per_sec / cores as f64,
+        "cores": cores,
+        "batch_ms_p50": p50,
+        "batch_ms_p99": p99,
+        "peak_rss_bytes": rss,
+        "bytes_written": bytes,
+        "rows_out": summary.rows_out,
+        "state_rows": [start.0, middle.0, end.0],
+        "state_bytes": [start.1, middle.1, end.1],
+    });
+    if let Some(parent) = args.results.parent() {
+        std::fs::create_dir_all(parent).unwrap();
+    }
+    use std::io::Write;
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&args.results)
+        .unwrap();
+    writeln!(file, "{record}").unwrap();
+    println!("  appended to {}", args.results.display());
+}
