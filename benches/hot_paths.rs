@@ -1,5 +1,6 @@
-//! Criterion benchmarks of the per-batch hot paths: decoding JSON files, running the query over a
-//! batch, and committing a batch to Delta. Run with `cargo bench --bench hot_paths`; the figures
+//! Criterion benchmarks of the per-batch hot paths: generating Nexmark events, decoding JSON
+//! files, running a stateless query and a window aggregation step over a batch, and committing a
+//! batch to Delta. Run with `cargo bench --bench hot_paths`; the figures
 //! (rows/s) are printed by criterion.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
@@ -11,6 +12,7 @@ use arrow::array::{Float64Array, Int64Array, RecordBatch, StringArray};
 use arrow::datatypes::{DataType, Field, Schema};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use sluice::connectors::files::{FileFormat, FilesSource, FilesSourceConfig};
+use sluice::connectors::nexmark::{NexmarkSource, NexmarkSourceConfig, NexmarkTable};
 use sluice::engine::checkpoint::CheckpointStore;
 use sluice::engine::query::{BatchWatermark, QuerySettings, StreamingQuery};
 use sluice::engine::source::{SOURCE_OFFSET, SOURCE_PARTITION};
@@ -152,5 +154,62 @@ fn delta_commit(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, decode_json_files, execute_query, delta_commit);
+/// 100 000 Nexmark events of one partition, generated into Arrow (92 % of them bids).
+fn nexmark_generator(c: &mut Criterion) {
+    let source = NexmarkSource::new(NexmarkSourceConfig::new(NexmarkTable::Bid)).unwrap();
+    let mut group = c.benchmark_group("nexmark");
+    group.throughput(Throughput::Elements(ROWS as u64));
+    group.bench_function("generate_100k_events_bids", |b| {
+        b.iter(|| {
+            source
+                .generate(0, OffsetRange::new(0, ROWS as i64))
+                .unwrap()
+        })
+    });
+    group.finish();
+}
+
+/// One window aggregation step: 100 000 bids' partial states (count, max, avg per auction and
+/// 10 s window) merged into state holding the same groups.
+fn window_aggregation_step(c: &mut Criterion) {
+    let rt = runtime();
+    let mut config = NexmarkSourceConfig::new(NexmarkTable::Bid);
+    config.partitions = 1;
+    let source = NexmarkSource::new(config).unwrap();
+    let bids = source
+        .generate(0, OffsetRange::new(0, ROWS as i64))
+        .unwrap();
+    let settings = QuerySettings {
+        event_time: BTreeMap::from([("bid".to_string(), "date_time".to_string())]),
+        ..QuerySettings::default()
+    };
+    let mut query = rt
+        .block_on(StreamingQuery::plan(
+            "SELECT window_start, auction, count(*) AS bids, max(price) AS top, avg(price) AS mean \
+             FROM tumble(bid, date_time, INTERVAL '10' SECOND) \
+             GROUP BY window_start, window_end, auction",
+            &[("bid".into(), bids.schema())],
+            &settings,
+        ))
+        .unwrap();
+    let inputs = BTreeMap::from([("bid".to_string(), bids)]);
+    let mut group = c.benchmark_group("query");
+    group.throughput(Throughput::Elements(ROWS as u64));
+    group.bench_function("window_aggregation_step_100k_events", |b| {
+        b.iter(|| {
+            rt.block_on(query.execute_isolating(&inputs, BatchWatermark::default()))
+                .unwrap()
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(
+    benches,
+    nexmark_generator,
+    decode_json_files,
+    execute_query,
+    window_aggregation_step,
+    delta_commit
+);
 criterion_main!(benches);

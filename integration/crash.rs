@@ -80,18 +80,35 @@ impl Rng {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn sigkill_at_any_step_loses_and_duplicates_nothing() {
-    crash_test(STATELESS_SQL).await;
+    crash_test(STATELESS_SQL, RANDOM_KILLS).await;
 }
 
 /// The same for a windowed job: its state files, watermark and emitted windows survive every
 /// kill, so the windows equal an uninterrupted run's.
 #[tokio::test(flavor = "multi_thread")]
 async fn sigkill_at_any_step_of_a_windowed_job_gives_identical_windows() {
-    crash_test(WINDOWED_SQL).await;
+    crash_test(WINDOWED_SQL, RANDOM_KILLS).await;
 }
 
-async fn crash_test(sql: &str) {
-    let windowed = sql == WINDOWED_SQL;
+/// Tumbling windows and sessions under fewer random kills (the named crash points are the same).
+#[tokio::test(flavor = "multi_thread")]
+async fn sigkill_at_any_step_of_tumbling_and_session_jobs_gives_identical_output() {
+    crash_test(TUMBLING_SQL, 6).await;
+    crash_test(SESSION_SQL, 6).await;
+}
+
+/// Tumbling 20 s windows, several aggregates.
+const TUMBLING_SQL: &str = "SELECT window_start, window_end, user_id % 4 AS bucket, count(*) AS n, \
+     min(amount) AS lo, stddev(amount) AS sd, count(DISTINCT user_id) AS users \
+     FROM tumble(events, ts, INTERVAL '20' SECOND) GROUP BY window_start, window_end, user_id % 4";
+
+/// Sessions of 20 s per user (a user's events are 17 s apart, so they chain into long
+/// sessions until a bad line breaks the rhythm).
+const SESSION_SQL: &str = "SELECT window_start, window_end, user_id, count(*) AS n, sum(amount) AS total \
+     FROM session(events, ts, INTERVAL '20' SECOND) GROUP BY window_start, window_end, user_id";
+
+async fn crash_test(sql: &str, random_kills_wanted: usize) {
+    let windowed = sql != STATELESS_SQL;
     let ws = tempfile::tempdir().unwrap();
     let input = ws.path().join("input");
     let mut events = Events::write(&input, 0, FIRST_FILES, LINES_PER_FILE);
@@ -154,7 +171,7 @@ async fn crash_test(sql: &str) {
     let mut rng = Rng(seed);
     let mut random_kills = 0;
     for _ in 0..60 {
-        if random_kills >= RANDOM_KILLS {
+        if random_kills >= random_kills_wanted {
             break;
         }
         let delay = Duration::from_millis(150 + rng.next() % 450);
@@ -166,7 +183,7 @@ async fn crash_test(sql: &str) {
     }
     kills += random_kills;
     assert!(
-        random_kills >= RANDOM_KILLS,
+        random_kills >= random_kills_wanted,
         "only {random_kills} random kills landed (seed {seed}); the job finished too soon"
     );
 
@@ -186,7 +203,7 @@ async fn crash_test(sql: &str) {
         got, want,
         "crashed run differs from the uninterrupted run (seed {seed})"
     );
-    if windowed {
+    if sql == WINDOWED_SQL {
         // Every good line kept by the WHERE is counted once, in each of its 3 windows — except
         // the newest windows, still open when the input ends.
         let counted: i64 = table_values(&crashed, &[])

@@ -68,3 +68,36 @@ fn nexmark_queries_run_and_reconcile() {
         assert!(!text.contains("matching 0,"), "{q}: {text}");
     }
 }
+
+/// State stays flat over a long run: each second's groups leave the state when the watermark
+/// passes it (the 10-million-event run is `cargo bench --bench nexmark -- --query
+/// bids_per_second`; this is its short form, checked on every test run).
+#[test]
+fn state_stays_flat_over_many_windows() {
+    let ws = tempfile::tempdir().unwrap();
+    let job = example(ws.path(), "bids_per_second", 1_000_000);
+    let text = std::fs::read_to_string(&job).unwrap().replace(
+        "partitions = 4",
+        "partitions = 4\nmax_records_per_batch = 50_000",
+    );
+    std::fs::write(&job, text).unwrap();
+    assert_ok(&run_sluice(&["run", &job], &[]));
+    // 1 000 000 events = 100 s of event time = 100 windows, in 20 batches of 5 s.
+    let state: Vec<u64> = (0..20)
+        .map(|b| {
+            let manifest = ws.path().join(format!(
+                "bids_per_second/_sluice/nexmark_bids_per_second/batches/{b}/manifest.json"
+            ));
+            let m: serde_json::Value = match std::fs::read(&manifest) {
+                Ok(bytes) => serde_json::from_slice(&bytes).unwrap(),
+                // Only the last `keep_batches` batch folders are kept.
+                Err(_) => return 0,
+            };
+            m["counters"]["state_rows"].as_u64().unwrap()
+        })
+        .filter(|rows| *rows > 0)
+        .collect();
+    assert!(state.len() >= 10, "{state:?}");
+    let (lo, hi) = (state.iter().min().unwrap(), state.iter().max().unwrap());
+    assert!(*hi <= lo * 3 / 2, "state grows: {state:?}");
+}

@@ -177,6 +177,10 @@ async fn late_rows_go_to_the_late_table_rows_within_the_lateness_count_and_recon
     assert_ok(&done);
     let stdout = String::from_utf8_lossy(&done.stdout);
     assert!(stdout.contains("replaced 4 window(s)"), "{stdout}");
+    assert!(
+        stdout.contains("late rows counted again (removed from the late table): 1"),
+        "{stdout}"
+    );
     assert_eq!(
         clicks_per_window(&out).await,
         vec![

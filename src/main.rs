@@ -276,9 +276,10 @@ async fn backfill(path: PathBuf, range: BackfillRange, dry_run: bool) -> Result<
                 r.spec.source
             ),
             Some(w) => println!(
-                "  would replace {w}\n  and the late rows that missed those windows, and the dead \
-                 letters of source {} in the offsets",
-                r.spec.source
+                "  would replace {w}\n  and count again the {} late row(s) that missed those \
+                 windows (removing them from the late table); and replace the dead letters of \
+                 source {} in the offsets",
+                r.late_rows_recounted, r.spec.source
             ),
         }
         return Ok(());
@@ -289,6 +290,10 @@ async fn backfill(path: PathBuf, range: BackfillRange, dry_run: bool) -> Result<
     );
     if let Some(w) = &windows {
         println!("  replaced {w}");
+        println!(
+            "  late rows counted again (removed from the late table): {}",
+            r.late_rows_recounted
+        );
     }
     println!(
         "  rows in {}, out {}, dead-lettered {}; {} file(s), {} bytes written{}; {:.1} s",

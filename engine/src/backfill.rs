@@ -150,6 +150,9 @@ pub struct BackfillReport {
     pub live_job: bool,
     /// A windowed job: the windows replaced.
     pub windows: Option<ReplacedWindows>,
+    /// A windowed job: rows of the late table that missed those windows; the recomputation
+    /// counts them and the replacement removes them from the late table.
+    pub late_rows_recounted: u64,
     /// A windowed job: the event-time span `[from, to)` read to recompute those windows (every
     /// committed event in it, beyond the range's own offsets).
     pub read_span: Option<(i64, i64)>,
@@ -297,6 +300,7 @@ impl Job {
             already_committed: false,
             live_job: live,
             windows: windows.as_ref().map(|w| w.replaced.clone()),
+            late_rows_recounted: windows.as_ref().map_or(0, |w| w.late_rows),
             read_span: windows.as_ref().map(|w| w.span),
             elapsed: Duration::ZERO,
         };
@@ -389,6 +393,8 @@ impl Job {
 /// The windows a windowed backfill replaces, and what it reads to recompute them.
 struct CoveredWindows {
     replaced: ReplacedWindows,
+    /// Late rows that missed one of the windows.
+    late_rows: u64,
     /// Event-time span of the events those windows hold.
     span: (i64, i64),
     /// Every committed offset (the read is filtered to `span`).
@@ -462,6 +468,10 @@ async fn covered_windows(
             display_watermark(watermark),
         )));
     }
+    let late_rows = missed_sets
+        .iter()
+        .filter(|set| set.iter().any(|s| starts.contains(s)))
+        .count() as u64;
     let size = window.kind.size();
     let span = match (starts.first(), starts.last()) {
         (Some(first), Some(last)) => (*first, last.saturating_add(size)),
@@ -481,6 +491,7 @@ async fn covered_windows(
             values,
             starts: starts.into_iter().collect(),
         },
+        late_rows,
         span,
         committed,
     })
