@@ -1071,7 +1071,7 @@ mod tests {
         let checkpoint =
             CheckpointStore::open(&url::Url::from_directory_path(dir.path()).unwrap()).unwrap();
         let sources = [("t".to_string(), schema())];
-        let plan = || StreamingQuery::plan(sql, &sources, &settings);
+        let plan = || StreamingQuery::plan(sql, &sources, settings);
         let mut query = plan().await.unwrap();
         query
             .stateful_mut()
