@@ -67,6 +67,25 @@ fn run_and_kill_after(job: &str, delay: Duration) -> bool {
     status.signal() == Some(SIGKILL)
 }
 
+/// Two JSON rows equal, numbers within 1e-9 relative.
+fn rows_close(a: &str, b: &str) -> bool {
+    let (a, b): (serde_json::Value, serde_json::Value) = (
+        serde_json::from_str(a).unwrap(),
+        serde_json::from_str(b).unwrap(),
+    );
+    let (Some(a), Some(b)) = (a.as_object(), b.as_object()) else {
+        return a == b;
+    };
+    a.len() == b.len()
+        && a.iter().all(|(k, x)| {
+            let y = &b[k];
+            match (x.as_f64(), y.as_f64()) {
+                (Some(x), Some(y)) => (x - y).abs() <= 1e-9 * x.abs().max(y.abs()),
+                _ => x == y,
+            }
+        })
+}
+
 /// A small deterministic PRNG (xorshift), so a failing run can be replayed from its seed.
 struct Rng(u64);
 impl Rng {
@@ -199,9 +218,16 @@ async fn crash_test(sql: &str, random_kills_wanted: usize) {
     let got = table_rows(&crashed).await;
     let want = table_rows(&reference).await;
     assert_eq!(got.len(), want.len(), "row counts differ (seed {seed})");
-    assert_eq!(
-        got, want,
-        "crashed run differs from the uninterrupted run (seed {seed})"
+    // Floating-point aggregates (stddev) merged across different batch boundaries may differ
+    // in the last bits: equal within 1e-9 relative, like reconcile.
+    let differing: Vec<(&String, &String)> = got
+        .iter()
+        .zip(&want)
+        .filter(|(g, w)| !rows_close(g, w))
+        .collect();
+    assert!(
+        differing.is_empty(),
+        "crashed run differs from the uninterrupted run (seed {seed}): {differing:?}"
     );
     if sql == WINDOWED_SQL {
         // Every good line kept by the WHERE is counted once, in each of its 3 windows — except
@@ -249,11 +275,18 @@ async fn crash_test(sql: &str, random_kills_wanted: usize) {
     // Dead letters: the same, once each (batch ids aside, which depend on batch boundaries).
     let got_dl = table_values(&dead_letter_table(&crashed), &["batch_id"]).await;
     let want_dl = table_values(&dead_letter_table(&reference), &["batch_id"]).await;
-    assert_eq!(
-        got_dl.len(),
-        events.bad_count(),
-        "dead letters lost or duplicated"
-    );
+    // Poison lines fail only in queries that CAST their code.
+    let poison = events
+        .lines
+        .iter()
+        .filter(|(_, _, k)| *k == LineKind::Poison)
+        .count();
+    let bad = if sql.contains("CAST(code") {
+        events.bad_count()
+    } else {
+        events.bad_count() - poison
+    };
+    assert_eq!(got_dl.len(), bad, "dead letters lost or duplicated");
     assert_eq!(got_dl, want_dl);
 
     // The txn versions of the output table are exactly 0, 1, 2, … — one commit per batch.
