@@ -101,3 +101,47 @@ fn state_stays_flat_over_many_windows() {
     let (lo, hi) = (state.iter().min().unwrap(), state.iter().max().unwrap());
     assert!(*hi <= lo * 3 / 2, "state grows: {state:?}");
 }
+
+/// Approximate aggregates (t-digest percentiles) merged across batches differ slightly from one
+/// pass over the same rows: reconcile compares them within their tolerance, everything else
+/// within 1e-9.
+#[test]
+fn approximate_aggregates_reconcile_within_their_error() {
+    let ws = tempfile::tempdir().unwrap();
+    let job = example(ws.path(), "q7", 200_000);
+    let text = std::fs::read_to_string(&job).unwrap();
+    let sql_at = text.find("sql = \"\"\"").unwrap();
+    let text = format!(
+        "{}sql = \"\"\"
+SELECT window_start, window_end, count(*) AS n, approx_percentile_cont(price, 0.5) AS median,
+       approx_median(price) AS am, approx_distinct(bidder) AS bidders, var_pop(price) AS var
+FROM tumble(bid, date_time, INTERVAL '5' SECOND)
+GROUP BY window_start, window_end
+\"\"\"
+",
+        &text[..sql_at]
+    )
+    .replace(
+        "partitions = 4",
+        "partitions = 4\nmax_records_per_batch = 30_000",
+    );
+    std::fs::write(&job, text).unwrap();
+    assert_ok(&run_sluice(&["run", &job], &[]));
+    let rec = run_sluice(
+        &[
+            "reconcile",
+            &job,
+            "--from-time",
+            "2024-01-01T00:00:00Z",
+            "--to-time",
+            "2024-01-01T00:00:15Z",
+        ],
+        &[],
+    );
+    let text = String::from_utf8_lossy(&rec.stdout);
+    assert!(rec.status.success(), "{text}");
+    assert!(
+        text.contains("matching 3, missing 0, extra 0, different 0"),
+        "{text}"
+    );
+}

@@ -339,6 +339,40 @@ impl StreamingQuery {
         Ok(out)
     }
 
+    /// Output columns computed from an approximate aggregate whose result depends on how rows
+    /// were split into batches (`approx_percentile_cont`, `approx_median`): reconcile compares
+    /// them within [`crate::reconcile::APPROX_TOLERANCE`].
+    pub(crate) fn approximate_columns(&self) -> std::collections::BTreeSet<String> {
+        let mut approximate = std::collections::BTreeSet::new();
+        let _ = self.plan.apply(|node| {
+            if let LogicalPlan::Aggregate(agg) = node {
+                for (e, field) in agg
+                    .aggr_expr
+                    .iter()
+                    .zip(agg.schema.fields().iter().skip(agg.group_expr.len()))
+                {
+                    let text = e.to_string();
+                    if text.contains("approx_percentile") || text.contains("approx_median") {
+                        approximate.insert(field.name().clone());
+                    }
+                }
+            }
+            Ok(TreeNodeRecursion::Continue)
+        });
+        // Carried to the output by name, or under an alias.
+        if let LogicalPlan::Projection(p) = &self.plan {
+            for (e, field) in p.expr.iter().zip(p.schema.fields().iter()) {
+                if e.column_refs()
+                    .iter()
+                    .any(|c| approximate.contains(&c.name))
+                {
+                    approximate.insert(field.name().clone());
+                }
+            }
+        }
+        approximate
+    }
+
     /// The window a windowed query aggregates over, and when its windows close.
     pub(crate) fn window(&self) -> Option<(&crate::window::WindowUse, crate::late::Lateness)> {
         self.stateful.as_ref()?.window()

@@ -45,6 +45,11 @@ use crate::window::{WINDOW_END, WINDOW_START, WindowKind};
 /// How far apart two floats may be (relative) and still count as equal.
 pub const FLOAT_TOLERANCE: f64 = 1e-9;
 
+/// How far apart the values of approximate aggregates (`approx_percentile_cont`,
+/// `approx_median`: t-digests, whose merge depends on how rows were split into batches) may be
+/// and still count as equal. `approx_distinct`'s HyperLogLog merges exactly.
+pub const APPROX_TOLERANCE: f64 = 0.02;
+
 /// What [`Job::reconcile`] found.
 #[derive(Debug, Clone)]
 pub struct Reconciliation {
@@ -172,7 +177,12 @@ impl Job {
             expected_rows: expected.num_rows(),
             table_rows: actual.num_rows(),
             late_rows: 0,
-            diff: compare(&expected, &actual, &lineage_key(&output_schema))?,
+            diff: compare(
+                &expected,
+                &actual,
+                &lineage_key(&output_schema),
+                &BTreeSet::new(),
+            )?,
         })
     }
 }
@@ -342,7 +352,7 @@ async fn reconcile_windows(
         expected_rows: expected.num_rows(),
         table_rows: actual.num_rows(),
         late_rows,
-        diff: compare(&expected, &actual, &[column])?,
+        diff: compare(&expected, &actual, &[column], &query.approximate_columns())?,
     })
 }
 
@@ -426,7 +436,12 @@ fn json_rows(batch: &RecordBatch) -> Result<Vec<serde_json::Map<String, Value>>>
 
 /// Compares two multisets of rows, grouped by the `key` columns (lineage for stateless jobs, the
 /// window for windowed ones), so leftover rows are paired within their group.
-fn compare(expected: &RecordBatch, actual: &RecordBatch, key: &[&str]) -> Result<RowDiff> {
+fn compare(
+    expected: &RecordBatch,
+    actual: &RecordBatch,
+    key: &[&str],
+    approximate: &BTreeSet<String>,
+) -> Result<RowDiff> {
     let group = |rows: Vec<serde_json::Map<String, Value>>| {
         let mut groups: BTreeMap<String, Vec<String>> = BTreeMap::new();
         for row in rows {
@@ -453,7 +468,7 @@ fn compare(expected: &RecordBatch, actual: &RecordBatch, key: &[&str]) -> Result
         let mut got = got.into_iter();
         for w in want {
             match got.next() {
-                Some(g) if approx_equal(&w, &g) => report.matching += 1,
+                Some(g) if approx_equal(&w, &g, approximate) => report.matching += 1,
                 Some(g) => report.different.push((w, g)),
                 None => report.missing.push(w),
             }
@@ -488,21 +503,22 @@ fn remove_common(
     }
 }
 
-/// Equal as JSON, with numbers compared within [`FLOAT_TOLERANCE`] relative.
-fn approx_equal(a: &str, b: &str) -> bool {
-    fn close(a: &Value, b: &Value) -> bool {
+/// Equal as JSON, with numbers compared within [`FLOAT_TOLERANCE`] relative — or
+/// [`APPROX_TOLERANCE`] for the top-level fields in `approximate`.
+fn approx_equal(a: &str, b: &str, approximate: &BTreeSet<String>) -> bool {
+    fn close(a: &Value, b: &Value, tolerance: f64) -> bool {
         match (a, b) {
             (Value::Number(x), Value::Number(y)) => match (x.as_f64(), y.as_f64()) {
-                (Some(x), Some(y)) => {
-                    x == y || (x - y).abs() <= FLOAT_TOLERANCE * x.abs().max(y.abs())
-                }
+                (Some(x), Some(y)) => x == y || (x - y).abs() <= tolerance * x.abs().max(y.abs()),
                 _ => x == y,
             },
             (Value::Object(x), Value::Object(y)) => {
-                x.len() == y.len() && x.iter().all(|(k, v)| y.get(k).is_some_and(|w| close(v, w)))
+                x.len() == y.len()
+                    && x.iter()
+                        .all(|(k, v)| y.get(k).is_some_and(|w| close(v, w, tolerance)))
             }
             (Value::Array(x), Value::Array(y)) => {
-                x.len() == y.len() && x.iter().zip(y).all(|(v, w)| close(v, w))
+                x.len() == y.len() && x.iter().zip(y).all(|(v, w)| close(v, w, tolerance))
             }
             _ => a == b,
         }
@@ -511,7 +527,18 @@ fn approx_equal(a: &str, b: &str) -> bool {
         serde_json::from_str::<Value>(a),
         serde_json::from_str::<Value>(b),
     ) {
-        (Ok(a), Ok(b)) => close(&a, &b),
+        (Ok(Value::Object(a)), Ok(Value::Object(b))) => {
+            a.len() == b.len()
+                && a.iter().all(|(k, v)| {
+                    let tolerance = if approximate.contains(k) {
+                        APPROX_TOLERANCE
+                    } else {
+                        FLOAT_TOLERANCE
+                    };
+                    b.get(k).is_some_and(|w| close(v, w, tolerance))
+                })
+        }
+        (Ok(a), Ok(b)) => close(&a, &b, FLOAT_TOLERANCE),
         _ => false,
     }
 }
@@ -540,6 +567,27 @@ mod tests {
     }
 
     #[test]
+    fn approximate_columns_are_compared_within_their_tolerance() {
+        let approximate = BTreeSet::from(["median".to_string()]);
+        let a = r#"{"w":1,"median":100.0,"exact":1.0}"#;
+        assert!(approx_equal(
+            a,
+            r#"{"w":1,"median":101.0,"exact":1.0}"#,
+            &approximate
+        ));
+        assert!(!approx_equal(
+            a,
+            r#"{"w":1,"median":110.0,"exact":1.0}"#,
+            &approximate
+        ));
+        assert!(!approx_equal(
+            a,
+            r#"{"w":1,"median":100.0,"exact":1.01}"#,
+            &approximate
+        ));
+    }
+
+    #[test]
     fn matching_missing_extra_and_different_rows_are_told_apart() {
         let expected = rows(&[
             ("0", 1, 1.0),
@@ -549,7 +597,7 @@ mod tests {
         ]);
         let actual = rows(&[("0", 1, 2.0), ("0", 1, 9.0), ("0", 3, 0.3), ("0", 4, 5.0)]);
         let key = [SOURCE_PARTITION, SOURCE_OFFSET];
-        let r = compare(&expected, &actual, &key).unwrap();
+        let r = compare(&expected, &actual, &key, &BTreeSet::new()).unwrap();
         // (0,1,2.0) equal; (0,3) equal within tolerance; (0,1,1.0) vs (0,1,9.0) differ;
         // (0,2) missing; (0,4) extra.
         assert_eq!(r.matching, 2);
@@ -560,7 +608,9 @@ mod tests {
         assert_eq!(r.extra.len(), 1);
         assert_eq!(r.differences(), 3);
         assert_eq!(
-            compare(&expected, &expected, &key).unwrap().differences(),
+            compare(&expected, &expected, &key, &BTreeSet::new())
+                .unwrap()
+                .differences(),
             0
         );
     }
