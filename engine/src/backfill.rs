@@ -12,10 +12,14 @@
 //! The recomputed rows are held in memory until the replacement commits, so one backfill is
 //! bounded by memory (split a very large range into several backfills).
 //!
-//! Which rows a range "produced" is told by lineage: output rows by `_source_partition` /
-//! `_source_offset` (so the job must keep `lineage = true`), dead letters by source name,
-//! partition and offset. Windowed jobs (replace every window the range touches) come with
-//! windows; today every job is stateless.
+//! Which rows a range "produced" is told by lineage for a stateless job: output rows by
+//! `_source_partition` / `_source_offset` (so the job must keep `lineage = true`), dead letters
+//! by source name, partition and offset. A **windowed** job's range produced whole windows: every
+//! window its events fall into (plus the windows its late rows missed alongside) is recomputed
+//! in one bounded run over every committed event those windows hold — the read widened to whole
+//! windows — with the watermark at +∞ at the end, and replaced by window in the output and the
+//! late table (whose rows of those windows are counted again). Windows the live job has not
+//! closed are its to write: a range touching one is refused.
 //!
 //! A backfill never goes past the offsets the live job has committed (`latest` means the live
 //! job's committed end when it has run): later offsets are the live job's to write, and a
