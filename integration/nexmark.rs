@@ -22,6 +22,21 @@ fn example(ws: &std::path::Path, q: &str, events: u64) -> String {
     path.to_str().unwrap().to_string()
 }
 
+/// `sluice reconcile JOB` over the stream's first `seconds` of event time.
+fn reconcile_first(job: &str, seconds: u32) -> std::process::Output {
+    run_sluice(
+        &[
+            "reconcile",
+            job,
+            "--from-time",
+            "2024-01-01T00:00:00Z",
+            "--to-time",
+            &format!("2024-01-01T00:00:{seconds:02}Z"),
+        ],
+        &[],
+    )
+}
+
 #[test]
 fn nexmark_queries_run_and_reconcile() {
     let ws = tempfile::tempdir().unwrap();
@@ -44,17 +59,7 @@ fn nexmark_queries_run_and_reconcile() {
             .and_then(|n| n.parse().ok())
             .unwrap_or_else(|| panic!("{q}: {stdout}"));
         assert!(out >= min_rows, "{q}: {stdout}");
-        let rec = run_sluice(
-            &[
-                "reconcile",
-                &job,
-                "--from-time",
-                "2024-01-01T00:00:00Z",
-                "--to-time",
-                "2024-01-01T00:00:10Z",
-            ],
-            &[],
-        );
+        let rec = reconcile_first(&job, 10);
         let text = String::from_utf8_lossy(&rec.stdout);
         assert!(
             rec.status.success(),
@@ -127,17 +132,7 @@ GROUP BY window_start, window_end
     );
     std::fs::write(&job, text).unwrap();
     assert_ok(&run_sluice(&["run", &job], &[]));
-    let rec = run_sluice(
-        &[
-            "reconcile",
-            &job,
-            "--from-time",
-            "2024-01-01T00:00:00Z",
-            "--to-time",
-            "2024-01-01T00:00:15Z",
-        ],
-        &[],
-    );
+    let rec = reconcile_first(&job, 15);
     let text = String::from_utf8_lossy(&rec.stdout);
     assert!(rec.status.success(), "{text}");
     assert!(

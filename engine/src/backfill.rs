@@ -371,27 +371,40 @@ impl Job {
                 next.insert(p, r.end);
             }
         }
-        let outcome = sink
-            .replace(Replacement {
-                app_id: report.spec.app_id.clone(),
-                source: report.spec.source.clone(),
-                ranges: report.spec.ranges.clone(),
-                windows: None,
-                output,
-                dead_letters,
-                summary: serde_json::to_value(&report.spec).unwrap_or_default(),
-            })
-            .await?;
-        match outcome {
-            CommitOutcome::Committed { files, bytes, .. } => {
-                report.files_written = files;
-                report.bytes_written = bytes;
-            }
-            CommitOutcome::AlreadyCommitted => report.already_committed = true,
-        }
-        report.elapsed = started.elapsed();
-        Ok(report)
+        replace(sink.as_ref(), report, None, output, dead_letters, started).await
     }
+}
+
+/// Hands the recomputed rows to the sink, which replaces what the backfill covers, and
+/// completes the report.
+async fn replace(
+    sink: &dyn Sink,
+    mut report: BackfillReport,
+    windows: Option<ReplacedWindows>,
+    output: Vec<RecordBatch>,
+    dead_letters: Vec<RecordBatch>,
+    started: Instant,
+) -> Result<BackfillReport> {
+    let outcome = sink
+        .replace(Replacement {
+            app_id: report.spec.app_id.clone(),
+            source: report.spec.source.clone(),
+            ranges: report.spec.ranges.clone(),
+            windows,
+            output,
+            dead_letters,
+            summary: serde_json::to_value(&report.spec).unwrap_or_default(),
+        })
+        .await?;
+    match outcome {
+        CommitOutcome::Committed { files, bytes, .. } => {
+            report.files_written = files;
+            report.bytes_written = bytes;
+        }
+        CommitOutcome::AlreadyCommitted => report.already_committed = true,
+    }
+    report.elapsed = started.elapsed();
+    Ok(report)
 }
 
 /// The windows a windowed backfill replaces, and what it reads to recompute them.
@@ -565,26 +578,16 @@ async fn recompute_windows(
     } else {
         vec![dead_letter_batch(&source.name, BatchId(0), &letters)?]
     };
-    let outcome = sink
-        .replace(Replacement {
-            app_id: report.spec.app_id.clone(),
-            source: report.spec.source.clone(),
-            ranges: report.spec.ranges.clone(),
-            windows: Some(windows.replaced),
-            output,
-            dead_letters,
-            summary: serde_json::to_value(&report.spec).unwrap_or_default(),
-        })
-        .await?;
-    match outcome {
-        CommitOutcome::Committed { files, bytes, .. } => {
-            report.files_written = files;
-            report.bytes_written = bytes;
-        }
-        CommitOutcome::AlreadyCommitted => report.already_committed = true,
-    }
-    report.elapsed = started.elapsed();
-    Ok(report)
+    let windows = Some(windows.replaced);
+    replace(
+        sink.as_ref(),
+        report,
+        windows,
+        output,
+        dead_letters,
+        started,
+    )
+    .await
 }
 
 /// `[from, to)` per partition from the two bounds, checked against what may be replaced:
