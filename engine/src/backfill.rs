@@ -9,8 +9,12 @@
 //! its appends and the replacement resolve through Delta's conflict checker, and the sink retries
 //! a replacement that lost the race.
 //!
-//! The recomputed rows are held in memory until the replacement commits, so one backfill is
-//! bounded by memory (split a very large range into several backfills).
+//! Reading streams: the source is read in chunks of its per-batch budget, and nothing is held
+//! beyond what the result needs — a stateless backfill holds its recomputed rows until the
+//! replacement commits (split a very large range into several backfills); a windowed one holds
+//! the state of the windows it recomputes, reading every committed offset but keeping only the
+//! rows of those windows; resolving an event-time range keeps nothing but offsets. Memory is
+//! independent of how long the job has run.
 //!
 //! Which rows a range "produced" is told by lineage for a stateless job: output rows by
 //! `_source_partition` / `_source_offset` (so the job must keep `lineage = true`), dead letters
@@ -18,8 +22,13 @@
 //! window its events fall into (plus the windows its late rows missed alongside) is recomputed
 //! in one bounded run over every committed event those windows hold — the read widened to whole
 //! windows — with the watermark at +∞ at the end, and replaced by window in the output and the
-//! late table (whose rows of those windows are counted again). Windows the live job has not
-//! closed are its to write: a range touching one is refused.
+//! late table: the late rows of those windows *among the offsets read* are counted again and
+//! leave the late table; late rows the live job commits meanwhile (past the offsets read) stay.
+//! Windows the live job has not closed are its to write: a range touching one is refused.
+//!
+//! Event times too far ahead of the clock (see [`crate::event_time`]) are judged as the live
+//! job judged them: the rows its dead-letter table lists as too far ahead are dead letters
+//! again, whatever the clock says now.
 //!
 //! A backfill never goes past the offsets the live job has committed (`latest` means the live
 //! job's committed end when it has run): later offsets are the live job's to write, and a
@@ -39,10 +48,11 @@ use arrow::datatypes::{DataType, Int64Type};
 use serde::{Deserialize, Serialize};
 
 use crate::dead_letter::{dead_letter_batch, dead_letter_from_row};
-use crate::driver::OpenSource;
-use crate::driver::{checkpoint_location, open_sources_and_query, query_settings, read_source};
+use crate::driver::{checkpoint_location, query_settings};
 use crate::error::{Error, Result};
 use crate::event_time::rows_in_period;
+use crate::fault::pause_point;
+use crate::input::{FutureTimes, OpenSource, open_sources_and_query, read_source};
 use crate::job::Job;
 use crate::late::{Lateness, WINDOWS_MISSED};
 use crate::offsets::{BatchId, Offset, OffsetRange, PartitionId, plan_ranges};
@@ -177,7 +187,7 @@ impl Job {
         let checkpoint = checkpoint_location(&self)?;
         let settings = query_settings(&self);
         let (sources, mut query) =
-            open_sources_and_query(self.sources, &self.sql, &settings, &checkpoint).await?;
+            open_sources_and_query(self.sources, &self.sql, &settings, &checkpoint, false).await?;
         if self.output_mode == crate::sink::OutputMode::Update {
             return Err(Error::UnsupportedQuery(
                 "backfill of update-mode jobs is not available yet; backfill replaces the rows \
@@ -220,7 +230,8 @@ impl Job {
         }
 
         // Offsets the live job has not committed yet are its to write: a backfill stops at its
-        // committed end offsets (or at the source's latest if the job never ran live).
+        // committed end offsets (or at the source's latest if the job never ran live). Event
+        // times too far ahead are judged as the live job did, or by the clock for a batch run.
         let mut available = source.source.available().await?;
         let mut live_watermark = None;
         let live = match self.sink.committed_batch(&self.id).await? {
@@ -241,6 +252,11 @@ impl Job {
                 true
             }
         };
+        let future = if live {
+            FutureTimes::recorded(&self.sink.read_dead_letters().await?, &source.name)?
+        } else {
+            FutureTimes::Clock(chrono::Utc::now().timestamp_micros())
+        };
         let ranges = match &range {
             BackfillRange::Offsets { from, to } => {
                 resolve_offsets(&source.name, &available, live, from, to)?
@@ -256,8 +272,7 @@ impl Job {
                     .iter()
                     .map(|(p, a)| (p.clone(), OffsetRange::new(a.initial, a.latest)))
                     .collect();
-                let (rows, _) = read_source(source, &all).await?;
-                offsets_in_period(&rows, &time.column, *from, *to)?
+                offsets_in_period(source, &all, &future, &time.column, *from, *to).await?
             }
         };
         let backfills = checkpoint.child("backfill");
@@ -283,6 +298,7 @@ impl Job {
                     source,
                     &spec.ranges,
                     &available,
+                    &future,
                     window,
                     *lateness,
                     live.then_some(live_watermark),
@@ -324,31 +340,14 @@ impl Job {
         let mut sink = self.sink;
         sink.open(&self.id, query.output_tables()).await?;
         if let Some(windows) = windows {
-            return recompute_windows(source, query, sink, report, windows, started).await;
+            return recompute_windows(source, query, sink, report, windows, &future, started).await;
         }
 
         // Read and process in chunks of the per-batch budget, as the stream would.
         let mut output = Vec::new();
         let mut dead_letters = Vec::new();
-        let mut next: BTreeMap<PartitionId, Offset> = report
-            .spec
-            .ranges
-            .iter()
-            .map(|(p, r)| (p.clone(), r.start))
-            .collect();
-        let ends: BTreeMap<PartitionId, Offset> = report
-            .spec
-            .ranges
-            .iter()
-            .map(|(p, r)| (p.clone(), r.end))
-            .collect();
-        let budget = source.source.max_per_batch();
-        loop {
-            let chunk = plan_ranges(&next, &ends, budget);
-            if chunk.values().all(OffsetRange::is_empty) {
-                break;
-            }
-            let (rows, mut letters) = read_source(source, &chunk).await?;
+        let mut chunks = ChunkedRead::new(source, &report.spec.ranges);
+        while let Some((rows, mut letters)) = chunks.next(&future).await? {
             report.rows_in += rows.num_rows() as u64;
             let inputs = BTreeMap::from([(source.name.clone(), rows)]);
             let result = query
@@ -367,9 +366,6 @@ impl Job {
             if !letters.is_empty() {
                 dead_letters.push(dead_letter_batch(&source.name, BatchId(0), &letters)?);
             }
-            for (p, r) in chunk {
-                next.insert(p, r.end);
-            }
         }
         replace(sink.as_ref(), report, None, output, dead_letters, started).await
     }
@@ -385,6 +381,7 @@ async fn replace(
     dead_letters: Vec<RecordBatch>,
     started: Instant,
 ) -> Result<BackfillReport> {
+    pause_point("before_replacement", BatchId(0)).await;
     let outcome = sink
         .replace(Replacement {
             app_id: report.spec.app_id.clone(),
@@ -407,6 +404,40 @@ async fn replace(
     Ok(report)
 }
 
+/// A range of one source read chunk by chunk, each chunk at most the source's per-batch budget
+/// (as the stream reads it), so a long range never sits in memory at once.
+struct ChunkedRead<'a> {
+    source: &'a OpenSource,
+    next: BTreeMap<PartitionId, Offset>,
+    ends: BTreeMap<PartitionId, Offset>,
+}
+
+impl<'a> ChunkedRead<'a> {
+    fn new(source: &'a OpenSource, ranges: &BTreeMap<PartitionId, OffsetRange>) -> Self {
+        ChunkedRead {
+            source,
+            next: ranges.iter().map(|(p, r)| (p.clone(), r.start)).collect(),
+            ends: ranges.iter().map(|(p, r)| (p.clone(), r.end)).collect(),
+        }
+    }
+
+    /// The next chunk's rows and dead letters; `None` once the ranges are read.
+    async fn next(
+        &mut self,
+        future: &FutureTimes,
+    ) -> Result<Option<(RecordBatch, Vec<crate::source::DeadLetter>)>> {
+        let chunk = plan_ranges(&self.next, &self.ends, self.source.source.max_per_batch());
+        if chunk.values().all(OffsetRange::is_empty) {
+            return Ok(None);
+        }
+        let read = read_source(self.source, &chunk, future).await?;
+        for (p, r) in chunk {
+            self.next.insert(p, r.end);
+        }
+        Ok(Some(read))
+    }
+}
+
 /// The windows a windowed backfill replaces, and what it reads to recompute them.
 struct CoveredWindows {
     replaced: ReplacedWindows,
@@ -427,6 +458,7 @@ async fn covered_windows(
     source: &OpenSource,
     ranges: &BTreeMap<PartitionId, OffsetRange>,
     available: &BTreeMap<PartitionId, crate::source::AvailableRange>,
+    future: &FutureTimes,
     window: &WindowUse,
     lateness: Lateness,
     live_watermark: Option<Option<i64>>,
@@ -443,9 +475,18 @@ async fn covered_windows(
                     .into(),
             )
         })?;
-    let (rows, _) = read_source(source, ranges).await?;
-    let times = event_times(&rows, &window.time_column)?;
-    let mut starts: BTreeSet<i64> = times.iter().flat_map(|t| window.kind.starts(*t)).collect();
+    let mut starts: BTreeSet<i64> = BTreeSet::new();
+    let mut chunks = ChunkedRead::new(source, ranges);
+    while let Some((rows, _)) = chunks.next(future).await? {
+        let times = event_times(&rows, &window.time_column)?;
+        starts.extend(times.iter().flat_map(|t| window.kind.starts(*t)));
+    }
+    // Every committed offset is read to recompute the windows; late rows past them (the live
+    // job committed them since) are not counted by the recomputation and stay late.
+    let committed: BTreeMap<PartitionId, OffsetRange> = available
+        .iter()
+        .map(|(p, a)| (p.clone(), OffsetRange::new(a.initial, a.latest)))
+        .collect();
     // Late rows that missed a window in the set: all their missed windows join it.
     let mut missed_sets: Vec<Vec<i64>> = Vec::new();
     for b in sink.read_late().await? {
@@ -455,7 +496,24 @@ async fn covered_windows(
         else {
             continue;
         };
+        // Read back from the table, strings may be views: cast to one layout.
+        let missing = |c: &str| Error::InvalidJob(format!("the late table has no column {c}"));
+        let partitions = b
+            .column_by_name(SOURCE_PARTITION)
+            .ok_or_else(|| missing(SOURCE_PARTITION))?;
+        let partitions = arrow::compute::kernels::cast::cast(partitions, &DataType::Utf8)?;
+        let partitions = partitions.as_string::<i32>();
+        let offsets = b
+            .column_by_name(SOURCE_OFFSET)
+            .and_then(|c| c.as_primitive_opt::<Int64Type>())
+            .ok_or_else(|| missing(SOURCE_OFFSET))?;
         for i in 0..lists.len() {
+            let read = committed
+                .get(partitions.value(i))
+                .is_some_and(|r| r.start <= offsets.value(i) && offsets.value(i) < r.end);
+            if !read {
+                continue;
+            }
             let list = lists.value(i);
             let list = arrow::compute::kernels::cast::cast(&list, &DataType::Int64)?;
             missed_sets.push(list.as_primitive::<Int64Type>().values().to_vec());
@@ -498,15 +556,12 @@ async fn covered_windows(
         .iter()
         .map(|s| if column == WINDOW_START { *s } else { s + size })
         .collect();
-    let committed = available
-        .iter()
-        .map(|(p, a)| (p.clone(), OffsetRange::new(a.initial, a.latest)))
-        .collect();
     Ok(CoveredWindows {
         replaced: ReplacedWindows {
             column: column.to_string(),
             values,
             starts: starts.into_iter().collect(),
+            read: committed.clone(),
         },
         late_rows,
         span,
@@ -525,13 +580,16 @@ fn event_times(rows: &RecordBatch, column: &str) -> Result<Vec<i64>> {
 
 /// Recomputes the covered windows in one bounded run over every committed event of their span
 /// (watermark +∞ at the end: every window finished) and replaces them; dead letters are
-/// replaced for the range's own offsets.
+/// replaced for the range's own offsets. The committed offsets are read chunk by chunk and only
+/// the rows of the span are fed to the query, so memory holds the windows' state, not the
+/// job's history.
 async fn recompute_windows(
     source: &OpenSource,
     mut query: StreamingQuery,
     sink: Box<dyn Sink>,
     mut report: BackfillReport,
     windows: CoveredWindows,
+    future: &FutureTimes,
     started: Instant,
 ) -> Result<BackfillReport> {
     let in_range = |partition: &str, offset: i64| {
@@ -541,27 +599,34 @@ async fn recompute_windows(
             .get(partition)
             .is_some_and(|r| r.start <= offset && offset < r.end)
     };
-    let (rows, letters) = read_source(source, &windows.committed).await?;
     let time = &source
         .event_time
         .as_ref()
         .ok_or_else(|| Error::source(&source.name, "a windowed job's source has event time"))?
         .column;
-    let rows = rows_in_period(&rows, time, windows.span.0, windows.span.1)?;
-    report.rows_in = rows.num_rows() as u64;
-    let mut letters: Vec<_> = letters
-        .into_iter()
-        .filter(|l| in_range(&l.partition, l.offset))
-        .collect();
-    let result = query
-        .execute_bounded(vec![(BTreeMap::from([(source.name.clone(), rows)]), None)])
-        .await?;
-    for failed in &result.failed {
-        let letter = dead_letter_from_row(&failed.row, &failed.error)?;
-        if in_range(&letter.partition, letter.offset) {
-            letters.push(letter);
+    let mut letters = Vec::new();
+    let mut rows_in = 0;
+    let mut chunks = ChunkedRead::new(source, &windows.committed);
+    while let Some((rows, chunk_letters)) = chunks.next(future).await? {
+        letters.extend(
+            chunk_letters
+                .into_iter()
+                .filter(|l| in_range(&l.partition, l.offset)),
+        );
+        let rows = rows_in_period(&rows, time, windows.span.0, windows.span.1)?;
+        rows_in += rows.num_rows() as u64;
+        let part = query
+            .feed_bounded(&BTreeMap::from([(source.name.clone(), rows)]), None)
+            .await?;
+        for failed in &part.failed {
+            let letter = dead_letter_from_row(&failed.row, &failed.error)?;
+            if in_range(&letter.partition, letter.offset) {
+                letters.push(letter);
+            }
         }
     }
+    report.rows_in = rows_in;
+    let result = query.finish_bounded().await?;
     // Only the covered windows: a hopping window's rows also fall into neighbours.
     let wanted: BTreeSet<i64> = windows.replaced.values.iter().copied().collect();
     let mut output = Vec::new();
@@ -654,33 +719,38 @@ fn resolve_offsets(
 }
 
 /// Per partition, the smallest range of offsets holding every row with event time in
-/// `[from, to)`.
-fn offsets_in_period(
-    rows: &RecordBatch,
+/// `[from, to)`, found by reading `ranges` chunk by chunk (nothing is kept but the offsets).
+async fn offsets_in_period(
+    source: &OpenSource,
+    ranges: &BTreeMap<PartitionId, OffsetRange>,
+    future: &FutureTimes,
     column: &str,
     from: i64,
     to: i64,
 ) -> Result<BTreeMap<PartitionId, OffsetRange>> {
-    let rows = rows_in_period(rows, column, from, to)?;
     let missing = |c: &str| Error::InvalidJob(format!("backfill: rows lack the column {c}"));
-    let partitions = rows
-        .column_by_name(SOURCE_PARTITION)
-        .and_then(|c| c.as_string_opt::<i32>())
-        .ok_or_else(|| missing(SOURCE_PARTITION))?;
-    let offsets = rows
-        .column_by_name(SOURCE_OFFSET)
-        .and_then(|c| c.as_primitive_opt::<Int64Type>())
-        .ok_or_else(|| missing(SOURCE_OFFSET))?;
-    let mut ranges: BTreeMap<PartitionId, OffsetRange> = BTreeMap::new();
-    for (p, o) in partitions.iter().zip(offsets.iter()) {
-        let (Some(p), Some(o)) = (p, o) else { continue };
-        let r = ranges
-            .entry(p.to_string())
-            .or_insert(OffsetRange::new(o, o + 1));
-        r.start = r.start.min(o);
-        r.end = r.end.max(o + 1);
+    let mut found: BTreeMap<PartitionId, OffsetRange> = BTreeMap::new();
+    let mut chunks = ChunkedRead::new(source, ranges);
+    while let Some((rows, _)) = chunks.next(future).await? {
+        let rows = rows_in_period(&rows, column, from, to)?;
+        let partitions = rows
+            .column_by_name(SOURCE_PARTITION)
+            .and_then(|c| c.as_string_opt::<i32>())
+            .ok_or_else(|| missing(SOURCE_PARTITION))?;
+        let offsets = rows
+            .column_by_name(SOURCE_OFFSET)
+            .and_then(|c| c.as_primitive_opt::<Int64Type>())
+            .ok_or_else(|| missing(SOURCE_OFFSET))?;
+        for (p, o) in partitions.iter().zip(offsets.iter()) {
+            let (Some(p), Some(o)) = (p, o) else { continue };
+            let r = found
+                .entry(p.to_string())
+                .or_insert(OffsetRange::new(o, o + 1));
+            r.start = r.start.min(o);
+            r.end = r.end.max(o + 1);
+        }
     }
-    Ok(ranges)
+    Ok(found)
 }
 
 #[cfg(test)]
@@ -701,6 +771,41 @@ mod tests {
         );
         let e = "0:x".parse::<Bound>().unwrap_err().to_string();
         assert!(e.contains("'0:x' is not partition:offset"), "{e}");
+    }
+
+    /// Every corpus line, and arbitrary text: parsed or refused with a message, never a panic;
+    /// what parses names only non-negative offsets and prints back to the same bound.
+    fn exercise(text: &str) {
+        if let Ok(Bound::Offsets(offsets)) = text.parse::<Bound>() {
+            assert!(offsets.values().all(|o| *o >= 0));
+            let again: String = offsets
+                .iter()
+                .map(|(p, o)| format!("{p}:{o}"))
+                .collect::<Vec<_>>()
+                .join(",");
+            assert_eq!(again.parse::<Bound>().unwrap(), Bound::Offsets(offsets));
+        }
+    }
+
+    #[test]
+    fn fuzz_corpus_offset_ranges_parse_without_panics() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../fuzz/corpus/offset_ranges/ranges.txt");
+        for line in std::fs::read_to_string(path).unwrap().lines() {
+            exercise(line);
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config::with_cases(512))]
+        #[test]
+        fn fuzz_arbitrary_offset_ranges_parse_without_panics(
+            text in proptest::prelude::any::<String>(),
+            pairs in "([a-z0-9:]{0,6}:-?[0-9]{0,22},?){0,5}",
+        ) {
+            exercise(&text);
+            exercise(&pairs);
+        }
     }
 
     #[test]

@@ -9,8 +9,13 @@
 //! ```
 //!
 //! Nothing here is trusted on its own: the output table's `txn` version says which manifest is
-//! live (see [`crate::driver`]). Files of a batch that never committed are simply overwritten or
-//! garbage-collected.
+//! live (see [`crate::driver`]).
+//!
+//! Nothing here is overwritten either, so a stale twin of the job (a paused process that lost
+//! its lease, see [`crate::lease`]) cannot change what a committed batch points to: intents and
+//! manifests are written put-if-absent, and a run finding one already written for its batch
+//! adopts it (the same intent gives the same batch). Files of a batch that never committed are
+//! garbage-collected after a later commit.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -82,6 +87,22 @@ impl CheckpointStore {
     pub async fn get(&self, rel: &str) -> Result<Option<bytes::Bytes>> {
         match self.store.get(&self.path(rel)).await {
             Ok(r) => Ok(Some(r.bytes().await?)),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Reads `rel` and when it was last written (the store's clock), or `None` if it does not
+    /// exist.
+    pub async fn get_with_modified(
+        &self,
+        rel: &str,
+    ) -> Result<Option<(bytes::Bytes, chrono::DateTime<chrono::Utc>)>> {
+        match self.store.get(&self.path(rel)).await {
+            Ok(r) => {
+                let modified = r.meta.last_modified;
+                Ok(Some((r.bytes().await?, modified)))
+            }
             Err(object_store::Error::NotFound { .. }) => Ok(None),
             Err(e) => Err(e.into()),
         }
@@ -169,7 +190,8 @@ impl CheckpointStore {
         }
     }
 
-    /// Deletes everything under `rel`.
+    /// Deletes everything under `rel` — on a local disk the emptied directories too, so a
+    /// long-running job does not leave one empty directory per purged batch behind.
     pub async fn delete_folder(&self, rel: &str) -> Result<()> {
         let paths: Vec<Path> = self
             .store
@@ -183,8 +205,30 @@ impl CheckpointStore {
                 Err(e) => return Err(e.into()),
             }
         }
+        if self.url.scheme() == "file"
+            && let Ok(root) = self.url.to_file_path()
+        {
+            let dir = rel
+                .split('/')
+                .filter(|s| !s.is_empty())
+                .fold(root, |d, s| d.join(s));
+            remove_empty_dirs(&dir);
+        }
         Ok(())
     }
+}
+
+/// Removes `dir` and its subdirectories, deepest first, where they are empty (a directory a
+/// twin wrote into meanwhile stays).
+fn remove_empty_dirs(dir: &std::path::Path) {
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for entry in entries.flatten() {
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                remove_empty_dirs(&entry.path());
+            }
+        }
+    }
+    let _ = std::fs::remove_dir(dir);
 }
 
 /// What a batch will read, fixed before it reads anything, so a rerun reads exactly the same.
@@ -197,6 +241,31 @@ pub struct BatchIntent {
     /// Partitions counted as idle for the watermark (decided at planning, from the wall clock).
     #[serde(default)]
     pub idle: BTreeSet<(String, PartitionId)>,
+    /// The wall clock when the batch was planned (µs since the epoch): event times more than
+    /// `max_event_time_skew` ahead of it are dead letters, the same on every rerun. `None` in
+    /// intents written before it was recorded: judged by the clock of the rerun.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub planned_at_micros: Option<i64>,
+    /// Partitions found behind the committed offsets at planning (their log went backwards),
+    /// each becoming one dead letter of this batch; see [`crate::source::Source::offsets_behind`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub skipped: Vec<SkippedOffsets>,
+}
+
+/// Offsets of a partition that will never be read: its log went backwards below what the job
+/// committed, and the source chose to skip rather than stop.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SkippedOffsets {
+    /// The source.
+    pub source: String,
+    /// The partition.
+    pub partition: PartitionId,
+    /// Its latest offset at planning.
+    pub latest: i64,
+    /// Where the job's committed batches end, and where reading resumes.
+    pub committed_end: i64,
+    /// The dead letter's reason, as the source words it.
+    pub reason: String,
 }
 
 /// Everything a restart needs, written before the batch's commit and live once it lands.
@@ -223,6 +292,13 @@ pub struct BatchManifest {
     /// (the offsets available at planning time are not recorded).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub lag: SourceOffsets,
+    /// The clock the batch judged event times by (its intent's), µs since the epoch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub planned_at_micros: Option<i64>,
+    /// Partitions whose latest offset was below their committed end when this batch was
+    /// planned, by the committed end (already dead-lettered: not reported again while it holds).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub behind: SourceOffsets,
 }
 
 /// Row counts of one batch.
@@ -279,11 +355,32 @@ impl CheckpointStore {
         self.get_json(&batch_file(batch_id, "manifest.json")).await
     }
 
-    /// Writes the manifest of a batch (replacing a manifest left by an uncommitted earlier try).
-    pub async fn write_manifest(&self, manifest: &BatchManifest) -> Result<()> {
+    /// Writes the manifest of a batch unless one exists; returns the manifest in force — the
+    /// existing one if an earlier attempt at the batch (a crashed run, or a twin) wrote it
+    /// first. A manifest is never replaced: once its batch commits, it is what restart reads.
+    pub async fn write_manifest(&self, manifest: BatchManifest) -> Result<BatchManifest> {
         let rel = batch_file(manifest.batch_id, "manifest.json");
-        let bytes = self.to_json(&rel, manifest)?;
-        self.put(&rel, bytes).await
+        let bytes = self.to_json(&rel, &manifest)?;
+        if self.put_if_absent(&rel, bytes).await? {
+            return Ok(manifest);
+        }
+        self.get_json(&rel).await?.ok_or_else(|| {
+            Error::InvalidJob(format!(
+                "manifest {} vanished while being read",
+                self.display(&rel)
+            ))
+        })
+    }
+
+    /// The newest batch folder in the checkpoint, if any.
+    pub async fn newest_batch_folder(&self) -> Result<Option<BatchId>> {
+        Ok(self
+            .list_folders("batches")
+            .await?
+            .iter()
+            .filter_map(|n| n.parse::<i64>().ok())
+            .max()
+            .map(BatchId))
     }
 
     /// Where the manifest of `batch_id` lives, for messages.
@@ -324,6 +421,8 @@ mod tests {
             batch_id: BatchId(3),
             ranges: SourceRanges::new(),
             idle: BTreeSet::new(),
+            planned_at_micros: Some(1),
+            skipped: Vec::new(),
         };
         let mut second = first.clone();
         second.idle.insert(("s".into(), "0".into()));
@@ -333,25 +432,50 @@ mod tests {
         assert_eq!(store.read_intent(BatchId(3)).await.unwrap(), Some(first));
     }
 
+    fn manifest(id: i64) -> BatchManifest {
+        BatchManifest {
+            batch_id: BatchId(id),
+            end_offsets: SourceOffsets::new(),
+            watermark_micros: None,
+            max_event_time: SourceOffsets::new(),
+            state_files: vec![],
+            counters: BatchCounters::default(),
+            lag: SourceOffsets::new(),
+            planned_at_micros: None,
+            behind: SourceOffsets::new(),
+        }
+    }
+
+    /// A manifest is never replaced: a second attempt at the batch gets the first one back.
+    #[tokio::test]
+    async fn a_manifest_is_written_once() {
+        let (_dir, store) = store();
+        let first = BatchManifest {
+            state_files: vec!["a".into()],
+            ..manifest(4)
+        };
+        let second = BatchManifest {
+            state_files: vec!["b".into()],
+            ..manifest(4)
+        };
+        assert_eq!(store.write_manifest(first.clone()).await.unwrap(), first);
+        assert_eq!(store.write_manifest(second).await.unwrap(), first);
+        assert_eq!(store.read_manifest(BatchId(4)).await.unwrap(), Some(first));
+        assert_eq!(store.newest_batch_folder().await.unwrap(), Some(BatchId(4)));
+    }
+
     #[tokio::test]
     async fn old_batches_are_purged() {
         let (_dir, store) = store();
         for id in 0..5 {
-            store
-                .write_manifest(&BatchManifest {
-                    batch_id: BatchId(id),
-                    end_offsets: SourceOffsets::new(),
-                    watermark_micros: None,
-                    max_event_time: SourceOffsets::new(),
-                    state_files: vec![],
-                    counters: BatchCounters::default(),
-                    lag: SourceOffsets::new(),
-                })
-                .await
-                .unwrap();
+            store.write_manifest(manifest(id)).await.unwrap();
         }
         assert_eq!(store.purge_batches_before(BatchId(3)).await.unwrap(), 3);
         assert!(store.read_manifest(BatchId(2)).await.unwrap().is_none());
         assert!(store.read_manifest(BatchId(3)).await.unwrap().is_some());
+        // No empty directory is left behind: listing the batches stays proportional to the
+        // batches kept.
+        let left = store.list_folders("batches").await.unwrap();
+        assert_eq!(left, ["3", "4"].map(String::from).into_iter().collect());
     }
 }

@@ -21,12 +21,20 @@
 //!                   └ [committed end, min(latest, committed end + budget)) per partition
 //! ```
 //!
+//! `Pipeline::run_batch` is those steps, one short method each, in that order.
+//!
 //! **Restart.** The output table is the source of truth: its `txn` version for the job is the
 //! last committed batch `V`; `batches/V/manifest.json` (written before commit `V`, live with it)
-//! gives the end offsets, the watermark and the state files. If `batches/V+1/intent.json` exists, batch `V+1` is
-//! rerun with exactly those ranges and idle set; the sink skips side tables that already hold
-//! `txn(job, V+1)`. Whatever step a crash interrupts, the rerun produces the same rows and
-//! commits them once.
+//! gives the end offsets, the watermark and the state files. If `batches/V+1/intent.json`
+//! exists, batch `V+1` is rerun with exactly those ranges, idle set and planning clock; the sink
+//! skips side tables that already hold `txn(job, V+1)`. Whatever step a crash interrupts, the
+//! rerun produces the same rows and commits them once.
+//!
+//! **One instance.** A run first takes the job's lease ([`crate::lease`]): a second `sluice
+//! run` of a live job stops with an error, one that finds a killed run's lease waits for it to
+//! expire. A run that lost its lease, or finds its batch committed by someone else, stops
+//! without writing further — and everything it might write before noticing is put-if-absent or
+//! named by its lease epoch, so it cannot corrupt the checkpoint of the run that took over.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -34,26 +42,26 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arrow::array::RecordBatch;
-use arrow::compute::{concat_batches, filter_record_batch};
 use arrow::datatypes::SchemaRef;
-use futures::future::try_join_all;
 use tokio::sync::watch;
-use tracing::info;
+use tracing::{info, warn};
 use url::Url;
 
-use crate::checkpoint::{BatchCounters, BatchIntent, BatchManifest, CheckpointStore};
+use crate::checkpoint::{
+    BatchCounters, BatchIntent, BatchManifest, CheckpointStore, SkippedOffsets,
+};
 use crate::dead_letter::{dead_letter_batch, dead_letter_from_row};
 use crate::error::{Error, Result};
-use crate::event_time::{EventTimeConfig, extract_event_time, schema_with_event_time};
-use crate::fault::crash_point;
-use crate::job::{Job, SourceSpec, Trigger};
+use crate::fault::{crash_point, pause_point};
+use crate::input::{FutureTimes, OpenSource, open_sources_and_query, read_source};
+use crate::job::{Job, Trigger};
+use crate::lease::{Lease, LeaseSettings};
 use crate::offsets::{
-    BatchId, OffsetRange, PartitionId, SourceOffsets, SourceRanges, display_offsets,
-    display_ranges, plan_ranges,
+    BatchId, OffsetRange, SourceOffsets, SourceRanges, display_offsets, display_ranges, plan_ranges,
 };
 use crate::query::{BatchWatermark, QuerySettings, StreamingQuery};
 use crate::sink::{BatchCommit, CommitOutcome, Sink};
-use crate::source::{DeadLetter, SOURCE_OFFSET, SOURCE_PARTITION, Source, SourceContext};
+use crate::source::DeadLetter;
 use crate::state_store::StateLog;
 use crate::watermark::{
     SourcePartition, Watermark, WatermarkRules, display_watermark, max_event_time_by_partition,
@@ -125,8 +133,12 @@ impl Job {
         let trigger = self.trigger;
         let result = async {
             let mut pipeline = Pipeline::open(self).await?;
-            pipeline.drive(trigger, stop_rx).await?;
-            Ok(pipeline.summary)
+            let driven = pipeline.drive(trigger, stop_rx).await;
+            // Released whether the run ended well or not, so the next run starts at once.
+            if let Err(error) = pipeline.lease.release().await {
+                warn!(%error, "could not release the job's lease; the next run waits for it to expire");
+            }
+            driven.map(|()| pipeline.summary)
         }
         .await;
         watcher.abort();
@@ -138,7 +150,7 @@ impl Job {
         let checkpoint = checkpoint_location(&self)?;
         let settings = query_settings(&self);
         let (sources, query) =
-            open_sources_and_query(self.sources, &self.sql, &settings, &checkpoint).await?;
+            open_sources_and_query(self.sources, &self.sql, &settings, &checkpoint, true).await?;
         Ok(Validation {
             sources: sources
                 .iter()
@@ -148,36 +160,6 @@ impl Job {
             plan: query.display_plan()?,
         })
     }
-}
-
-/// One opened source.
-pub(crate) struct OpenSource {
-    pub(crate) name: String,
-    pub(crate) source: Box<dyn Source>,
-    pub(crate) event_time: Option<EventTimeConfig>,
-    /// The schema the query sees (event-time column already converted).
-    pub(crate) schema: SchemaRef,
-}
-
-/// A job with its sources, query, sink and checkpoint open, positioned after its last commit.
-struct Pipeline {
-    job_id: String,
-    sources: Vec<OpenSource>,
-    query: StreamingQuery,
-    sink: Box<dyn Sink>,
-    checkpoint: CheckpointStore,
-    keep_batches: u32,
-    /// The next batch to run.
-    next_batch: BatchId,
-    /// End offsets of the last committed batch.
-    committed: SourceOffsets,
-    /// The latest offsets the sources reported when the pending batch was planned, for its lag.
-    latest_at_plan: SourceOffsets,
-    /// Watermark rules of the sources with event time.
-    rules: BTreeMap<String, WatermarkRules>,
-    /// The event-time watermark as of the last committed batch.
-    watermark: Watermark,
-    summary: RunSummary,
 }
 
 pub(crate) fn checkpoint_location(job: &Job) -> Result<CheckpointStore> {
@@ -208,6 +190,7 @@ pub(crate) fn query_settings(job: &Job) -> QuerySettings {
         output_mode: job.output_mode,
         key: job.key.clone(),
         state_ttl: job.state_ttl,
+        scalar_functions: Vec::new(),
         event_time: job
             .sources
             .iter()
@@ -216,49 +199,91 @@ pub(crate) fn query_settings(job: &Job) -> QuerySettings {
     }
 }
 
-pub(crate) async fn open_sources_and_query(
-    specs: Vec<SourceSpec>,
-    sql: &str,
-    settings: &QuerySettings,
-    checkpoint: &CheckpointStore,
-) -> Result<(Vec<OpenSource>, StreamingQuery)> {
-    let mut sources = Vec::with_capacity(specs.len());
-    for spec in specs {
-        let mut source = spec.source;
-        let ctx = SourceContext {
-            name: spec.name.clone(),
-            checkpoint: checkpoint.child("sources").child(&spec.name),
-        };
-        let mut schema = source.open(ctx).await?;
-        for col in [SOURCE_PARTITION, SOURCE_OFFSET] {
-            if schema.index_of(col).is_err() {
-                return Err(Error::source(
-                    &spec.name,
-                    format!("its batches lack the column {col}"),
-                ));
+/// A job with its sources, query, sink, checkpoint and lease open, positioned after its last
+/// commit.
+struct Pipeline {
+    job_id: String,
+    sources: Vec<OpenSource>,
+    query: StreamingQuery,
+    sink: Box<dyn Sink>,
+    checkpoint: CheckpointStore,
+    lease: Lease,
+    keep_batches: u32,
+    /// The next batch to run.
+    next_batch: BatchId,
+    /// End offsets of the last committed batch.
+    committed: SourceOffsets,
+    /// The latest offsets the sources reported when the pending batch was planned, for its lag.
+    latest_at_plan: SourceOffsets,
+    /// Watermark rules of the sources with event time.
+    rules: BTreeMap<String, WatermarkRules>,
+    /// The event-time watermark as of the last committed batch.
+    watermark: Watermark,
+    /// Partitions behind their committed end offset (already reported), by that end.
+    behind: SourceOffsets,
+    summary: RunSummary,
+}
+
+/// One batch on its way through the steps: its intent, what it has produced so far, and how
+/// long each step took.
+struct Batch {
+    intent: BatchIntent,
+    started: Instant,
+    /// The clock event times are judged against: the intent's planning time.
+    clock: i64,
+    /// End offsets of every partition after this batch.
+    end_offsets: SourceOffsets,
+    /// Per source and partition, the newest event time among the rows read.
+    max_event_time: SourceOffsets,
+    counters: BatchCounters,
+    dead_letters: Vec<RecordBatch>,
+    late: Vec<RecordBatch>,
+    times: StepTimes,
+}
+
+/// Wall time of the steps of one batch.
+#[derive(Debug, Default)]
+struct StepTimes {
+    read: Duration,
+    execute: Duration,
+    checkpoint: Duration,
+    commit: Duration,
+    purge: Duration,
+}
+
+impl Batch {
+    fn new(intent: BatchIntent, committed: &SourceOffsets) -> Batch {
+        let mut end_offsets = committed.clone();
+        for (source, parts) in &intent.ranges {
+            let ends = end_offsets.entry(source.clone()).or_default();
+            for (p, r) in parts {
+                ends.insert(p.clone(), r.end);
             }
         }
-        if let Some(time) = &spec.event_time {
-            schema = schema_with_event_time(&schema, &time.column)
-                .map_err(|e| Error::source(&spec.name, e))?;
+        let clock = intent
+            .planned_at_micros
+            .unwrap_or_else(|| chrono::Utc::now().timestamp_micros());
+        Batch {
+            intent,
+            started: Instant::now(),
+            clock,
+            end_offsets,
+            max_event_time: SourceOffsets::new(),
+            counters: BatchCounters::default(),
+            dead_letters: Vec::new(),
+            late: Vec::new(),
+            times: StepTimes::default(),
         }
-        sources.push(OpenSource {
-            name: spec.name,
-            source,
-            event_time: spec.event_time,
-            schema,
-        });
     }
-    let schemas: Vec<(String, SchemaRef)> = sources
-        .iter()
-        .map(|s| (s.name.clone(), Arc::clone(&s.schema)))
-        .collect();
-    let query = StreamingQuery::plan(sql, &schemas, settings).await?;
-    Ok((sources, query))
+
+    fn id(&self) -> BatchId {
+        self.intent.batch_id
+    }
 }
 
 impl Pipeline {
-    /// Opens everything and finds where the job stands from the output table.
+    /// Opens everything, takes the job's lease, and finds where the job stands from the output
+    /// table.
     async fn open(job: Job) -> Result<Pipeline> {
         let checkpoint = checkpoint_location(&job)?;
         let settings = query_settings(&job);
@@ -271,16 +296,19 @@ impl Pipeline {
             ..
         } = job;
         let (sources, mut query) =
-            open_sources_and_query(sources, &sql, &settings, &checkpoint).await?;
+            open_sources_and_query(sources, &sql, &settings, &checkpoint, false).await?;
+        let lease = Lease::acquire(&checkpoint, &job_id, LeaseSettings::default()).await?;
         sink.open(&job_id, query.output_tables()).await?;
         let last = sink.committed_batch(&job_id).await?;
-        let (next_batch, committed, watermark, state_files) =
+        refuse_leftovers(&checkpoint, sink.as_ref(), &job_id, last).await?;
+        let (next_batch, committed, watermark, state_files, behind) =
             match last {
                 None => (
                     BatchId(0),
                     SourceOffsets::new(),
                     Watermark::default(),
                     vec![],
+                    SourceOffsets::new(),
                 ),
                 Some(v) => {
                     let manifest = checkpoint.read_manifest(v).await?.ok_or_else(|| {
@@ -297,19 +325,15 @@ impl Pipeline {
                         manifest.end_offsets,
                         watermark,
                         manifest.state_files,
+                        manifest.behind,
                     )
                 }
             };
         // The state the last committed batch left, from the files its manifest lists.
-        if let Some(stateful) = query.stateful_mut() {
-            stateful
-                .restore(
-                    StateLog::new(&checkpoint),
-                    &state_files,
-                    watermark.current(),
-                )
-                .await?;
-        }
+        let log = StateLog::new(&checkpoint, lease.epoch());
+        query
+            .restore_state(log, &state_files, watermark.current())
+            .await?;
         let rules = sources
             .iter()
             .filter_map(|s| {
@@ -321,7 +345,7 @@ impl Pipeline {
                 Some((s.name.clone(), rules))
             })
             .collect();
-        info!(job_id, last_committed = ?last.map(|b| b.0), checkpoint = %checkpoint.url(), "job opened");
+        info!(job_id, last_committed = ?last.map(|b| b.0), checkpoint = %checkpoint.url(), lease_epoch = lease.epoch(), "job opened");
         let summary = RunSummary {
             last_batch: last,
             location: Some(sink.location().clone()),
@@ -333,12 +357,14 @@ impl Pipeline {
             query,
             sink,
             checkpoint,
+            lease,
             keep_batches,
             next_batch,
             committed,
             latest_at_plan: SourceOffsets::new(),
             rules,
             watermark,
+            behind,
             summary,
         })
     }
@@ -396,12 +422,17 @@ impl Pipeline {
     /// planned afresh (capped at `limit`) and recorded put-if-absent. `None` if there is nothing
     /// to read.
     async fn plan(&mut self, limit: Option<&SourceOffsets>) -> Result<Option<BatchIntent>> {
+        pause_point("before_plan", self.next_batch).await;
+        // Checked against the store, not only the renewal's last look: a process that was
+        // paused past the lease's timeout must not plan (and write) a batch.
+        self.lease.verify().await?;
         self.latest_at_plan.clear();
         if let Some(intent) = self.checkpoint.read_intent(self.next_batch).await? {
             info!(batch_id = intent.batch_id.0, ranges = %display_ranges(&intent.ranges), "rerunning the intent of an uncommitted batch");
             return Ok(Some(intent));
         }
         let mut ranges = SourceRanges::new();
+        let mut skipped = Vec::new();
         for s in &self.sources {
             let available = s.source.available().await?;
             let committed = self.committed.get(&s.name);
@@ -410,10 +441,24 @@ impl Pipeline {
             let seen = self.latest_at_plan.entry(s.name.clone()).or_default();
             for (p, a) in available {
                 seen.insert(p.clone(), a.latest);
-                let from = committed
-                    .and_then(|c| c.get(&p))
-                    .copied()
-                    .unwrap_or(a.initial);
+                let end = committed.and_then(|c| c.get(&p)).copied();
+                let reported = self.behind.get(&s.name).and_then(|b| b.get(&p)).copied();
+                if let Some(end) = end
+                    && a.latest < end
+                    && reported != Some(end)
+                {
+                    // The log went backwards: stop (the source's error) or skip, once.
+                    let reason = s.source.offsets_behind(&p, end, a.latest)?;
+                    warn!(source = %s.name, partition = %p, latest = a.latest, committed_end = end, %reason, "a partition's log went backwards; its records below the committed end are skipped");
+                    skipped.push(SkippedOffsets {
+                        source: s.name.clone(),
+                        partition: p.clone(),
+                        latest: a.latest,
+                        committed_end: end,
+                        reason,
+                    });
+                }
+                let from = end.unwrap_or(a.initial);
                 let mut to = a.latest;
                 if let Some(cap) = limit
                     .and_then(|l| l.get(&s.name))
@@ -442,8 +487,8 @@ impl Pipeline {
             .flat_map(|r| r.values())
             .all(OffsetRange::is_empty);
         // With nothing to read, a batch is still worth it when partitions going idle let the
-        // watermark advance (windows close on it).
-        if nothing_to_read {
+        // watermark advance (windows close on it), or to record skipped offsets.
+        if nothing_to_read && skipped.is_empty() {
             let mut after = self.watermark.clone();
             let moved = after.advance(
                 &self.rules,
@@ -459,77 +504,100 @@ impl Pipeline {
             batch_id: self.next_batch,
             ranges,
             idle,
+            planned_at_micros: Some(chrono::Utc::now().timestamp_micros()),
+            skipped,
         };
         let intent = self.checkpoint.write_intent(intent).await?;
         crash_point("after_intent", intent.batch_id);
         Ok(Some(intent))
     }
 
-    /// Steps 3–10 for one batch.
+    /// Steps 3–10 for one batch, in order.
     async fn run_batch(&mut self, intent: BatchIntent) -> Result<()> {
-        let batch_id = intent.batch_id;
-        let started = Instant::now();
-        let mut counters = BatchCounters::default();
-        let mut dead_letters: Vec<RecordBatch> = Vec::new();
-        let mut late: Vec<RecordBatch> = Vec::new();
+        let mut batch = Batch::new(intent, &self.committed);
+        let inputs = self.read(&mut batch).await?;
+        let watermark = self.next_watermark(&batch);
+        let output = self.execute(&mut batch, inputs, &watermark).await?;
+        let manifest = self.write_manifest(&mut batch, &watermark).await?;
+        let outcome = self.commit(&mut batch, output, &manifest).await?;
+        self.purge(&mut batch).await?;
+        self.finish(batch, manifest, watermark, outcome);
+        Ok(())
+    }
 
-        // 3 read + 4 time: one batch of rows per source.
+    /// Steps 3 read + 4 time: one batch of rows per source; undecodable rows and rows without
+    /// a usable event time to dead letters; rows of windows the watermark in force has closed
+    /// to the late table (they still count in their open windows; the query leaves the closed
+    /// ones out).
+    async fn read(&self, batch: &mut Batch) -> Result<BTreeMap<String, RecordBatch>> {
         let t = Instant::now();
+        let future = FutureTimes::Clock(batch.clock);
         let mut inputs = BTreeMap::new();
-        let mut batch_max_event_time = SourceOffsets::new();
         for s in &self.sources {
             let empty = BTreeMap::new();
-            let ranges = intent.ranges.get(&s.name).unwrap_or(&empty);
-            let (rows, letters) = read_source(s, ranges).await?;
+            let ranges = batch.intent.ranges.get(&s.name).unwrap_or(&empty);
+            let (rows, letters) = read_source(s, ranges, &future).await?;
             if let Some(time) = &s.event_time {
-                let maxima = batch_max_event_time.entry(s.name.clone()).or_default();
+                let maxima = batch.max_event_time.entry(s.name.clone()).or_default();
                 max_event_time_by_partition(&rows, &time.column, maxima)?;
             }
-            // Rows of windows the watermark in force has closed: to the late table (they
-            // still count in their open windows; the query leaves the closed ones out).
-            if let Some(rows_late) =
+            let late =
                 self.query
-                    .late_rows(&s.name, &rows, self.watermark.current(), batch_id)?
-            {
-                counters.rows_late += rows_late.num_rows() as u64;
-                late.push(rows_late);
+                    .late_rows(&s.name, &rows, self.watermark.current(), batch.id())?;
+            if let Some(late) = late {
+                batch.counters.rows_late += late.num_rows() as u64;
+                batch.late.push(late);
             }
-            counters.rows_in += rows.num_rows() as u64;
-            counters.rows_dead_lettered += letters.len() as u64;
+            let mut letters = letters;
+            for skip in batch.intent.skipped.iter().filter(|k| k.source == s.name) {
+                letters.push(DeadLetter {
+                    partition: skip.partition.clone(),
+                    offset: skip.latest,
+                    position: format!("{}@{}", skip.partition, skip.latest),
+                    raw: Vec::new(),
+                    error: skip.reason.clone(),
+                });
+            }
+            batch.counters.rows_in += rows.num_rows() as u64;
+            batch.counters.rows_dead_lettered += letters.len() as u64;
             if !letters.is_empty() {
-                dead_letters.push(dead_letter_batch(&s.name, batch_id, &letters)?);
+                batch
+                    .dead_letters
+                    .push(dead_letter_batch(&s.name, batch.id(), &letters)?);
             }
             inputs.insert(s.name.clone(), rows);
         }
-        let read_time = t.elapsed();
+        batch.times.read = t.elapsed();
+        Ok(inputs)
+    }
 
-        // 6 watermark: from the newest event time per partition, over the non-idle ones. Known
-        // once the batch is read; the query needs it to emit the windows it closes.
-        let mut end_offsets = self.committed.clone();
-        for (source, parts) in &intent.ranges {
-            let ends = end_offsets.entry(source.clone()).or_default();
-            for (p, r) in parts {
-                ends.insert(p.clone(), r.end);
-            }
-        }
+    /// Step 6 watermark: from the newest event time per partition, over the non-idle ones.
+    /// Known once the batch is read; the query needs it to emit the windows it closes.
+    fn next_watermark(&self, batch: &Batch) -> Watermark {
         let mut watermark = self.watermark.clone();
         watermark.advance(
             &self.rules,
-            &batch_max_event_time,
-            &event_time_partitions(&self.rules, &end_offsets),
-            &intent.idle,
+            &batch.max_event_time,
+            &event_time_partitions(&self.rules, &batch.end_offsets),
+            &batch.intent.idle,
         );
+        watermark
+    }
 
-        // 5 execute (+ 7 emit).
+    /// Steps 5 execute + 7 emit: the query over the batch (failing rows to dead letters);
+    /// a stateful query merges into its state and emits what the new watermark closes.
+    async fn execute(
+        &mut self,
+        batch: &mut Batch,
+        inputs: BTreeMap<String, RecordBatch>,
+        watermark: &Watermark,
+    ) -> Result<Vec<RecordBatch>> {
         let t = Instant::now();
-        let batch_watermark = BatchWatermark {
+        let step = BatchWatermark {
             before: self.watermark.current(),
             after: watermark.current(),
         };
-        let output = self
-            .query
-            .execute_isolating(&inputs, batch_watermark)
-            .await?;
+        let output = self.query.execute_isolating(&inputs, step).await?;
         drop(inputs);
         let mut failed_by_source: BTreeMap<&str, Vec<DeadLetter>> = BTreeMap::new();
         for failed in &output.failed {
@@ -540,71 +608,137 @@ impl Pipeline {
                 .push(letter);
         }
         for (source, letters) in failed_by_source {
-            dead_letters.push(dead_letter_batch(source, batch_id, &letters)?);
+            batch
+                .dead_letters
+                .push(dead_letter_batch(source, batch.id(), &letters)?);
         }
-        counters.rows_dead_lettered += output.failed.len() as u64;
-        counters.rows_out = output.batches.iter().map(|b| b.num_rows() as u64).sum();
-        let execute_time = t.elapsed();
+        batch.counters.rows_dead_lettered += output.failed.len() as u64;
+        batch.counters.rows_out = output.batches.iter().map(|b| b.num_rows() as u64).sum();
+        batch.times.execute = t.elapsed();
+        Ok(output.batches)
+    }
 
-        // 8 manifest: state files, then end offsets of every partition, the watermark and the
-        // state file list — live once the commit lands.
+    /// Step 8 manifest: state files, then the end offsets of every partition, the watermark and
+    /// the state file list — written put-if-absent, live once the commit lands. If an earlier
+    /// attempt at this batch wrote the manifest first (a crashed run, a twin), that one is
+    /// adopted: the same intent gave the same batch.
+    async fn write_manifest(
+        &mut self,
+        batch: &mut Batch,
+        watermark: &Watermark,
+    ) -> Result<BatchManifest> {
         let t = Instant::now();
-        let mut state_files = Vec::new();
-        if let Some(stateful) = self.query.stateful_mut() {
-            let written = stateful.write_state(batch_id).await?;
-            counters.state_bytes_written = written.bytes_written;
-            state_files = written.live_files;
-            crash_point("after_state", batch_id);
+        let id = batch.id();
+        let state = self.query.write_state(id).await?;
+        if let Some(written) = &state {
+            batch.counters.state_bytes_written = written.bytes_written;
+            crash_point("after_state", id);
         }
         if let Some(size) = self.query.state_size() {
-            counters.state_rows = size.rows;
-            counters.state_bytes = size.bytes;
+            batch.counters.state_rows = size.rows;
+            batch.counters.state_bytes = size.bytes;
         }
-        let lag = consumer_lag(&self.latest_at_plan, &end_offsets);
         let manifest = BatchManifest {
-            batch_id,
-            end_offsets,
+            batch_id: id,
+            end_offsets: batch.end_offsets.clone(),
             watermark_micros: watermark.current(),
             max_event_time: watermark.max_event_time().clone(),
-            state_files,
-            counters: counters.clone(),
-            lag,
+            state_files: state.map(|s| s.live_files).unwrap_or_default(),
+            counters: batch.counters.clone(),
+            lag: consumer_lag(&self.latest_at_plan, &batch.end_offsets),
+            planned_at_micros: batch.intent.planned_at_micros,
+            behind: still_behind(&self.behind, &batch.intent.skipped, &batch.end_offsets),
         };
-        self.checkpoint.write_manifest(&manifest).await?;
-        crash_point("after_manifest", batch_id);
-        let manifest_time = t.elapsed();
+        let in_force = self.checkpoint.write_manifest(manifest.clone()).await?;
+        let same_batch = in_force.end_offsets == manifest.end_offsets
+            && in_force.watermark_micros == manifest.watermark_micros;
+        if !same_batch {
+            return Err(Error::InvalidJob(format!(
+                "the manifest {} was written by another run of batch {id} with other end offsets \
+                 or watermark than this run's ({} / {} here): the checkpoint belongs to another \
+                 job or another version of its input. Give the job a fresh checkpoint",
+                self.checkpoint.manifest_location(id),
+                display_offsets(&manifest.end_offsets),
+                display_watermark(manifest.watermark_micros),
+            )));
+        }
+        if in_force.state_files != manifest.state_files {
+            info!(
+                batch_id = id.0,
+                "adopting the manifest an earlier attempt at this batch wrote"
+            );
+            self.query.adopt_state(&in_force.state_files).await?;
+        }
+        crash_point("after_manifest", id);
+        batch.times.checkpoint = t.elapsed();
+        Ok(in_force)
+    }
 
-        // 9 commit: side tables, then one output commit carrying txn(job, batch).
+    /// Step 9 commit: side tables, then one output commit carrying txn(job, batch). The output
+    /// table already holding the batch means another instance of the job committed it.
+    async fn commit(
+        &mut self,
+        batch: &mut Batch,
+        output: Vec<RecordBatch>,
+        manifest: &BatchManifest,
+    ) -> Result<CommitOutcome> {
         let t = Instant::now();
+        let id = batch.id();
         let manifest_json =
-            serde_json::to_value(&manifest).map_err(|source| Error::CheckpointFormat {
-                path: self.checkpoint.manifest_location(batch_id),
+            serde_json::to_value(manifest).map_err(|source| Error::CheckpointFormat {
+                path: self.checkpoint.manifest_location(id),
                 source,
             })?;
+        self.lease.check()?;
         let outcome = self
             .sink
             .commit(BatchCommit {
-                batch_id,
-                output: output.batches,
-                dead_letters,
-                late,
+                batch_id: id,
+                output,
+                dead_letters: std::mem::take(&mut batch.dead_letters),
+                late: std::mem::take(&mut batch.late),
                 manifest: manifest_json,
             })
             .await?;
-        crash_point("after_commit", batch_id);
-        let commit_time = t.elapsed();
-
-        // 10 purge: keep the last `keep_batches` batch folders; delete state files no longer
-        // live. (Windows closed by the watermark left the state in step 7.)
-        let t = Instant::now();
-        let keep_from = BatchId(batch_id.0 + 1 - i64::from(self.keep_batches));
-        self.checkpoint.purge_batches_before(keep_from).await?;
-        if let Some(stateful) = self.query.stateful_mut() {
-            stateful.collect_garbage().await?;
+        if outcome == CommitOutcome::AlreadyCommitted {
+            return Err(Error::AnotherInstance {
+                job_id: self.job_id.clone(),
+                batch_id: id,
+                table: self.sink.location().to_string(),
+            });
         }
-        let purge_time = t.elapsed();
+        crash_point("after_commit", id);
+        batch.times.commit = t.elapsed();
+        Ok(outcome)
+    }
 
-        self.committed = manifest.end_offsets;
+    /// Step 10 purge: keep the last `keep_batches` batch folders; delete the state files of
+    /// batches up to this one that are no longer live. (Windows closed by the watermark left
+    /// the state in step 7.)
+    async fn purge(&mut self, batch: &mut Batch) -> Result<()> {
+        let t = Instant::now();
+        let keep_from = BatchId(batch.id().0 + 1 - i64::from(self.keep_batches));
+        self.checkpoint.purge_batches_before(keep_from).await?;
+        self.query.collect_state_garbage(batch.id()).await?;
+        batch.times.purge = t.elapsed();
+        Ok(())
+    }
+
+    /// The batch is done: move the job's position past it, add it to the run's summary, log it.
+    fn finish(
+        &mut self,
+        batch: Batch,
+        manifest: BatchManifest,
+        mut watermark: Watermark,
+        outcome: CommitOutcome,
+    ) {
+        let Batch {
+            intent,
+            started,
+            counters,
+            times,
+            ..
+        } = batch;
         watermark.saw_data(
             intent.ranges.iter().flat_map(|(source, parts)| {
                 parts
@@ -614,10 +748,12 @@ impl Pipeline {
             }),
             Instant::now(),
         );
+        self.committed = manifest.end_offsets.clone();
+        self.behind = manifest.behind.clone();
         self.watermark = watermark;
-        self.next_batch = batch_id.next();
+        self.next_batch = intent.batch_id.next();
         self.summary.batches_committed += 1;
-        self.summary.last_batch = Some(batch_id);
+        self.summary.last_batch = Some(intent.batch_id);
         self.summary.rows_in += counters.rows_in;
         self.summary.rows_out += counters.rows_out;
         self.summary.rows_dead_lettered += counters.rows_dead_lettered;
@@ -629,13 +765,13 @@ impl Pipeline {
             state_rows: counters.state_rows,
             state_bytes: counters.state_bytes,
         });
-        let (files, bytes, already) = match outcome {
-            CommitOutcome::Committed { files, bytes, .. } => (files, bytes, false),
-            CommitOutcome::AlreadyCommitted => (0, 0, true),
+        let (files, bytes) = match outcome {
+            CommitOutcome::Committed { files, bytes, .. } => (files, bytes),
+            CommitOutcome::AlreadyCommitted => (0, 0),
         };
         info!(
             job_id = %self.job_id,
-            batch_id = batch_id.0,
+            batch_id = intent.batch_id.0,
             ranges = %display_ranges(&intent.ranges),
             lag = %display_offsets(&manifest.lag),
             watermark = %display_watermark(manifest.watermark_micros),
@@ -650,17 +786,84 @@ impl Pipeline {
             state_bytes_written = counters.state_bytes_written,
             files_written = files,
             bytes_written = bytes,
-            already_committed = already,
-            read_ms = ms(read_time),
-            execute_ms = ms(execute_time),
-            checkpoint_ms = ms(manifest_time),
-            commit_ms = ms(commit_time),
-            purge_ms = ms(purge_time),
+            read_ms = ms(times.read),
+            execute_ms = ms(times.execute),
+            checkpoint_ms = ms(times.checkpoint),
+            commit_ms = ms(times.commit),
+            purge_ms = ms(times.purge),
             total_ms = ms(started.elapsed()),
             "batch committed"
         );
-        Ok(())
     }
+}
+
+/// Refuses to continue over what an earlier life of the job left behind: a checkpoint holding
+/// batches the output table never committed (the table was deleted, the checkpoint kept), or a
+/// side table holding a later batch than the output (the output and checkpoint were deleted,
+/// the side table kept) — skipping its write would silently lose this run's rows. A side table
+/// one batch ahead is fine when that batch's intent is pending: it committed its side tables,
+/// then crashed before the output.
+async fn refuse_leftovers(
+    checkpoint: &CheckpointStore,
+    sink: &dyn Sink,
+    job_id: &str,
+    last: Option<BatchId>,
+) -> Result<()> {
+    let next = last.map_or(BatchId(0), BatchId::next);
+    if last.is_none()
+        && let Some(newest) = checkpoint.newest_batch_folder().await?
+        && newest.0 > 0
+    {
+        return Err(Error::StaleCheckpoint {
+            job_id: job_id.to_string(),
+            table: sink.location().to_string(),
+            checkpoint: checkpoint.url().to_string(),
+            newest: newest.0,
+        });
+    }
+    let pending = checkpoint.read_intent(next).await?.is_some();
+    for side in sink.side_table_batches(job_id).await? {
+        let Some(found) = side.last_batch else {
+            continue;
+        };
+        if found > next || (found == next && !pending) {
+            return Err(Error::SideTableAhead {
+                role: side.role,
+                table: side.location,
+                job_id: job_id.to_string(),
+                found,
+                expected: match last {
+                    Some(v) => format!("the output table, which holds batch {v}"),
+                    None => "the output table, which holds no batch of the job".to_string(),
+                },
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The partitions reported behind their committed end (before, or by this batch's intent)
+/// whose end has not moved since: reported once, not again while they stay behind.
+fn still_behind(
+    reported: &SourceOffsets,
+    skipped: &[SkippedOffsets],
+    ends: &SourceOffsets,
+) -> SourceOffsets {
+    let mut behind = SourceOffsets::new();
+    let all = reported
+        .iter()
+        .flat_map(|(s, parts)| parts.iter().map(move |(p, e)| (s.clone(), p.clone(), *e)))
+        .chain(
+            skipped
+                .iter()
+                .map(|k| (k.source.clone(), k.partition.clone(), k.committed_end)),
+        );
+    for (source, partition, end) in all {
+        if ends.get(&source).and_then(|e| e.get(&partition)) == Some(&end) {
+            behind.entry(source).or_default().insert(partition, end);
+        }
+    }
+    behind
 }
 
 /// Every partition of every source with event time, as far as the offsets know them.
@@ -701,45 +904,4 @@ fn consumer_lag(latest: &SourceOffsets, ends: &SourceOffsets) -> SourceOffsets {
 
 fn ms(d: Duration) -> u64 {
     d.as_millis() as u64
-}
-
-/// Reads every range of one source (partitions concurrently), parses event time, and returns
-/// the rows as one batch plus the dead letters.
-pub(crate) async fn read_source(
-    s: &OpenSource,
-    ranges: &BTreeMap<PartitionId, OffsetRange>,
-) -> Result<(RecordBatch, Vec<DeadLetter>)> {
-    let reads = try_join_all(
-        ranges
-            .iter()
-            .filter(|(_, r)| !r.is_empty())
-            .map(|(p, r)| s.source.read(p, *r)),
-    )
-    .await?;
-    let mut letters = Vec::new();
-    let mut batches = Vec::new();
-    for read in reads {
-        letters.extend(read.dead_letters);
-        for batch in read.batches {
-            match &s.event_time {
-                None => batches.push(batch),
-                Some(time) => {
-                    let (parsed, bad) =
-                        extract_event_time(&batch, time).map_err(|e| Error::source(&s.name, e))?;
-                    if bad.is_empty() {
-                        batches.push(parsed);
-                        continue;
-                    }
-                    let mut keep = vec![true; batch.num_rows()];
-                    for b in &bad {
-                        keep[b.row] = false;
-                        letters.push(dead_letter_from_row(&batch.slice(b.row, 1), &b.reason)?);
-                    }
-                    batches.push(filter_record_batch(&parsed, &keep.into())?);
-                }
-            }
-        }
-    }
-    let rows = concat_batches(&s.schema, &batches)?;
-    Ok((rows, letters))
 }

@@ -49,6 +49,90 @@ pub enum Error {
         /// Where the manifest should be.
         path: String,
     },
+    /// Another instance of the job holds its lease and is alive.
+    #[error(
+        "job '{job_id}' is already running: its lease in {location} is held by {holder}, which \
+         keeps renewing it. Stop that run first (a run that was killed stops renewing, and its \
+         lease is taken over after {}s without waiting for anyone)",
+        timeout.as_secs_f64()
+    )]
+    LeaseHeld {
+        /// The job.
+        job_id: String,
+        /// Who holds it: host, pid, epoch.
+        holder: String,
+        /// The lease folder.
+        location: String,
+        /// How long a lease lives without renewal.
+        timeout: std::time::Duration,
+    },
+    /// This run lost the job's lease (another instance took over, or renewals failed).
+    #[error(
+        "job '{job_id}' lost its lease (epoch {epoch} in {location}): another instance took the \
+         job over, or the lease could not be renewed in time (store down, process paused). This \
+         run stopped without committing further; the batch in flight is the other instance's, \
+         or is rerun on restart"
+    )]
+    LeaseLost {
+        /// The job.
+        job_id: String,
+        /// This run's epoch.
+        epoch: u64,
+        /// The lease folder.
+        location: String,
+    },
+    /// The output table holds a batch this run was about to commit: another instance ran it.
+    #[error(
+        "another instance committed batch {batch_id} of job '{job_id}' to {table} while this run \
+         was processing it; this run stops without touching the checkpoint (restart it if the \
+         other instance is gone — it continues after the last committed batch)"
+    )]
+    AnotherInstance {
+        /// The job.
+        job_id: String,
+        /// The batch.
+        batch_id: BatchId,
+        /// The output table.
+        table: String,
+    },
+    /// A side table (dead letters, late rows) holds a later batch of the job than it may: it was
+    /// left by an earlier run whose output table or checkpoint was deleted since.
+    #[error(
+        "the {role} table {table} already holds batch {found} of job '{job_id}', ahead of \
+         {expected}: it was written by an earlier run of this job whose output table or \
+         checkpoint has been deleted since, and skipping it would lose this run's {role} rows. \
+         Delete it as well to reprocess from scratch, or give the job another {role} table \
+         path; nothing was committed"
+    )]
+    SideTableAhead {
+        /// "dead-letter" or "late".
+        role: String,
+        /// The side table.
+        table: String,
+        /// The job.
+        job_id: String,
+        /// The batch it holds.
+        found: BatchId,
+        /// What it is ahead of, in words.
+        expected: String,
+    },
+    /// The checkpoint holds batches the output table does not know: the table was deleted or
+    /// replaced while the checkpoint was kept.
+    #[error(
+        "the output table {table} holds no batch of job '{job_id}', but the job's checkpoint \
+         {checkpoint} holds batches up to {newest}: the table was deleted or replaced while the \
+         checkpoint was kept. Delete the checkpoint too to start over, or restore the table"
+    )]
+    StaleCheckpoint {
+        /// The job.
+        job_id: String,
+        /// The output table.
+        table: String,
+        /// The checkpoint.
+        checkpoint: String,
+        /// The newest batch folder in it.
+        newest: i64,
+    },
     /// A source failed; the message names the source and what it was reading.
     #[error("source '{source_name}': {message}")]
     Source {

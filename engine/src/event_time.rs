@@ -3,6 +3,15 @@
 //! A source names its event-time column and format in the job file. Here the column is parsed
 //! into `Timestamp(Microsecond, UTC)` in place; rows whose event time is missing or unparsable are
 //! returned separately so the driver can dead-letter them with the reason.
+//!
+//! Two more kinds of event time are refused, because one such row would wreck the watermark,
+//! which never moves backwards:
+//! - outside years 0001–9999 ([`MIN_EVENT_TIME`], [`MAX_EVENT_TIME`]; an epoch value that
+//!   overflows, say) — which also keeps all window arithmetic far inside `i64`;
+//! - more than `max_event_time_skew` (default one day) ahead of **the clock when the batch was
+//!   planned**. That clock is recorded in the batch intent, so a rerun judges every row the same;
+//!   backfill and reconcile reapply the live job's judgement from its dead-letter table (rows
+//!   whose reason starts with [`TOO_FAR_AHEAD`]) rather than a clock of their own.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,6 +24,15 @@ use arrow::datatypes::{DataType, Field, Int64Type, Schema, TimeUnit};
 use chrono::{DateTime, NaiveDateTime, Utc};
 
 use crate::error::{Error, Result};
+
+/// The earliest event time accepted: 0001-01-01T00:00:00Z, in µs since the epoch.
+pub const MIN_EVENT_TIME: i64 = -62_135_596_800_000_000;
+/// The latest event time accepted: 9999-12-31T23:59:59.999999Z, in µs since the epoch.
+pub const MAX_EVENT_TIME: i64 = 253_402_300_799_999_999;
+/// How the dead-letter reason of a row whose event time is too far ahead of the clock starts.
+pub const TOO_FAR_AHEAD: &str = "event time too far ahead of the clock";
+/// The default `max_event_time_skew`: one day.
+pub const DEFAULT_MAX_EVENT_TIME_SKEW: Duration = Duration::from_secs(86_400);
 
 /// The type every event-time column is converted to.
 pub fn event_time_type() -> DataType {
@@ -63,6 +81,22 @@ pub struct EventTimeConfig {
     pub max_out_of_orderness: Duration,
     /// After how long a silent partition stops holding the watermark back (`None`: never).
     pub idle_timeout: Option<Duration>,
+    /// Rows whose event time is further than this ahead of the clock at planning are dead
+    /// letters ([`DEFAULT_MAX_EVENT_TIME_SKEW`] unless set).
+    pub max_event_time_skew: Duration,
+}
+
+impl EventTimeConfig {
+    /// Event time in `column` with `format`, every other setting at its default.
+    pub fn new(column: impl Into<String>, format: EventTimeFormat) -> Self {
+        EventTimeConfig {
+            column: column.into(),
+            format,
+            max_out_of_orderness: Duration::ZERO,
+            idle_timeout: None,
+            max_event_time_skew: DEFAULT_MAX_EVENT_TIME_SKEW,
+        }
+    }
 }
 
 /// A row whose event time could not be read, with the reason.
@@ -97,12 +131,14 @@ pub fn schema_with_event_time(schema: &Schema, column: &str) -> Result<Arc<Schem
 
 /// Parses the event-time column of `batch` in place.
 ///
-/// Returns the batch with the column converted and the rows whose event time is missing or
-/// unparsable (those rows are still in the batch, with a null event time; the caller removes
-/// them).
+/// Returns the batch with the column converted and the rows whose event time is missing,
+/// unparsable, outside years 0001–9999, or — with a `clock` (µs since the epoch; the batch's
+/// planning time) — more than `max_event_time_skew` ahead of it. Those rows are still in the
+/// batch; the caller removes them.
 pub fn extract_event_time(
     batch: &RecordBatch,
     config: &EventTimeConfig,
+    clock: Option<i64>,
 ) -> Result<(RecordBatch, Vec<BadEventTime>)> {
     let schema = schema_with_event_time(&batch.schema(), &config.column)?;
     let idx = schema.index_of(&config.column)?;
@@ -165,13 +201,25 @@ pub fn extract_event_time(
                         bad.push(missing(row, &config.column));
                         None
                     } else {
-                        Some(ints.value(row).saturating_mul(scale))
+                        let v = ints.value(row);
+                        let micros = v.checked_mul(scale);
+                        if micros.is_none() {
+                            bad.push(out_of_range(row, &config.column, &v.to_string()));
+                        }
+                        micros
                     }
                 })
                 .collect()
         }
         (DataType::Timestamp(_, _) | DataType::Date32 | DataType::Date64, _) => {
-            let cast = cast::cast(input, &event_time_type())?;
+            let cast = cast::cast_with_options(
+                input,
+                &event_time_type(),
+                &cast::CastOptions {
+                    safe: true,
+                    ..Default::default()
+                },
+            )?;
             let ts = cast.as_primitive::<arrow::datatypes::TimestampMicrosecondType>();
             for row in 0..ts.len() {
                 if ts.is_null(row) {
@@ -187,10 +235,57 @@ pub fn extract_event_time(
             )));
         }
     };
+    let flagged: std::collections::HashSet<usize> = bad.iter().map(|b| b.row).collect();
+    let horizon = clock.map(|c| c.saturating_add(micros(config.max_event_time_skew)));
+    for (row, t) in parsed.iter().enumerate() {
+        let Some(t) = t else { continue };
+        if flagged.contains(&row) {
+            continue;
+        }
+        if !(MIN_EVENT_TIME..=MAX_EVENT_TIME).contains(&t) {
+            bad.push(out_of_range(row, &config.column, &t.to_string()));
+        } else if let (Some(horizon), Some(clock)) = (horizon, clock)
+            && t > horizon
+        {
+            bad.push(BadEventTime {
+                row,
+                reason: format!(
+                    "{TOO_FAR_AHEAD}: '{}' is {}, more than {} past {} (the clock when the batch \
+                     was planned); raise max_event_time_skew if such times are real",
+                    config.column,
+                    display_micros(t),
+                    humantime::format_duration(config.max_event_time_skew),
+                    display_micros(clock),
+                ),
+            });
+        }
+    }
+    bad.sort_by_key(|b| b.row);
     let parsed: ArrayRef = Arc::new(parsed.with_timezone("UTC"));
     let mut columns = batch.columns().to_vec();
     columns[idx] = parsed;
     Ok((RecordBatch::try_new(schema, columns)?, bad))
+}
+
+fn micros(d: Duration) -> i64 {
+    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
+}
+
+/// µs since the epoch as RFC 3339.
+fn display_micros(t: i64) -> String {
+    chrono::DateTime::from_timestamp_micros(t)
+        .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::AutoSi, true))
+        .unwrap_or_else(|| format!("{t} µs since the epoch"))
+}
+
+fn out_of_range(row: usize, column: &str, value: &str) -> BadEventTime {
+    BadEventTime {
+        row,
+        reason: format!(
+            "event time column '{column}': {value} is outside the years 0001 to 9999 \
+             (µs since the epoch, after applying event_time_format)"
+        ),
+    }
 }
 
 fn missing(row: usize, column: &str) -> BadEventTime {
@@ -203,17 +298,28 @@ fn missing(row: usize, column: &str) -> BadEventTime {
 fn parse_string(s: &str, format: &EventTimeFormat) -> std::result::Result<i64, String> {
     match format {
         EventTimeFormat::Rfc3339 => {
+            // Arrow's parser is lenient (a space for `T`, no offset) but works in nanoseconds,
+            // so it refuses years after 2262; chrono reads those, to be judged by range and skew.
             arrow::compute::kernels::cast_utils::string_to_datetime(&Utc, s)
                 .map(|t| t.timestamp_micros())
+                .or_else(|_| DateTime::parse_from_rfc3339(s.trim()).map(|t| t.timestamp_micros()))
+                .or_else(|_| {
+                    ["%Y-%m-%dT%H:%M:%S%.f", "%Y-%m-%d %H:%M:%S%.f"]
+                        .iter()
+                        .find_map(|p| NaiveDateTime::parse_from_str(s.trim(), p).ok())
+                        .map(|t| t.and_utc().timestamp_micros())
+                        .ok_or(())
+                })
                 .map_err(|_| "RFC 3339".to_string())
         }
         EventTimeFormat::EpochMillis | EventTimeFormat::EpochMicros => {
             let n: i64 = s.trim().parse().map_err(|_| format!("{format:?}"))?;
-            Ok(if *format == EventTimeFormat::EpochMillis {
-                n.saturating_mul(1000)
+            if *format == EventTimeFormat::EpochMillis {
+                n.checked_mul(1000)
+                    .ok_or_else(|| "epoch_millis (too large)".to_string())
             } else {
-                n
-            })
+                Ok(n)
+            }
         }
         EventTimeFormat::Strftime(pattern) => {
             if pattern.contains("%z") || pattern.contains("%:z") {
@@ -253,12 +359,7 @@ mod tests {
     use arrow::array::{Int64Array, StringArray};
 
     fn config(format: EventTimeFormat) -> EventTimeConfig {
-        EventTimeConfig {
-            column: "ts".into(),
-            format,
-            max_out_of_orderness: Duration::ZERO,
-            idle_timeout: None,
-        }
+        EventTimeConfig::new("ts", format)
     }
 
     fn batch(col: ArrayRef) -> RecordBatch {
@@ -273,7 +374,8 @@ mod tests {
             Some("yesterday"),
             None,
         ])));
-        let (out, bad) = extract_event_time(&input, &config(EventTimeFormat::Rfc3339)).unwrap();
+        let (out, bad) =
+            extract_event_time(&input, &config(EventTimeFormat::Rfc3339), None).unwrap();
         let ts = out
             .column(0)
             .as_primitive::<arrow::datatypes::TimestampMicrosecondType>();
@@ -287,7 +389,8 @@ mod tests {
     #[test]
     fn epoch_millis_and_strftime() {
         let input = batch(Arc::new(Int64Array::from(vec![1_714_564_800_000])));
-        let (out, bad) = extract_event_time(&input, &config(EventTimeFormat::EpochMillis)).unwrap();
+        let (out, bad) =
+            extract_event_time(&input, &config(EventTimeFormat::EpochMillis), None).unwrap();
         assert!(bad.is_empty());
         let ts = out
             .column(0)
@@ -296,12 +399,124 @@ mod tests {
 
         let input = batch(Arc::new(StringArray::from(vec!["01/05/2024 12:00:00"])));
         let format: EventTimeFormat = "%d/%m/%Y %H:%M:%S".parse().unwrap();
-        let (out, bad) = extract_event_time(&input, &config(format)).unwrap();
+        let (out, bad) = extract_event_time(&input, &config(format), None).unwrap();
         assert!(bad.is_empty());
         let ts = out
             .column(0)
             .as_primitive::<arrow::datatypes::TimestampMicrosecondType>();
         assert_eq!(ts.value(0), 1_714_564_800_000_000);
+    }
+
+    /// Year 9999 and an overflowing epoch value must not reach the watermark: the first is too
+    /// far ahead of the planning clock, the second out of range; a time within the skew passes.
+    #[test]
+    fn times_far_ahead_of_the_clock_or_out_of_range_are_refused() {
+        let clock = 1_714_564_800_000_000; // 2024-05-01T12:00:00Z
+        let input = batch(Arc::new(StringArray::from(vec![
+            "2024-05-01T13:00:00Z",
+            "9999-12-31T00:00:00Z",
+            "2024-05-03T12:00:00Z",
+        ])));
+        let (_, bad) =
+            extract_event_time(&input, &config(EventTimeFormat::Rfc3339), Some(clock)).unwrap();
+        assert_eq!(bad.iter().map(|b| b.row).collect::<Vec<_>>(), vec![1, 2]);
+        assert!(
+            bad[0].reason.starts_with(TOO_FAR_AHEAD),
+            "{}",
+            bad[0].reason
+        );
+        assert!(bad[0].reason.contains("1day"), "{}", bad[0].reason);
+        // Without a clock (a replay judging by the dead-letter table) only the range counts.
+        let (_, bad) = extract_event_time(&input, &config(EventTimeFormat::Rfc3339), None).unwrap();
+        assert!(bad.is_empty(), "{bad:?}");
+
+        let input = batch(Arc::new(Int64Array::from(vec![
+            i64::MAX,
+            -9_000_000_000_000_000,
+            1_714_564_800_000,
+        ])));
+        let (out, bad) =
+            extract_event_time(&input, &config(EventTimeFormat::EpochMillis), Some(clock)).unwrap();
+        assert_eq!(bad.iter().map(|b| b.row).collect::<Vec<_>>(), vec![0, 1]);
+        assert!(
+            bad[0].reason.contains("outside the years"),
+            "{}",
+            bad[0].reason
+        );
+        let ts = out
+            .column(0)
+            .as_primitive::<arrow::datatypes::TimestampMicrosecondType>();
+        assert_eq!(ts.value(2), clock);
+        let input = batch(Arc::new(StringArray::from(vec!["9223372036854775807"])));
+        let (_, bad) =
+            extract_event_time(&input, &config(EventTimeFormat::EpochMillis), None).unwrap();
+        assert_eq!(bad.len(), 1, "{bad:?}");
+    }
+
+    fn formats() -> Vec<EventTimeFormat> {
+        vec![
+            EventTimeFormat::Rfc3339,
+            EventTimeFormat::EpochMillis,
+            EventTimeFormat::EpochMicros,
+            EventTimeFormat::Strftime("%d/%m/%Y %H:%M:%S%.f".into()),
+            EventTimeFormat::Strftime("%Y-%m-%dT%H:%M:%S%z".into()),
+        ]
+    }
+
+    /// Parses `values` as strings in every format, and as integers in the epoch formats:
+    /// nothing panics, and every row is either parsed within years 0001–9999 or reported.
+    fn exercise(values: &[String], ints: &[i64], clock: i64) {
+        let strings = batch(Arc::new(StringArray::from(values.to_vec())));
+        let numbers = batch(Arc::new(Int64Array::from(ints.to_vec())));
+        for format in formats() {
+            for (input, epoch_only) in [(&strings, false), (&numbers, true)] {
+                if epoch_only
+                    && matches!(
+                        format,
+                        EventTimeFormat::Rfc3339 | EventTimeFormat::Strftime(_)
+                    )
+                {
+                    continue;
+                }
+                let (out, bad) =
+                    extract_event_time(input, &config(format.clone()), Some(clock)).unwrap();
+                let ts = out
+                    .column(0)
+                    .as_primitive::<arrow::datatypes::TimestampMicrosecondType>();
+                for row in 0..input.num_rows() {
+                    if bad.iter().any(|b| b.row == row) {
+                        continue;
+                    }
+                    let t = ts.value(row);
+                    assert!((MIN_EVENT_TIME..=MAX_EVENT_TIME).contains(&t), "{t}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn fuzz_corpus_parses_without_panics() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../fuzz/corpus/event_times/times.txt");
+        let text = std::fs::read_to_string(path).unwrap();
+        let values: Vec<String> = text.lines().map(str::to_string).collect();
+        let ints: Vec<i64> = text.lines().filter_map(|l| l.parse().ok()).collect();
+        exercise(&values, &ints, 1_714_564_800_000_000);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config::with_cases(256))]
+        #[test]
+        fn fuzz_arbitrary_event_times_parse_without_panics(
+            values in proptest::collection::vec(proptest::prelude::any::<String>(), 0..20),
+            timestamps in proptest::collection::vec("[+-]?[0-9]{1,7}-[0-9]{1,3}-[0-9]{1,3}[T ][0-9]{1,3}:[0-9]{1,3}:[0-9]{1,3}(\\.[0-9]{0,12})?(Z|[+-][0-9]{2}:?[0-9]{2})?", 0..20),
+            ints in proptest::collection::vec(proptest::prelude::any::<i64>(), 0..20),
+            clock in proptest::prelude::any::<i64>(),
+        ) {
+            let mut all = values;
+            all.extend(timestamps);
+            exercise(&all, &ints, clock);
+        }
     }
 
     #[test]

@@ -8,9 +8,11 @@
 //! Points, in the order a batch passes them: `after_intent`, `after_state` (windowed jobs: state
 //! files written, manifest not yet), `after_manifest`, `after_side_tables`, `after_commit`.
 //!
-//! Pause points are the same idea for races: `SLUICE_PAUSE_AT=<point>:<millis>` makes every pass
-//! through that point wait, so a test can make two writers' commits overlap on purpose.
-//! Point: `before_output_commit` (after the sink loaded the table, before it commits).
+//! Pause points are the same idea for races: `SLUICE_PAUSE_AT=<point>[:<batch>]:<millis>` makes
+//! passes through that point wait, so a test can make two writers' commits overlap on purpose,
+//! or stop a process at a precise step to play a paused machine. Points: `before_plan` (a
+//! batch about to be planned), `before_output_commit` (after the sink loaded the table, before
+//! it commits), `before_replacement` (a backfill about to replace what it covers).
 
 use std::sync::OnceLock;
 
@@ -55,17 +57,30 @@ pub fn crash_point(point: &str, batch_id: BatchId) {
 /// The environment variable that arms a pause point.
 pub const PAUSE_AT_ENV: &str = "SLUICE_PAUSE_AT";
 
-/// Waits if `SLUICE_PAUSE_AT` names this point (for every batch); unset, costs one comparison.
-pub async fn pause_point(point: &str) {
-    static ARMED: OnceLock<Option<(String, u64)>> = OnceLock::new();
+/// Waits if `SLUICE_PAUSE_AT` names this point: `<point>:<millis>` pauses every pass,
+/// `<point>:<batch>:<millis>` only the pass of that batch. Unset, costs one comparison. Logs
+/// `pause point reached` first, so a test can act while the process waits (stop it, start a
+/// twin).
+pub async fn pause_point(point: &str, batch_id: BatchId) {
+    static ARMED: OnceLock<Option<(String, Option<i64>, u64)>> = OnceLock::new();
     let armed = ARMED.get_or_init(|| {
         let spec = std::env::var(PAUSE_AT_ENV).ok()?;
-        let (point, millis) = spec.split_once(':')?;
-        Some((point.to_string(), millis.parse().ok()?))
+        let parts: Vec<&str> = spec.split(':').collect();
+        match parts.as_slice() {
+            [point, millis] => Some((point.to_string(), None, millis.parse().ok()?)),
+            [point, batch, millis] => Some((
+                point.to_string(),
+                Some(batch.parse().ok()?),
+                millis.parse().ok()?,
+            )),
+            _ => None,
+        }
     });
-    if let Some((armed_point, millis)) = armed
+    if let Some((armed_point, armed_batch, millis)) = armed
         && armed_point == point
+        && armed_batch.is_none_or(|b| b == batch_id.0)
     {
+        tracing::warn!(point, batch_id = batch_id.0, millis, "pause point reached");
         tokio::time::sleep(std::time::Duration::from_millis(*millis)).await;
     }
 }

@@ -31,8 +31,10 @@ pub mod driver;
 pub mod error;
 pub mod event_time;
 pub mod fault;
+pub mod input;
 pub mod job;
 pub mod late;
+pub mod lease;
 pub mod location;
 pub mod offsets;
 pub mod query;
@@ -52,7 +54,8 @@ pub use event_time::{EventTimeConfig, EventTimeFormat};
 pub use job::{Job, JobBuilder, SourceSpec, Trigger, parse_duration};
 pub use offsets::{BatchId, Offset, OffsetRange, PartitionId};
 pub use sink::{
-    BatchCommit, CommitOutcome, OutputMode, OutputTables, ReplacedWindows, Replacement, Sink,
+    BatchCommit, CommitOutcome, OutputMode, OutputTables, ReplacedWindows, Replacement,
+    SideTableBatch, Sink,
 };
 pub use source::{AvailableRange, DeadLetter, Source, SourceContext, SourceRead};
 

@@ -20,11 +20,13 @@ use std::time::Duration;
 
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
+use arrow::error::ArrowError;
 use datafusion::catalog::MemTable;
 use datafusion::common::Column;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
+use datafusion::error::DataFusionError;
 use datafusion::execution::SessionStateBuilder;
-use datafusion::logical_expr::{Expr, LogicalPlan, Projection};
+use datafusion::logical_expr::{Expr, LogicalPlan, Projection, ScalarUDF};
 use datafusion::prelude::{SessionConfig, SessionContext};
 
 use crate::aggregate_state::AggregateState;
@@ -32,6 +34,7 @@ use crate::error::{Error, Result};
 use crate::offsets::BatchId;
 use crate::sink::{OutputMode, OutputTables};
 use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION};
+use crate::state_store::{StateLog, StateWrite};
 use crate::stateful_aggregate::{StateSize, StatefulAggregate, StatefulSettings, plan_stateful};
 
 /// A row on which the query failed, with the error.
@@ -70,6 +73,8 @@ pub struct QuerySettings {
     pub key: Option<Vec<String>>,
     /// Running aggregates: how long a group outlives its newest event.
     pub state_ttl: Option<Duration>,
+    /// Scalar functions the SQL may call besides DataFusion's own.
+    pub scalar_functions: Vec<ScalarUDF>,
 }
 
 /// The watermark a batch runs under.
@@ -138,6 +143,9 @@ impl StreamingQuery {
             .with_optimizer_rules(rules)
             .build();
         let ctx = SessionContext::new_with_state(state);
+        for f in &settings.scalar_functions {
+            ctx.register_udf(f.clone());
+        }
         let mut tables = BTreeMap::new();
         for (name, schema) in sources {
             let empty = (0..partitions).map(|_| Vec::new()).collect();
@@ -252,9 +260,55 @@ impl StreamingQuery {
         }
     }
 
-    /// The stateful part, for the driver's state handling.
-    pub(crate) fn stateful_mut(&mut self) -> Option<&mut StatefulAggregate> {
-        self.stateful.as_mut()
+    /// Restores the state from the files a committed manifest lists (nothing for a stateless
+    /// query); see [`crate::state_store`].
+    ///
+    /// # Errors
+    /// If a listed file is missing or unreadable.
+    pub async fn restore_state(
+        &mut self,
+        log: StateLog,
+        files: &[String],
+        watermark: Option<i64>,
+    ) -> Result<()> {
+        match self.stateful.as_mut() {
+            Some(stateful) => stateful.restore(log, files, watermark).await,
+            None => Ok(()),
+        }
+    }
+
+    /// Writes this batch's state files; `None` for a stateless query.
+    ///
+    /// # Errors
+    /// If a file cannot be written.
+    pub async fn write_state(&mut self, batch_id: BatchId) -> Result<Option<StateWrite>> {
+        match self.stateful.as_mut() {
+            Some(stateful) => Ok(Some(stateful.write_state(batch_id).await?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Takes `files` as the live state files: the manifest another attempt at this batch wrote
+    /// first (same intent, so the same state).
+    ///
+    /// # Errors
+    /// If a file is missing.
+    pub async fn adopt_state(&mut self, files: &[String]) -> Result<()> {
+        match self.stateful.as_mut() {
+            Some(stateful) => stateful.adopt_state(files).await,
+            None => Ok(()),
+        }
+    }
+
+    /// Deletes state files of batches up to `committed` that are no longer live.
+    ///
+    /// # Errors
+    /// If listing or deleting fails.
+    pub async fn collect_state_garbage(&self, committed: BatchId) -> Result<usize> {
+        match &self.stateful {
+            Some(stateful) => stateful.collect_garbage(committed).await,
+            None => Ok(0),
+        }
     }
 
     /// State rows and bytes after the last batch (`None` for a stateless query).
@@ -296,11 +350,9 @@ impl StreamingQuery {
             .isolate(&plan, inputs, Some(stateful.operator()))
             .await?;
         stateful.accumulate(partials.batches).await?;
-        let batches = stateful.emit(&self.tables.ctx, watermark.after).await?;
-        Ok(QueryOutput {
-            batches,
-            failed: partials.failed,
-        })
+        let mut emitted = stateful.emit(&self.tables.ctx, watermark.after).await?;
+        emitted.failed.splice(0..0, partials.failed);
+        Ok(emitted)
     }
 }
 
@@ -316,27 +368,52 @@ impl StreamingQuery {
         parts: Vec<(BTreeMap<String, RecordBatch>, Option<i64>)>,
     ) -> Result<QueryOutput> {
         let mut out = QueryOutput::default();
-        let Some(stateful) = self.stateful.as_mut() else {
-            for (inputs, _) in parts {
-                let part = self.tables.isolate(&self.plan, &inputs, None).await?;
-                out.batches.extend(part.batches);
-                out.failed.extend(part.failed);
-            }
-            return Ok(out);
-        };
-        let mut partials = Vec::new();
         for (inputs, watermark) in parts {
-            let plan = stateful.partial_plan(watermark)?;
-            let part = self
-                .tables
-                .isolate(&plan, &inputs, Some(stateful.operator()))
-                .await?;
-            partials.extend(part.batches);
+            let part = self.feed_bounded(&inputs, watermark).await?;
+            out.batches.extend(part.batches);
             out.failed.extend(part.failed);
         }
-        stateful.accumulate(partials).await?;
-        out.batches = stateful.emit(&self.tables.ctx, Some(i64::MAX)).await?;
+        let last = self.finish_bounded().await?;
+        out.batches.extend(last.batches);
+        out.failed.extend(last.failed);
         Ok(out)
+    }
+
+    /// One part of a bounded run (see [`StreamingQuery::execute_bounded`]), so a long read can
+    /// be fed chunk by chunk: a stateless query returns the part's rows; a stateful one merges
+    /// the part into its state and returns only the rows that failed.
+    ///
+    /// # Errors
+    /// As [`StreamingQuery::execute_isolating`].
+    pub(crate) async fn feed_bounded(
+        &mut self,
+        inputs: &BTreeMap<String, RecordBatch>,
+        watermark: Option<i64>,
+    ) -> Result<QueryOutput> {
+        let Some(stateful) = self.stateful.as_mut() else {
+            return self.tables.isolate(&self.plan, inputs, None).await;
+        };
+        let plan = stateful.partial_plan(watermark)?;
+        let part = self
+            .tables
+            .isolate(&plan, inputs, Some(stateful.operator()))
+            .await?;
+        stateful.accumulate(part.batches).await?;
+        Ok(QueryOutput {
+            batches: Vec::new(),
+            failed: part.failed,
+        })
+    }
+
+    /// The end of a bounded run: a stateful query finishes every window it holds.
+    ///
+    /// # Errors
+    /// As [`StreamingQuery::execute_isolating`].
+    pub(crate) async fn finish_bounded(&mut self) -> Result<QueryOutput> {
+        match self.stateful.as_mut() {
+            Some(stateful) => stateful.emit_all(&self.tables.ctx).await,
+            None => Ok(QueryOutput::default()),
+        }
     }
 
     /// Output columns computed from an approximate aggregate whose result depends on how rows
@@ -415,9 +492,10 @@ impl SourceTables {
         Ok(batches.into_iter().filter(|b| b.num_rows() > 0).collect())
     }
 
-    /// Runs `plan`; if it fails, finds the failing rows by splitting the input and runs the
-    /// rest. Valid because the results of parts combine: stateless rows are row-local, partial
-    /// states merge.
+    /// Runs `plan`; if it fails on the rows' values, finds the failing rows by splitting the
+    /// input and runs the rest. Valid because the results of parts combine: stateless rows are
+    /// row-local, partial states merge. Any other error (resources, I/O, a bug) fails the
+    /// batch: isolating rows on it would let a rerun differ from the first run.
     async fn isolate(
         &self,
         plan: &LogicalPlan,
@@ -431,6 +509,7 @@ impl SourceTables {
                     failed: vec![],
                 });
             }
+            Err(e) if !is_data_error(&e) => return Err(e),
             Err(e) => {
                 if let Err(empty_error) = self.run(plan, &BTreeMap::new(), partial).await {
                     return Err(Error::UnsupportedQuery(format!(
@@ -450,6 +529,7 @@ impl SourceTables {
                 let part = BTreeMap::from([(name.clone(), rows.slice(offset, len))]);
                 match self.run(plan, &part, partial).await {
                     Ok(batches) => out.batches.extend(batches),
+                    Err(e) if !is_data_error(&e) => return Err(e),
                     Err(e) if len == 1 => out.failed.push(FailedRow {
                         source: name.clone(),
                         row: rows.slice(offset, 1),
@@ -464,6 +544,65 @@ impl SourceTables {
             }
         }
         Ok(out)
+    }
+}
+
+/// Whether `error` comes from the values of the rows — a failing CAST, a division by zero, an
+/// overflow, an invalid argument — the only kind of error that may make a row a dead letter.
+/// Running out of memory, I/O, planning and internal errors are not about a row: they fail the
+/// batch, so that a rerun cannot isolate different rows than the first run did.
+pub(crate) fn is_data_error(error: &Error) -> bool {
+    match error {
+        Error::DataFusion(e) => datafusion_data_error(e),
+        Error::Arrow(e) => arrow_data_error(e),
+        _ => false,
+    }
+}
+
+fn datafusion_data_error(error: &DataFusionError) -> bool {
+    match error {
+        DataFusionError::ArrowError(e, _) => arrow_data_error(e),
+        DataFusionError::Execution(_) => true,
+        DataFusionError::Context(_, inner) | DataFusionError::Diagnostic(_, inner) => {
+            datafusion_data_error(inner)
+        }
+        DataFusionError::Shared(inner) => datafusion_data_error(inner),
+        DataFusionError::Collection(all) => {
+            !all.is_empty() && all.iter().all(datafusion_data_error)
+        }
+        DataFusionError::External(e) => {
+            if let Some(inner) = e.downcast_ref::<DataFusionError>() {
+                datafusion_data_error(inner)
+            } else if let Some(inner) = e.downcast_ref::<ArrowError>() {
+                arrow_data_error(inner)
+            } else {
+                false
+            }
+        }
+        _ => false,
+    }
+}
+
+fn arrow_data_error(error: &ArrowError) -> bool {
+    match error {
+        ArrowError::CastError(_)
+        | ArrowError::ComputeError(_)
+        | ArrowError::DivideByZero
+        | ArrowError::ArithmeticOverflow(_)
+        | ArrowError::InvalidArgumentError(_)
+        | ArrowError::ParseError(_)
+        | ArrowError::JsonError(_)
+        | ArrowError::CsvError(_) => true,
+        ArrowError::ExternalError(e) => {
+            if let Some(inner) = e.downcast_ref::<DataFusionError>() {
+                datafusion_data_error(inner)
+            } else if let Some(inner) = e.downcast_ref::<ArrowError>() {
+                arrow_data_error(inner)
+            } else {
+                false
+            }
+        }
+        _ => false,
     }
 }
 
@@ -716,6 +855,78 @@ mod tests {
             prop_assert_eq!(rows_of(&streamed), rows_of(&whole));
             prop_assert_eq!(streamed_failed, whole_failed);
         }
+    }
+
+    /// A test function: fails with a data error on "bad" and with a resource error on "boom".
+    fn picky() -> ScalarUDF {
+        use datafusion::logical_expr::{ColumnarValue, Volatility, create_udf};
+        create_udf(
+            "picky",
+            vec![DataType::Utf8],
+            DataType::Utf8,
+            Volatility::Immutable,
+            Arc::new(|args: &[ColumnarValue]| {
+                let values = match &args[0] {
+                    ColumnarValue::Array(a) => Arc::clone(a),
+                    ColumnarValue::Scalar(s) => s.to_array()?,
+                };
+                let strings = values.as_any().downcast_ref::<StringArray>().unwrap();
+                for v in strings.iter().flatten() {
+                    match v {
+                        "bad" => {
+                            return Err(DataFusionError::Execution(format!("'{v}' is bad")));
+                        }
+                        "boom" => {
+                            return Err(DataFusionError::ResourcesExhausted(
+                                "out of memory".into(),
+                            ));
+                        }
+                        _ => {}
+                    }
+                }
+                Ok(ColumnarValue::Array(values))
+            }),
+        )
+    }
+
+    /// Only the rows' values may make a row a dead letter: a resource error met while
+    /// isolating fails the batch instead of dead-lettering whatever row was being tried.
+    #[tokio::test]
+    async fn only_errors_about_the_values_isolate_rows() {
+        let settings = QuerySettings {
+            scalar_functions: vec![picky()],
+            ..lineage()
+        };
+        let codes = |c: &[&str]| {
+            let n = c.len() as i64;
+            code_batch(c.iter().map(|s| s.to_string()).collect(), (0..n).collect())
+        };
+        let (schema, batch) = codes(&["a", "bad", "c"]);
+        let mut query = StreamingQuery::plan(
+            "SELECT picky(code) AS p FROM t",
+            &[("t".into(), schema)],
+            &settings,
+        )
+        .await
+        .unwrap();
+        let run = |b: RecordBatch| BTreeMap::from([("t".to_string(), b)]);
+        let out = query
+            .execute_isolating(&run(batch), BatchWatermark::default())
+            .await
+            .unwrap();
+        assert_eq!(out.failed.len(), 1);
+        assert!(
+            out.failed[0].error.contains("'bad' is bad"),
+            "{}",
+            out.failed[0].error
+        );
+        let (_, batch) = codes(&["a", "bad", "boom", "d"]);
+        let err = query
+            .execute_isolating(&run(batch), BatchWatermark::default())
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("out of memory"), "{err}");
     }
 
     #[tokio::test]

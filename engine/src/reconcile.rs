@@ -28,11 +28,10 @@ use arrow::row::{RowConverter, SortField};
 use serde_json::Value;
 
 use crate::checkpoint::BatchManifest;
-use crate::driver::{
-    OpenSource, checkpoint_location, open_sources_and_query, query_settings, read_source,
-};
+use crate::driver::{checkpoint_location, query_settings};
 use crate::error::{Error, Result};
 use crate::event_time::rows_in_period;
+use crate::input::{FutureTimes, OpenSource, open_sources_and_query, read_source};
 use crate::job::Job;
 use crate::late::WATERMARK;
 use crate::offsets::{BatchId, OffsetRange, PartitionId};
@@ -107,7 +106,7 @@ impl Job {
         let checkpoint = checkpoint_location(&self)?;
         let settings = query_settings(&self);
         let (sources, query) =
-            open_sources_and_query(self.sources, &self.sql, &settings, &checkpoint).await?;
+            open_sources_and_query(self.sources, &self.sql, &settings, &checkpoint, false).await?;
         let last_batch = self.sink.committed_batch(&self.id).await?.ok_or_else(|| {
             Error::InvalidJob(format!(
                 "reconcile: job '{}' has committed nothing to {} yet",
@@ -124,9 +123,11 @@ impl Job {
                     batch_id: last_batch,
                     path: checkpoint.manifest_location(last_batch),
                 })?;
+        let dead_letters = self.sink.read_dead_letters().await?;
         let committed = Committed {
             sources: &sources,
             manifest: &manifest,
+            dead_letters: &dead_letters,
         };
         if query.is_stateful() {
             return reconcile_windows(self.sink.as_ref(), committed, query, from, to).await;
@@ -192,6 +193,8 @@ impl Job {
 struct Committed<'a> {
     sources: &'a [OpenSource],
     manifest: &'a BatchManifest,
+    /// The dead-letter table: rows the live job judged too far ahead are left out again.
+    dead_letters: &'a [RecordBatch],
 }
 
 impl Committed<'_> {
@@ -214,7 +217,8 @@ impl Committed<'_> {
                 Some((p, OffsetRange::new(a.initial, end.max(a.initial))))
             })
             .collect();
-        let (rows, _dead_letters) = read_source(s, &ranges).await?;
+        let future = FutureTimes::recorded(self.dead_letters, &s.name)?;
+        let (rows, _dead_letters) = read_source(s, &ranges, &future).await?;
         rows_in_period(&rows, &time.column, from, to)
     }
 }

@@ -85,9 +85,12 @@ pub struct ReplacedWindows {
     pub column: String,
     /// That column's value (µs since the epoch) for every replaced window.
     pub values: Vec<i64>,
-    /// The starts of the replaced windows: late rows that missed any of them are deleted from
-    /// the late table (the recomputation counted them).
+    /// The starts of the replaced windows: late rows that missed any of them, and whose
+    /// offsets are in `read`, are deleted from the late table (the recomputation counted them).
     pub starts: Vec<i64>,
+    /// Per partition, the offsets the recomputation read: late rows outside them (committed by
+    /// the live job while the backfill ran) were not counted and stay in the late table.
+    pub read: BTreeMap<PartitionId, OffsetRange>,
 }
 
 /// What a backfill hands to the sink: rows that replace everything its offset ranges produced.
@@ -129,6 +132,18 @@ pub enum CommitOutcome {
     AlreadyCommitted,
 }
 
+/// What a side table (dead letters, late rows) holds of a job, for the start-up check that no
+/// side table is ahead of the output (see `Pipeline::open`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SideTableBatch {
+    /// What the table is for: "dead-letter", "late".
+    pub role: String,
+    /// Where it is.
+    pub location: String,
+    /// The last batch of the job it holds (`None`: none, or no table yet).
+    pub last_batch: Option<BatchId>,
+}
+
 /// Where a job's results go.
 ///
 /// # Contract
@@ -159,10 +174,24 @@ pub trait Sink: Send + Sync {
     /// continues, and what backfill and reconciliation may touch.
     async fn committed_batch(&self, job_id: &str) -> Result<Option<BatchId>>;
 
+    /// The last batch of `job_id` each side table holds, read without writing anything. A sink
+    /// without side tables returns none.
+    async fn side_table_batches(&self, job_id: &str) -> Result<Vec<SideTableBatch>> {
+        let _ = job_id;
+        Ok(Vec::new())
+    }
+
     /// Every row of the output table, read without writing anything. For reconciliation.
     async fn read_output(&self) -> Result<Vec<RecordBatch>>;
 
     /// Every row of the late table (none if there is none), read without writing anything. For
     /// reconciliation.
     async fn read_late(&self) -> Result<Vec<RecordBatch>>;
+
+    /// Every row of the dead-letter table (none if there is none), read without writing
+    /// anything: backfill and reconcile reapply the live job's judgement of event times too far
+    /// ahead from it.
+    async fn read_dead_letters(&self) -> Result<Vec<RecordBatch>> {
+        Ok(Vec::new())
+    }
 }

@@ -36,6 +36,9 @@ pub struct SourceContext {
     /// A folder of the job's checkpoint reserved for this source (`sources/<name>/`), for what
     /// the source must remember across restarts, such as the order in which it saw files.
     pub checkpoint: CheckpointStore,
+    /// The job is only being validated (`sluice validate`): write nothing, and fail within
+    /// seconds on a service that does not answer instead of retrying as a running job would.
+    pub validating: bool,
 }
 
 /// The offsets one partition has available now.
@@ -98,6 +101,29 @@ pub trait Source: Send + Sync {
     /// The most offsets one batch may read across all partitions (`max_files_per_batch`,
     /// `max_records_per_batch`); `None` for no limit.
     fn max_per_batch(&self) -> Option<u64>;
+
+    /// Called when `partition`'s latest offset is below `committed_end`, where the job's
+    /// committed batches already read up to: the log went backwards (a Kafka topic deleted and
+    /// recreated, an unclean leader election). Offsets only grow in Sluice, so the records the
+    /// new log holds below `committed_end` can never be read. Return an error to stop the job
+    /// (the default, and what the user should see unless they chose otherwise), or the reason
+    /// for one dead letter naming the skipped offsets, after which the job reads on from
+    /// `committed_end` once the partition gets there.
+    ///
+    /// # Errors
+    /// The error that stops the job, naming the partition and both offsets.
+    fn offsets_behind(
+        &self,
+        partition: &PartitionId,
+        committed_end: Offset,
+        latest: Offset,
+    ) -> Result<String> {
+        Err(crate::error::Error::InvalidJob(format!(
+            "partition {partition}: the latest offset is {latest}, below the {committed_end} \
+             this job has committed: the input was replaced or truncated, and its records \
+             below {committed_end} would never be read"
+        )))
+    }
 }
 
 /// The schema of a source's batches: its data columns plus the lineage columns.

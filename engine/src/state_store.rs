@@ -1,23 +1,29 @@
 //! Operator state on storage: immutable Parquet files under `<checkpoint>/state/`.
 //!
 //! State must become live with the same Delta commit as the output it produced, so it is never
-//! updated in place: each batch writes new files, named after the batch, and lists the files
-//! that hold the state after it in its manifest (written before the commit). A restart reads
-//! exactly the files the committed manifest lists; files of a batch that never committed are
-//! overwritten by its rerun or deleted as garbage.
+//! updated in place: each batch writes new files, named after the batch and the run's lease
+//! epoch, and lists the files that hold the state after it in its manifest (written before the
+//! commit). A restart reads exactly the files the committed manifest lists.
 //!
 //! Writing the whole state every batch would cost O(state) per batch, however little changed.
 //! So the files are a **base** snapshot plus **deltas**: a delta holds only the batch's partial
 //! aggregate rows (its changes), and since partial states merge associatively, the state is
 //! `merge(base, delta₁, …, deltaₙ)` — minus the windows the watermark has closed since. When the
-//! deltas together hold as many rows as the base, the next batch writes a fresh base instead
-//! (compaction), so a restart reads at most about twice the live state.
+//! deltas together hold more rows than the live state (so a restart would read more than twice
+//! what is live), or there are [`MAX_DELTA_FILES`] of them, the batch writes a fresh base instead
+//! (compaction): files per manifest stay bounded however the state grows or shrinks.
 //!
 //! ```text
-//! state/00000000000000000007-base.parquet    full state after batch 7
-//! state/00000000000000000008-delta.parquet   batch 8's changes
-//! state/00000000000000000009-delta.parquet   batch 9's changes     manifest 9: [7-base, 8-delta, 9-delta]
+//! state/00000000000000000007-e3-base.parquet    full state after batch 7 (run with lease epoch 3)
+//! state/00000000000000000008-e3-delta.parquet   batch 8's changes
+//! state/00000000000000000009-e4-delta.parquet   batch 9's changes    manifest 9: [7-e3-base, 8-e3-delta, 9-e4-delta]
 //! ```
+//!
+//! **Twins.** A file is never overwritten: names carry the writer's epoch and are written
+//! put-if-absent, so a stale run redoing a batch cannot touch a file a committed manifest lists.
+//! Garbage collection after the commit of batch `N` deletes only files of batches `≤ N` that
+//! manifest `N` does not list — files of later batches belong to a batch in flight, possibly
+//! another run's.
 
 use std::collections::BTreeSet;
 
@@ -50,19 +56,31 @@ pub struct StateWrite {
     pub compacted: bool,
 }
 
+/// At most this many delta files are live; the next batch with changes writes a base.
+pub const MAX_DELTA_FILES: usize = 32;
+
 /// The live state files of one job: a base snapshot and the deltas written since.
 #[derive(Debug)]
 pub struct StateLog {
     store: CheckpointStore,
+    /// The writing run's lease epoch, part of every file name it writes.
+    epoch: u64,
     base: Option<StateFile>,
     deltas: Vec<StateFile>,
 }
 
+/// The batch a state file was written for (its name starts with the zero-padded batch id).
+fn batch_of(name: &str) -> Option<i64> {
+    name.get(..20)?.parse().ok()
+}
+
 impl StateLog {
-    /// The state folder of the checkpoint, with no live files (a job's first batch).
-    pub fn new(checkpoint: &CheckpointStore) -> StateLog {
+    /// The state folder of the checkpoint, with no live files (a job's first batch), for a run
+    /// holding lease `epoch`.
+    pub fn new(checkpoint: &CheckpointStore, epoch: u64) -> StateLog {
         StateLog {
             store: checkpoint.child("state"),
+            epoch,
             base: None,
             deltas: Vec::new(),
         }
@@ -101,8 +119,41 @@ impl StateLog {
         Ok(all)
     }
 
+    /// Makes `names` the live files without reading their rows: a manifest written by another
+    /// attempt at the same batch (same intent, so the same state) is adopted as it stands.
+    ///
+    /// # Errors
+    /// If a file is missing or its footer unreadable.
+    pub async fn adopt(&mut self, names: &[String]) -> Result<()> {
+        self.base = None;
+        self.deltas.clear();
+        for name in names {
+            let bytes = self.store.get(name).await?.ok_or_else(|| {
+                Error::InvalidJob(format!(
+                    "state file {}/{name}, listed in the batch's manifest, is missing",
+                    self.store.url()
+                ))
+            })?;
+            let rows = ParquetRecordBatchReaderBuilder::try_new(bytes)?
+                .metadata()
+                .file_metadata()
+                .num_rows();
+            let file = StateFile {
+                name: name.clone(),
+                rows: u64::try_from(rows).unwrap_or(0),
+            };
+            if name.ends_with("-base.parquet") {
+                self.base = Some(file);
+            } else {
+                self.deltas.push(file);
+            }
+        }
+        Ok(())
+    }
+
     /// Records batch `batch_id`'s state: its `changes` as a delta, or — when the deltas would
-    /// hold as many rows as the base — the `full` state as a new base.
+    /// outweigh the live state, or [`MAX_DELTA_FILES`] are live — the `full` state as a new
+    /// base.
     ///
     /// # Errors
     /// If a file cannot be written.
@@ -116,19 +167,21 @@ impl StateLog {
         let rows = |b: &[RecordBatch]| b.iter().map(|b| b.num_rows() as u64).sum::<u64>();
         let change_rows = rows(changes);
         let delta_rows: u64 = self.deltas.iter().map(|d| d.rows).sum::<u64>() + change_rows;
-        let base_rows = self.base.as_ref().map_or(0, |b| b.rows);
+        let live_rows = rows(full);
         let mut write = StateWrite::default();
-        if change_rows > 0 && delta_rows > base_rows {
-            let name = format!("{:020}-base.parquet", batch_id.0);
+        let compact =
+            self.base.is_none() || delta_rows > live_rows || self.deltas.len() >= MAX_DELTA_FILES;
+        if change_rows > 0 && compact {
+            let name = format!("{:020}-e{}-base.parquet", batch_id.0, self.epoch);
             write.bytes_written = self.put(&name, schema, full).await?;
             write.compacted = true;
             self.base = Some(StateFile {
                 name,
-                rows: rows(full),
+                rows: live_rows,
             });
             self.deltas.clear();
         } else if change_rows > 0 {
-            let name = format!("{:020}-delta.parquet", batch_id.0);
+            let name = format!("{:020}-e{}-delta.parquet", batch_id.0, self.epoch);
             write.bytes_written = self.put(&name, schema, changes).await?;
             self.deltas.push(StateFile {
                 name,
@@ -148,16 +201,19 @@ impl StateLog {
             .collect()
     }
 
-    /// Deletes the state files that are not live (superseded by a newer base, or left by an
-    /// attempt that never committed). Call after the commit that made the live files live.
+    /// Deletes the state files of batches up to `committed` that are not live (superseded by a
+    /// newer base, or left by an attempt that never committed). Call after the commit of
+    /// `committed` made the live files live; files of later batches are left alone (a batch in
+    /// flight, possibly another run's).
     ///
     /// # Errors
     /// If listing or deleting fails.
-    pub async fn collect_garbage(&self) -> Result<usize> {
+    pub async fn collect_garbage(&self, committed: BatchId) -> Result<usize> {
         let live: BTreeSet<String> = self.live_files().into_iter().collect();
         let mut deleted = 0;
         for name in self.store.list_files("").await? {
-            if !live.contains(&name) {
+            let done = batch_of(&name).is_some_and(|b| b <= committed.0);
+            if done && !live.contains(&name) {
                 self.store.delete(&name).await?;
                 deleted += 1;
             }
@@ -175,7 +231,13 @@ impl StateLog {
         }
         let bytes = writer.into_inner()?;
         let len = bytes.len() as u64;
-        self.store.put(name, bytes).await?;
+        if !self.store.put_if_absent(name, bytes).await? {
+            return Err(Error::InvalidJob(format!(
+                "state file {}/{name} exists already: two runs share lease epoch {}",
+                self.store.url(),
+                self.epoch
+            )));
+        }
         Ok(len)
     }
 }
@@ -193,13 +255,16 @@ mod tests {
         RecordBatch::try_new(schema, vec![Arc::new(Int64Array::from(values.to_vec()))]).unwrap()
     }
 
+    fn checkpoint(dir: &tempfile::TempDir) -> CheckpointStore {
+        CheckpointStore::open(&Url::from_directory_path(dir.path()).unwrap()).unwrap()
+    }
+
     #[tokio::test]
-    async fn deltas_accumulate_until_they_outweigh_the_base_then_a_base_is_written() {
+    async fn deltas_accumulate_until_they_outweigh_the_live_state_then_a_base_is_written() {
         let dir = tempfile::tempdir().unwrap();
-        let checkpoint =
-            CheckpointStore::open(&Url::from_directory_path(dir.path()).unwrap()).unwrap();
+        let checkpoint = checkpoint(&dir);
         let schema = rows(&[]).schema();
-        let mut log = StateLog::new(&checkpoint);
+        let mut log = StateLog::new(&checkpoint, 0);
         let full = [rows(&[1, 2, 3, 4])];
         // First batch: no base yet, so the full state is written.
         let w = log
@@ -207,7 +272,7 @@ mod tests {
             .await
             .unwrap();
         assert!(w.compacted);
-        // Small changes go to deltas while they hold fewer rows than the base.
+        // Small changes go to deltas while they hold no more rows than the live state.
         for b in 1..=3 {
             let w = log
                 .write(BatchId(b), &schema, &[rows(&[9])], &full)
@@ -219,23 +284,86 @@ mod tests {
         // Nothing changed: nothing written.
         let w = log.write(BatchId(4), &schema, &[], &full).await.unwrap();
         assert_eq!(w.bytes_written, 0);
-        // 3 + 2 delta rows > 4 base rows: compaction.
+        // 3 + 2 delta rows > 4 live rows: compaction.
         let w = log
             .write(BatchId(5), &schema, &[rows(&[7, 8])], &full)
             .await
             .unwrap();
         assert!(w.compacted);
-        assert_eq!(w.live_files, vec![format!("{:020}-base.parquet", 5)]);
-        assert_eq!(log.collect_garbage().await.unwrap(), 4);
+        assert_eq!(w.live_files, vec![format!("{:020}-e0-base.parquet", 5)]);
+        assert_eq!(log.collect_garbage(BatchId(5)).await.unwrap(), 4);
 
-        let mut restored = StateLog::new(&checkpoint);
+        let mut restored = StateLog::new(&checkpoint, 1);
         let batches = restored.restore(&w.live_files).await.unwrap();
         assert_eq!(batches, full.to_vec());
         let missing = restored
-            .restore(&["00000000000000000001-delta.parquet".to_string()])
+            .restore(&["00000000000000000001-e0-delta.parquet".to_string()])
             .await
             .unwrap_err()
             .to_string();
         assert!(missing.contains("is missing"), "{missing}");
+    }
+
+    /// A state that shrank (most windows closed) must not leave its old, large base deciding
+    /// when to compact: files per manifest stay bounded over a long run, growing or shrinking.
+    #[tokio::test]
+    async fn files_per_manifest_stay_bounded_over_a_thousand_batches() {
+        let dir = tempfile::tempdir().unwrap();
+        let checkpoint = checkpoint(&dir);
+        let schema = rows(&[]).schema();
+        let mut log = StateLog::new(&checkpoint, 0);
+        let big: Vec<i64> = (0..5_000).collect();
+        let mut most = 0;
+        for b in 0..1_000i64 {
+            // 5000 live rows for the first 10 batches, then 50: the big windows closed.
+            let live = if b < 10 { &big[..] } else { &big[..50] };
+            let w = log
+                .write(BatchId(b), &schema, &[rows(&[b])], &[rows(live)])
+                .await
+                .unwrap();
+            most = most.max(w.live_files.len());
+            log.collect_garbage(BatchId(b)).await.unwrap();
+        }
+        assert!(
+            most <= MAX_DELTA_FILES + 1,
+            "{most} live state files in one manifest"
+        );
+        let on_disk = checkpoint.child("state").list_files("").await.unwrap();
+        assert_eq!(on_disk.len(), log.live_files().len());
+    }
+
+    /// Two runs redoing the same batch never touch each other's files; a run that committed
+    /// batch 7 and was paused before collecting spares the files a run that took over since
+    /// wrote for batch 8.
+    #[tokio::test]
+    async fn twins_write_apart_and_collection_spares_later_batches() {
+        let dir = tempfile::tempdir().unwrap();
+        let checkpoint = checkpoint(&dir);
+        let schema = rows(&[]).schema();
+        let full = [rows(&[1, 2])];
+        let mut paused = StateLog::new(&checkpoint, 4);
+        let mut twin = StateLog::new(&checkpoint, 3);
+        let committed = paused
+            .write(BatchId(7), &schema, &full, &full)
+            .await
+            .unwrap();
+        let lost = twin.write(BatchId(7), &schema, &full, &full).await.unwrap();
+        assert_ne!(committed.live_files, lost.live_files);
+        // Batch 7 commits with the paused run's manifest; the next run takes over from it.
+        let mut next_run = StateLog::new(&checkpoint, 5);
+        next_run.restore(&committed.live_files).await.unwrap();
+        let eight = next_run
+            .write(BatchId(8), &schema, &[rows(&[3])], &full)
+            .await
+            .unwrap();
+        // The paused run wakes up and collects after its commit of 7.
+        assert_eq!(paused.collect_garbage(BatchId(7)).await.unwrap(), 1);
+        let on_disk = checkpoint.child("state").list_files("").await.unwrap();
+        for name in &eight.live_files {
+            assert!(on_disk.contains(name), "{name} was collected");
+        }
+        // A manifest written by another attempt at a batch is adopted as it stands.
+        twin.adopt(&eight.live_files).await.unwrap();
+        assert_eq!(twin.live_files(), eight.live_files);
     }
 }

@@ -41,10 +41,13 @@
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::Arc;
 
-use arrow::array::{AsArray, BooleanArray, RecordBatch, TimestampMicrosecondArray};
+use arrow::array::{
+    AsArray, BooleanArray, Int64Array, RecordBatch, StringArray, TimestampMicrosecondArray,
+    UInt32Array,
+};
 use arrow::compute::filter_record_batch;
 use arrow::compute::kernels::cmp;
-use arrow::datatypes::{Field, Schema, SchemaRef, TimestampMicrosecondType};
+use arrow::datatypes::{DataType, Field, Schema, SchemaRef, TimestampMicrosecondType};
 use arrow::row::{RowConverter, SortField};
 use datafusion::catalog::MemTable;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
@@ -58,7 +61,9 @@ use crate::aggregate_state::AggregateState;
 use crate::error::{Error, Result};
 use crate::late::Lateness;
 use crate::offsets::BatchId;
+use crate::query::{FailedRow, QueryOutput, is_data_error};
 use crate::sink::OutputMode;
+use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_POSITION};
 use crate::state_store::{StateLog, StateWrite};
 use crate::window::{WINDOW_END, WINDOW_START, WindowKind, WindowUse};
 
@@ -121,6 +126,9 @@ pub(crate) struct StatefulSettings<'a> {
 /// A query's stateful aggregate, its state, and what runs above it.
 pub(crate) struct StatefulAggregate {
     grouping: Grouping,
+    /// The source the aggregate reads (the window's, or the running aggregate's), for the dead
+    /// letters of groups whose output fails.
+    source: String,
     mode: OutputMode,
     /// The aggregate as run each batch (a running aggregate's carries [`NEWEST_EVENT`]).
     aggregate: LogicalPlan,
@@ -150,6 +158,14 @@ impl std::fmt::Debug for StatefulAggregate {
             .field("aggregate", &self.aggregate.display().to_string())
             .finish()
     }
+}
+
+/// The rows `rows` of `batch`.
+fn take_rows(batch: &RecordBatch, rows: &[u32]) -> Result<RecordBatch> {
+    Ok(arrow::compute::take_record_batch(
+        batch,
+        &UInt32Array::from(rows.to_vec()),
+    )?)
 }
 
 /// Finds the query's stateful aggregate; `None` if the query needs no state.
@@ -206,7 +222,7 @@ pub(crate) async fn plan_stateful(
     } else {
         None
     };
-    let (grouping, aggregate) = match window_column {
+    let (grouping, aggregate, source) = match window_column {
         Some(column) => {
             let window = the_window(uses, settings.event_time)?;
             // A session is identified by both its bounds, and leaves the state by its end.
@@ -234,12 +250,13 @@ pub(crate) async fn plan_stateful(
                 kind: window.kind,
                 allowed_lateness: settings.allowed_lateness,
             };
+            let source = window.source.clone();
             let grouping = Grouping::Window {
                 window,
                 lateness,
                 column,
             };
-            (grouping, original.clone())
+            (grouping, original.clone(), source)
         }
         None => running_aggregate(&original, settings)?,
     };
@@ -318,6 +335,7 @@ pub(crate) async fn plan_stateful(
 
     Ok(Some(StatefulAggregate {
         grouping,
+        source,
         mode: settings.mode,
         aggregate,
         operator,
@@ -378,7 +396,7 @@ fn the_window(uses: &[WindowUse], event_time: &BTreeMap<String, String>) -> Resu
 fn running_aggregate(
     original: &LogicalPlan,
     settings: StatefulSettings<'_>,
-) -> Result<(Grouping, LogicalPlan)> {
+) -> Result<(Grouping, LogicalPlan, String)> {
     let LogicalPlan::Aggregate(agg) = original else {
         unreachable!("an aggregate")
     };
@@ -435,7 +453,7 @@ fn running_aggregate(
         agg.group_expr.clone(),
         aggr_expr,
     )?);
-    Ok((Grouping::Running { ttl }, aggregate))
+    Ok((Grouping::Running { ttl }, aggregate, source.clone()))
 }
 
 /// Checks what runs above the aggregate: it reads no source directly and does not LIMIT; in
@@ -697,16 +715,17 @@ impl StatefulAggregate {
     /// Emits what the output mode says (append: every window closed under `watermark`; update:
     /// every group this batch changed), drops what the watermark has closed or expired from the
     /// state, and runs the upper part over the emitted groups. `i64::MAX` closes everything (the
-    /// end of a bounded run).
+    /// end of a bounded run). Groups whose output fails are dead letters (see
+    /// [`StatefulAggregate::finish_isolating`]).
     pub(crate) async fn emit(
         &mut self,
         ctx: &SessionContext,
         watermark: Option<i64>,
-    ) -> Result<Vec<RecordBatch>> {
+    ) -> Result<QueryOutput> {
         let emitted = match self.mode {
             OutputMode::Append => {
                 let Some(watermark) = watermark else {
-                    return Ok(Vec::new());
+                    return Ok(QueryOutput::default());
                 };
                 let state = std::mem::take(&mut self.state);
                 let (closed, open) = self.split_purged(state, watermark)?;
@@ -730,13 +749,33 @@ impl StatefulAggregate {
             let changes = std::mem::take(&mut self.changes);
             self.changes = self.split_purged(changes, watermark)?.1;
         }
-        if emitted.is_empty() {
-            return Ok(Vec::new());
+        if emitted.iter().all(|b| b.num_rows() == 0) {
+            return Ok(QueryOutput::default());
         }
+        self.finish_isolating(ctx, emitted).await
+    }
+
+    /// The end of a bounded run: every group in the state is finished and emitted, whatever
+    /// the output mode, and the state is left empty.
+    pub(crate) async fn emit_all(&mut self, ctx: &SessionContext) -> Result<QueryOutput> {
+        self.changes.clear();
+        let all = std::mem::take(&mut self.state);
+        if all.iter().all(|b| b.num_rows() == 0) {
+            return Ok(QueryOutput::default());
+        }
+        self.finish_isolating(ctx, all).await
+    }
+
+    /// Finishes `groups` (state rows) and runs the upper part over them.
+    async fn finish_groups(
+        &self,
+        ctx: &SessionContext,
+        groups: Vec<RecordBatch>,
+    ) -> Result<Vec<RecordBatch>> {
         let width = self.finished_schema.fields().len();
         let finished = self
             .operator
-            .finish(emitted)
+            .finish(groups)
             .await?
             .into_iter()
             .map(|b| {
@@ -752,13 +791,165 @@ impl StatefulAggregate {
             let mut slot = self.finished.batches[0].write().await;
             *slot = finished;
         }
-        let out = ctx
-            .execute_logical_plan(self.upper.clone())
-            .await?
-            .collect()
-            .await;
+        let out = match ctx.execute_logical_plan(self.upper.clone()).await {
+            Ok(df) => df.collect().await,
+            Err(e) => Err(e),
+        };
         self.finished.batches[0].write().await.clear();
         Ok(out?.into_iter().filter(|b| b.num_rows() > 0).collect())
+    }
+
+    /// Finishes the emitted groups; if that fails on their values (a division by zero or a
+    /// failing CAST in the SELECT over the aggregate), finds the failing groups by splitting
+    /// and makes them dead letters, so one bad group cannot fail every batch from now on.
+    ///
+    /// What runs above the aggregate may work per window (an outer aggregate, a window
+    /// function), so the emitted groups are split by whole windows first, and only within a
+    /// failing window into groups: a group that fails alone is a dead letter and the window is
+    /// finished without it; if the window still fails, all its groups are (the failure needs
+    /// them together). Errors not caused by the values stop the batch.
+    async fn finish_isolating(
+        &self,
+        ctx: &SessionContext,
+        emitted: Vec<RecordBatch>,
+    ) -> Result<QueryOutput> {
+        match self.finish_groups(ctx, emitted.clone()).await {
+            Ok(batches) => {
+                return Ok(QueryOutput {
+                    batches,
+                    failed: Vec::new(),
+                });
+            }
+            Err(e) if !is_data_error(&e) => return Err(e),
+            Err(_) => {}
+        }
+        let all = arrow::compute::concat_batches(&self.operator.state_schema(), &emitted)?;
+        let units = self.whole_units(&all)?;
+        let mut out = QueryOutput::default();
+        let mut pending = vec![(0, units.len())];
+        while let Some((from, to)) = pending.pop() {
+            if from == to {
+                continue;
+            }
+            let rows: Vec<u32> = units[from..to].concat();
+            match self.finish_groups(ctx, vec![take_rows(&all, &rows)?]).await {
+                Ok(batches) => out.batches.extend(batches),
+                Err(e) if !is_data_error(&e) => return Err(e),
+                Err(_) if to - from == 1 => {
+                    self.isolate_in_unit(ctx, &all, &units[from], &mut out)
+                        .await?
+                }
+                Err(_) => {
+                    let mid = from + (to - from) / 2;
+                    pending.push((mid, to));
+                    pending.push((from, mid));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Row indices of `all` grouped into what the upper part must see whole: in append mode
+    /// over windows, each window's groups; otherwise (update mode, a running aggregate: the
+    /// upper part only computes columns) each group alone.
+    fn whole_units(&self, all: &RecordBatch) -> Result<Vec<Vec<u32>>> {
+        let n = all.num_rows() as u32;
+        if self.mode == OutputMode::Update || self.window().is_none() {
+            return Ok((0..n).map(|i| vec![i]).collect());
+        }
+        let windows = all
+            .column(self.purge_index)
+            .as_primitive_opt::<TimestampMicrosecondType>()
+            .ok_or_else(|| {
+                Error::UnsupportedQuery("the window column is not a timestamp".into())
+            })?;
+        let mut units: BTreeMap<i64, Vec<u32>> = BTreeMap::new();
+        for i in 0..n {
+            units.entry(windows.value(i as usize)).or_default().push(i);
+        }
+        Ok(units.into_values().collect())
+    }
+
+    /// Within one failing window: the groups that fail alone become dead letters, and the
+    /// window is finished without them; if it still fails, every group of it is a dead letter.
+    async fn isolate_in_unit(
+        &self,
+        ctx: &SessionContext,
+        all: &RecordBatch,
+        unit: &[u32],
+        out: &mut QueryOutput,
+    ) -> Result<()> {
+        let mut bad: Vec<(u32, String)> = Vec::new();
+        let mut pending = vec![unit.to_vec()];
+        while let Some(rows) = pending.pop() {
+            match self.finish_groups(ctx, vec![take_rows(all, &rows)?]).await {
+                Ok(_) => {}
+                Err(e) if !is_data_error(&e) => return Err(e),
+                Err(e) if rows.len() == 1 => bad.push((rows[0], e.to_string())),
+                Err(_) => {
+                    let (left, right) = rows.split_at(rows.len() / 2);
+                    pending.push(right.to_vec());
+                    pending.push(left.to_vec());
+                }
+            }
+        }
+        let good: Vec<u32> = unit
+            .iter()
+            .copied()
+            .filter(|r| !bad.iter().any(|(b, _)| b == r))
+            .collect();
+        if !good.is_empty() {
+            match self.finish_groups(ctx, vec![take_rows(all, &good)?]).await {
+                Ok(batches) => out.batches.extend(batches),
+                Err(e) if !is_data_error(&e) => return Err(e),
+                Err(e) => bad.extend(good.iter().map(|r| (*r, e.to_string()))),
+            }
+        }
+        bad.sort_by_key(|(r, _)| *r);
+        for (row, error) in bad {
+            out.failed.push(self.failed_group(all, row, &error)?);
+        }
+        Ok(())
+    }
+
+    /// The dead letter of one emitted group: its group columns as the row, its window and
+    /// keys as the position, no source offset (`-1`: it is no single input row).
+    fn failed_group(&self, all: &RecordBatch, row: u32, error: &str) -> Result<FailedRow> {
+        let group = take_rows(all, &[row])?;
+        let keys: Vec<usize> = (0..self.group_count).collect();
+        let keys = group.project(&keys)?;
+        let position = keys
+            .schema()
+            .fields()
+            .iter()
+            .zip(keys.columns())
+            .map(|(f, c)| {
+                let value = arrow::util::display::array_value_to_string(c, 0)
+                    .unwrap_or_else(|_| "?".into());
+                format!("{}={value}", f.name())
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        let mut fields: Vec<Field> = keys
+            .schema()
+            .fields()
+            .iter()
+            .map(|f| f.as_ref().clone())
+            .collect();
+        let mut columns = keys.columns().to_vec();
+        fields.push(Field::new(SOURCE_PARTITION, DataType::Utf8, false));
+        columns.push(Arc::new(StringArray::from(vec![""])));
+        fields.push(Field::new(SOURCE_OFFSET, DataType::Int64, false));
+        columns.push(Arc::new(Int64Array::from(vec![-1])));
+        fields.push(Field::new(SOURCE_POSITION, DataType::Utf8, false));
+        columns.push(Arc::new(StringArray::from(vec![format!(
+            "group {position}"
+        )])));
+        Ok(FailedRow {
+            source: self.source.clone(),
+            row: RecordBatch::try_new(Arc::new(Schema::new(fields)), columns)?,
+            error: format!("computing the output of this group failed: {error}"),
+        })
     }
 
     /// The state rows of the groups this batch changed.
@@ -880,10 +1071,19 @@ impl StatefulAggregate {
         .await
     }
 
-    /// Deletes state files no longer live; call after the commit.
-    pub(crate) async fn collect_garbage(&self) -> Result<usize> {
+    /// Takes `files` as the live state files (a manifest another attempt wrote first).
+    pub(crate) async fn adopt_state(&mut self, files: &[String]) -> Result<()> {
+        let log = self
+            .log
+            .as_mut()
+            .ok_or_else(|| Error::InvalidJob("state adopted before it was restored".into()))?;
+        log.adopt(files).await
+    }
+
+    /// Deletes state files of batches up to `committed` no longer live; call after its commit.
+    pub(crate) async fn collect_garbage(&self, committed: BatchId) -> Result<usize> {
         match &self.log {
-            Some(log) => log.collect_garbage().await,
+            Some(log) => log.collect_garbage(committed).await,
             None => Ok(0),
         }
     }
@@ -1074,9 +1274,7 @@ mod tests {
         let plan = || StreamingQuery::plan(sql, &sources, settings);
         let mut query = plan().await.unwrap();
         query
-            .stateful_mut()
-            .unwrap()
-            .restore(StateLog::new(&checkpoint), &[], None)
+            .restore_state(StateLog::new(&checkpoint, 0), &[], None)
             .await
             .unwrap();
         let mut out = Vec::new();
@@ -1104,18 +1302,15 @@ mod tests {
             out.push(result.batches);
             state_rows.push(query.state_size().unwrap().rows);
             watermark = after;
-            let written = query
-                .stateful_mut()
-                .unwrap()
-                .write_state(BatchId(i as i64))
-                .await
-                .unwrap();
+            let written = query.write_state(BatchId(i as i64)).await.unwrap().unwrap();
             if i == restart_after {
                 query = plan().await.unwrap();
                 query
-                    .stateful_mut()
-                    .unwrap()
-                    .restore(StateLog::new(&checkpoint), &written.live_files, watermark)
+                    .restore_state(
+                        StateLog::new(&checkpoint, 1),
+                        &written.live_files,
+                        watermark,
+                    )
                     .await
                     .unwrap();
             }
@@ -1308,6 +1503,91 @@ mod tests {
                 ("2024-05-01T00:02:00Z".into(), "k0".into(), "1".into()),
             ]
         );
+    }
+
+    /// Runs `sql` over `events` as one batch whose watermark closes every window before the
+    /// last event's; returns the output rows and the failed rows' positions and errors.
+    async fn one_batch(sql: &str, events: &[Event]) -> (Vec<Vec<String>>, Vec<(String, String)>) {
+        let dir = tempfile::tempdir().unwrap();
+        let checkpoint =
+            CheckpointStore::open(&url::Url::from_directory_path(dir.path()).unwrap()).unwrap();
+        let mut query = StreamingQuery::plan(
+            sql,
+            &[("t".to_string(), schema())],
+            &settings(Duration::ZERO),
+        )
+        .await
+        .unwrap();
+        query
+            .restore_state(StateLog::new(&checkpoint, 0), &[], None)
+            .await
+            .unwrap();
+        let after = events.iter().map(|e| e.0 - OUT_OF_ORDERNESS).max();
+        let step = BatchWatermark {
+            before: None,
+            after,
+        };
+        let inputs = BTreeMap::from([("t".to_string(), batch(events))]);
+        let out = query.execute_isolating(&inputs, step).await.unwrap();
+        let failed = out
+            .failed
+            .iter()
+            .map(|f| {
+                let letter = crate::dead_letter::dead_letter_from_row(&f.row, &f.error).unwrap();
+                (letter.position, letter.error)
+            })
+            .collect();
+        (displayed(&out.batches), failed)
+    }
+
+    /// A division by zero in the SELECT over the aggregate fails only the groups it happens
+    /// in: they are dead letters with the reason, every other group is emitted — also when the
+    /// failing part is an outer aggregate over whole windows.
+    #[tokio::test]
+    async fn a_group_whose_output_fails_is_a_dead_letter_and_the_rest_is_emitted() {
+        let events: Vec<Event> = vec![
+            (BASE + SECOND, 0, 1),
+            (BASE + 2 * SECOND, 0, 2),
+            (BASE + 3 * SECOND, 1, 3),
+            (BASE + 61 * SECOND, 0, 4),
+            (BASE + 62 * SECOND, 1, 5),
+            (BASE + 63 * SECOND, 1, 6),
+            (BASE + 200 * SECOND, 2, 7),
+        ];
+        let per_key = "SELECT window_start, k, sum(n) / (count(*) - 1) AS per \
+             FROM tumble(t, ts, INTERVAL '1' MINUTE) GROUP BY window_start, window_end, k";
+        let (rows, failed) = one_batch(per_key, &events).await;
+        let kept: Vec<(String, String, String)> = rows
+            .iter()
+            .map(|r| (r[0].clone(), r[1].clone(), r[2].clone()))
+            .collect();
+        assert_eq!(
+            kept,
+            vec![
+                ("2024-05-01T00:00:00Z".into(), "k0".into(), "3".into()),
+                ("2024-05-01T00:01:00Z".into(), "k1".into(), "11".into()),
+            ]
+        );
+        assert_eq!(failed.len(), 2, "{failed:?}");
+        assert!(
+            failed[0].0.contains("k1") && failed[1].0.contains("k0"),
+            "{failed:?}"
+        );
+        assert!(failed[0].1.contains("Divide by zero"), "{failed:?}");
+
+        // An outer aggregate over each window: the window with one key fails as a whole.
+        let outer = "SELECT window_start, sum(c) / (count(*) - 1) AS x FROM \
+             (SELECT window_start, k, count(*) AS c FROM tumble(t, ts, INTERVAL '1' MINUTE) \
+             GROUP BY window_start, k) GROUP BY window_start";
+        let mut events = events;
+        events.retain(|e| !(e.0 < BASE + 60 * SECOND && e.1 == 1));
+        let (rows, failed) = one_batch(outer, &events).await;
+        assert_eq!(
+            rows,
+            vec![vec!["2024-05-01T00:01:00Z".to_string(), "3".into()]]
+        );
+        assert_eq!(failed.len(), 1, "{failed:?}");
+        assert!(failed[0].0.contains("00:00:00"), "{failed:?}");
     }
 
     #[tokio::test]

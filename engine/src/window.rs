@@ -80,6 +80,14 @@ impl WindowKind {
     }
 }
 
+/// The longest window (size, slide or gap): 1000 years in µs. With event times within years
+/// 0001–9999 (see [`crate::event_time::MAX_EVENT_TIME`]), every window bound and every bound
+/// plus `allowed_lateness` stays far inside `i64`.
+pub const MAX_WINDOW: i64 = 1000 * 366 * 86_400_000_000;
+
+/// The most windows one row may fall into (`hop` size / slide).
+pub const MAX_HOPS: i64 = 10_000;
+
 /// One call of a window function in a query: which source, which time column, which windows.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WindowUse {
@@ -168,14 +176,14 @@ impl WindowFunction {
         }
     }
 
-    /// A fixed-length interval in microseconds.
+    /// A fixed-length interval in microseconds, at most [`MAX_WINDOW`].
     fn interval(&self, arg: &Expr, what: &str) -> datafusion::common::Result<i64> {
-        let micros = match arg {
+        let micros: i128 = match arg {
             Expr::Literal(ScalarValue::IntervalMonthDayNano(Some(i)), _) if i.months == 0 => {
-                i64::from(i.days) * 86_400_000_000 + i.nanoseconds / 1_000
+                i128::from(i.days) * 86_400_000_000 + i128::from(i.nanoseconds / 1_000)
             }
             Expr::Literal(ScalarValue::IntervalDayTime(Some(i)), _) => {
-                i64::from(i.days) * 86_400_000_000 + i64::from(i.milliseconds) * 1_000
+                i128::from(i.days) * 86_400_000_000 + i128::from(i.milliseconds) * 1_000
             }
             Expr::Literal(ScalarValue::IntervalMonthDayNano(Some(_)), _) => {
                 return self.fail(format!("the {what} counts months, which differ in length"));
@@ -185,7 +193,10 @@ impl WindowFunction {
         if micros <= 0 {
             return self.fail(format!("the {what} must be positive"));
         }
-        Ok(micros)
+        if micros > i128::from(MAX_WINDOW) {
+            return self.fail(format!("the {what} must be at most 1000 years"));
+        }
+        Ok(micros as i64)
     }
 }
 
@@ -231,6 +242,12 @@ impl TableFunctionImpl for WindowFunction {
                 let size = self.interval(size, "size")?;
                 if size % slide != 0 {
                     return self.fail("the size must be a multiple of the slide");
+                }
+                if size / slide > MAX_HOPS {
+                    return self.fail(format!(
+                        "a row would fall into {} windows; at most {MAX_HOPS} (size / slide)",
+                        size / slide
+                    ));
                 }
                 (t, ts, WindowKind::Hop { slide, size })
             }
@@ -468,6 +485,14 @@ mod tests {
             (
                 "SELECT * FROM hop(clicks, ts, INTERVAL '7' SECOND, INTERVAL '1' MINUTE)",
                 "multiple of the slide",
+            ),
+            (
+                "SELECT * FROM tumble(clicks, ts, INTERVAL '2000000000' DAY)",
+                "at most 1000 years",
+            ),
+            (
+                "SELECT * FROM hop(clicks, ts, INTERVAL '1' SECOND, INTERVAL '1' DAY)",
+                "into 86400 windows",
             ),
         ] {
             let e = StreamingQuery::plan(sql, &[("clicks".into(), Arc::clone(&schema))], &lineage)

@@ -1,0 +1,403 @@
+//! The job lease: at most one running instance of a job at a time, without a lock service.
+//!
+//! A job's commits are fenced by the output table (delta-rs rejects a second commit of a batch),
+//! but a second instance — a cron overlap, a supervisor restarting a job that is still alive —
+//! should not even start: it would race every batch and one of the two would stop. So `sluice
+//! run` first takes the job's lease, a record in the checkpoint:
+//!
+//! ```text
+//! <checkpoint>/lease/00000000000000000007.json   epoch 7: holder (host, pid), renewed_at, beat
+//! ```
+//!
+//! - **Taking it.** Epoch `e + 1` is created with a put-if-absent (`PutMode::Create`), so of two
+//!   instances taking over the same epoch exactly one wins. Epoch numbers are never reused.
+//! - **Holding it.** The holder rewrites its own epoch's file every [`LeaseSettings::renew_every`]
+//!   (2 s) with a new `beat` — only the holder of an epoch writes that file, so a plain write
+//!   suffices (local disks offer no conditional update) — and checks that no newer epoch exists.
+//! - **A live holder** (its beat moves while a newcomer watches, or its file was written less
+//!   than the timeout ago and keeps moving) makes the newcomer stop with [`Error::LeaseHeld`]
+//!   naming host, pid and epoch.
+//! - **A dead holder** (SIGKILLed, its machine gone) stops renewing: a newcomer that sees no
+//!   renewal for [`LeaseSettings::timeout`] (10 s) takes epoch `e + 1` — it waits, it never
+//!   fails because of a dead holder. A holder that stops cleanly marks its file released, so the
+//!   next run takes over at once.
+//! - **Losing it.** A holder that finds a newer epoch, or could not renew for most of the
+//!   timeout (the store was down, the process was paused), counts the lease as lost: the driver
+//!   checks before planning and before committing, and stops with [`Error::LeaseLost`].
+//!
+//! The lease is a guard, not the proof of correctness: a paused process can resume and write
+//! before its next check. Every checkpoint write is therefore also safe against a twin on its
+//! own (intents, manifests, state files and the files source's log are put-if-absent or named
+//! per epoch; garbage collection follows the committed manifest), and the output table rejects
+//! a batch committed twice — see ARCHITECTURE.md, "Two instances".
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tokio::task::JoinHandle;
+use tracing::{info, warn};
+
+use crate::checkpoint::CheckpointStore;
+use crate::error::{Error, Result};
+
+/// The folder of the checkpoint holding the lease files.
+const LEASE_FOLDER: &str = "lease";
+
+/// Test hook: `SLUICE_LEASE_TIMEOUT_MS` shortens the lease timeout (the renewal interval is a
+/// fifth of it), so tests of takeovers need not wait 10 s each.
+pub const LEASE_TIMEOUT_ENV: &str = "SLUICE_LEASE_TIMEOUT_MS";
+
+/// How long a lease lives without renewal, and how often it is renewed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseSettings {
+    /// A lease not renewed for this long is taken over (default 10 s).
+    pub timeout: Duration,
+    /// How often the holder renews it (default 2 s).
+    pub renew_every: Duration,
+}
+
+impl Default for LeaseSettings {
+    fn default() -> Self {
+        let timeout = std::env::var(LEASE_TIMEOUT_ENV)
+            .ok()
+            .and_then(|ms| ms.parse().ok())
+            .map_or(Duration::from_secs(10), Duration::from_millis);
+        LeaseSettings {
+            timeout,
+            renew_every: timeout / 5,
+        }
+    }
+}
+
+/// What a lease file holds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct LeaseRecord {
+    job_id: String,
+    epoch: u64,
+    host: String,
+    pid: u32,
+    /// When the holder took the lease (RFC 3339, the holder's clock; for messages).
+    acquired_at: String,
+    /// Renewal counter: a holder that is alive moves it every `renew_every`.
+    beat: u64,
+    /// The holder stopped cleanly: the next run need not wait.
+    #[serde(default)]
+    released: bool,
+}
+
+impl LeaseRecord {
+    fn holder(&self) -> String {
+        format!("host {} pid {} (epoch {})", self.host, self.pid, self.epoch)
+    }
+}
+
+/// The lease of one running job; renewed in the background until released or dropped.
+#[derive(Debug)]
+pub struct Lease {
+    store: CheckpointStore,
+    record: LeaseRecord,
+    lost: Arc<AtomicBool>,
+    renewal: JoinHandle<()>,
+}
+
+fn lease_file(epoch: u64) -> String {
+    format!("{epoch:020}.json")
+}
+
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+impl Lease {
+    /// Takes the lease of `job_id` in `checkpoint`: at once if nobody holds it, after waiting for
+    /// a dead holder's lease to time out, or not at all if another instance is alive.
+    ///
+    /// # Errors
+    /// [`Error::LeaseHeld`] if another instance of the job is running; store errors.
+    pub async fn acquire(
+        checkpoint: &CheckpointStore,
+        job_id: &str,
+        settings: LeaseSettings,
+    ) -> Result<Lease> {
+        let store = checkpoint.child(LEASE_FOLDER);
+        // The newest epoch we are watching, its beat, and since when (our clock) it is unchanged.
+        let mut watching: Option<(u64, u64, Instant)> = None;
+        let mut waiting_logged = false;
+        loop {
+            let newest = newest_epoch(&store).await?;
+            let next = match newest {
+                None => 0,
+                Some(epoch) => {
+                    let Some((record, age)) = read_record(&store, epoch).await? else {
+                        // Deleted between listing and reading (an operator cleaning up): look again.
+                        continue;
+                    };
+                    let unchanged_since = match watching {
+                        Some((e, beat, since)) if e == epoch && beat == record.beat => since,
+                        Some((e, _, _)) if e == epoch => {
+                            // It renewed while we watched: the holder is alive.
+                            return Err(Error::LeaseHeld {
+                                job_id: job_id.to_string(),
+                                holder: record.holder(),
+                                location: store.url().to_string(),
+                                timeout: settings.timeout,
+                            });
+                        }
+                        _ => Instant::now(),
+                    };
+                    watching = Some((epoch, record.beat, unchanged_since));
+                    let stale = record.released
+                        || age.is_some_and(|a| a >= settings.timeout)
+                        || unchanged_since.elapsed() >= settings.timeout;
+                    if !stale {
+                        if !waiting_logged {
+                            info!(job_id, holder = %record.holder(), timeout_ms = settings.timeout.as_millis() as u64,
+                                "the job's lease is held; waiting to see whether its holder is alive (a lease not renewed for the timeout is taken over)");
+                            waiting_logged = true;
+                        }
+                        tokio::time::sleep(settings.renew_every.min(Duration::from_millis(500)))
+                            .await;
+                        continue;
+                    }
+                    if !record.released {
+                        warn!(job_id, holder = %record.holder(), "taking over the lease of a run that stopped renewing it (killed, or its machine is gone)");
+                    }
+                    epoch + 1
+                }
+            };
+            let record = LeaseRecord {
+                job_id: job_id.to_string(),
+                epoch: next,
+                host: host_name(),
+                pid: std::process::id(),
+                acquired_at: chrono::Utc::now().to_rfc3339(),
+                beat: 0,
+                released: false,
+            };
+            let rel = lease_file(next);
+            if store
+                .put_if_absent(&rel, store.to_json(&rel, &record)?)
+                .await?
+            {
+                let lost = Arc::new(AtomicBool::new(false));
+                let renewal = tokio::spawn(renew(
+                    store.clone(),
+                    record.clone(),
+                    settings,
+                    Arc::clone(&lost),
+                ));
+                // Epochs two or more behind can never be current again.
+                for old in store.list_files("").await? {
+                    if let Some(e) = parse_epoch(&old)
+                        && e + 1 < next
+                    {
+                        store.delete(&old).await?;
+                    }
+                }
+                return Ok(Lease {
+                    store,
+                    record,
+                    lost,
+                    renewal,
+                });
+            }
+            // Another instance took this epoch first: look again.
+            watching = None;
+        }
+    }
+
+    /// The epoch: unique to this run among all runs of the job, used to name what it writes.
+    pub fn epoch(&self) -> u64 {
+        self.record.epoch
+    }
+
+    /// Fails with [`Error::LeaseLost`] if the lease was lost (another instance took over, or
+    /// it could not be renewed in time); the caller must stop writing.
+    pub fn check(&self) -> Result<()> {
+        if self.lost.load(Ordering::SeqCst) {
+            return Err(Error::LeaseLost {
+                job_id: self.record.job_id.clone(),
+                epoch: self.record.epoch,
+                location: self.store.url().to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Like [`Lease::check`], and also looks at the store: fails if a newer epoch exists now.
+    /// One listing; the driver calls it before planning each batch, so a process that was
+    /// paused past the timeout finds out before it writes anything.
+    ///
+    /// # Errors
+    /// [`Error::LeaseLost`]; store errors.
+    pub async fn verify(&self) -> Result<()> {
+        self.check()?;
+        if newest_epoch(&self.store)
+            .await?
+            .is_some_and(|e| e > self.record.epoch)
+        {
+            self.lost.store(true, Ordering::SeqCst);
+        }
+        self.check()
+    }
+
+    /// Stops renewing and marks the lease released, so the next run starts at once.
+    pub async fn release(self) -> Result<()> {
+        self.renewal.abort();
+        if self.lost.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        let record = LeaseRecord {
+            released: true,
+            ..self.record.clone()
+        };
+        let rel = lease_file(record.epoch);
+        self.store
+            .put(&rel, self.store.to_json(&rel, &record)?)
+            .await
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.renewal.abort();
+    }
+}
+
+/// The holder's renewal loop: every `renew_every`, check that no newer epoch exists, then write
+/// a new beat. Sets `lost` when a newer epoch appears or renewals failed for most of the timeout.
+async fn renew(
+    store: CheckpointStore,
+    mut record: LeaseRecord,
+    settings: LeaseSettings,
+    lost: Arc<AtomicBool>,
+) {
+    let rel = lease_file(record.epoch);
+    let mut last_renewed = Instant::now();
+    loop {
+        tokio::time::sleep(settings.renew_every).await;
+        let newer = match newest_epoch(&store).await {
+            Ok(newest) => newest.is_some_and(|e| e > record.epoch),
+            Err(_) => false,
+        };
+        if newer {
+            warn!(job_id = %record.job_id, epoch = record.epoch, "another instance took over the job's lease; this run stops before its next commit");
+            lost.store(true, Ordering::SeqCst);
+            return;
+        }
+        record.beat += 1;
+        let written = match store.to_json(&rel, &record) {
+            Ok(bytes) => store.put(&rel, bytes).await,
+            Err(e) => Err(e),
+        };
+        match written {
+            Ok(()) => last_renewed = Instant::now(),
+            Err(error) => {
+                warn!(job_id = %record.job_id, %error, "could not renew the job's lease; retrying");
+                // Past most of the timeout another instance may take over: stop writing.
+                if last_renewed.elapsed() >= settings.timeout.mul_f32(0.8) {
+                    lost.store(true, Ordering::SeqCst);
+                    return;
+                }
+            }
+        }
+    }
+}
+
+fn parse_epoch(name: &str) -> Option<u64> {
+    name.strip_suffix(".json")?.parse().ok()
+}
+
+async fn newest_epoch(store: &CheckpointStore) -> Result<Option<u64>> {
+    Ok(store
+        .list_files("")
+        .await?
+        .iter()
+        .filter_map(|n| parse_epoch(n))
+        .max())
+}
+
+/// The record of `epoch` and how long ago (by this machine's clock) it was last written.
+async fn read_record(
+    store: &CheckpointStore,
+    epoch: u64,
+) -> Result<Option<(LeaseRecord, Option<Duration>)>> {
+    let rel = lease_file(epoch);
+    let Some((bytes, modified)) = store.get_with_modified(&rel).await? else {
+        return Ok(None);
+    };
+    let record = serde_json::from_slice(&bytes).map_err(|source| Error::CheckpointFormat {
+        path: format!("{}/{rel}", store.url().as_str().trim_end_matches('/')),
+        source,
+    })?;
+    let age = (chrono::Utc::now() - modified).to_std().ok();
+    Ok(Some((record, age)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use url::Url;
+
+    fn settings(ms: u64) -> LeaseSettings {
+        LeaseSettings {
+            timeout: Duration::from_millis(ms),
+            renew_every: Duration::from_millis(ms / 5),
+        }
+    }
+
+    fn checkpoint(dir: &tempfile::TempDir) -> CheckpointStore {
+        CheckpointStore::open(&Url::from_directory_path(dir.path()).unwrap()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_live_holder_is_refused_a_released_one_taken_over_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = checkpoint(&dir);
+        let first = Lease::acquire(&store, "j", settings(1000)).await.unwrap();
+        assert_eq!(first.epoch(), 0);
+        let err = Lease::acquire(&store, "j", settings(1000))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("job 'j' is already running"), "{err}");
+        first.check().unwrap();
+        first.release().await.unwrap();
+        let started = Instant::now();
+        let second = Lease::acquire(&store, "j", settings(1000)).await.unwrap();
+        assert_eq!(second.epoch(), 1);
+        assert!(started.elapsed() < Duration::from_millis(500));
+    }
+
+    #[tokio::test]
+    async fn a_dead_holder_is_waited_out_and_then_loses_the_lease() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = checkpoint(&dir);
+        let dead = Lease::acquire(&store, "j", settings(600)).await.unwrap();
+        // A SIGKILLed holder: it stops renewing, nothing else happens.
+        dead.renewal.abort();
+        let started = Instant::now();
+        let next = Lease::acquire(&store, "j", settings(600)).await.unwrap();
+        assert!(started.elapsed() >= Duration::from_millis(400));
+        assert_eq!(next.epoch(), 1);
+        // Had the "dead" holder only been paused, it finds out at its next renewal.
+        let zombie_lost = Arc::clone(&dead.lost);
+        tokio::spawn(renew(
+            store.child(LEASE_FOLDER),
+            dead.record.clone(),
+            settings(600),
+            Arc::clone(&zombie_lost),
+        ));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let err = dead.check().unwrap_err().to_string();
+        assert!(err.contains("lost its lease"), "{err}");
+        next.check().unwrap();
+    }
+}
