@@ -88,11 +88,50 @@ pub(crate) fn decode_lines(
     (good, bad)
 }
 
+/// How deeply a JSON record may nest arrays and objects (as serde_json allows). Deeper records
+/// are refused before decoding: Arrow's JSON decoder recurses into them and would overflow the
+/// stack on a hostile line.
+pub(crate) const MAX_JSON_DEPTH: usize = 128;
+
+/// Refuses a record nested deeper than [`MAX_JSON_DEPTH`] (strings are skipped, escapes
+/// honoured).
+fn check_depth(record: &[u8]) -> std::result::Result<(), String> {
+    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
+    for &b in record {
+        if in_string {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > MAX_JSON_DEPTH {
+                    return Err(format!(
+                        "the record nests arrays or objects deeper than {MAX_JSON_DEPTH} levels"
+                    ));
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 pub(crate) fn decode_json(
     schema: &SchemaRef,
     bytes: &[u8],
     lines: &[Line],
 ) -> std::result::Result<RecordBatch, String> {
+    for l in lines {
+        check_depth(&bytes[l.start..l.end])?;
+    }
     let mut decoder = arrow::json::ReaderBuilder::new(Arc::clone(schema))
         .with_batch_size(lines.len() + 1)
         .build_decoder()
@@ -236,6 +275,117 @@ mod tests {
         assert_eq!(rows, 2);
         assert_eq!(bad.len(), 1);
         assert_eq!(bad[0].0, 2);
+    }
+
+    /// The files of `fuzz/corpus/<folder>`.
+    fn corpus(folder: &str) -> Vec<(String, Vec<u8>)> {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../fuzz/corpus")
+            .join(folder);
+        let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| {
+                let path = e.unwrap().path();
+                (path.display().to_string(), std::fs::read(&path).unwrap())
+            })
+            .collect();
+        files.sort();
+        assert!(!files.is_empty(), "no corpus in {}", dir.display());
+        files
+    }
+
+    fn nested_schema() -> SchemaRef {
+        Arc::new(Schema::new(vec![
+            Field::new("id", DataType::Int64, true),
+            Field::new("name", DataType::Utf8, true),
+            Field::new("amount", DataType::Float64, true),
+            Field::new("ts", DataType::Utf8, true),
+            Field::new_list("tags", Field::new_list_field(DataType::Utf8, true), true),
+            Field::new_struct("nested", vec![Field::new("k", DataType::Int64, true)], true),
+        ]))
+    }
+
+    /// Decodes `bytes` as JSON lines and as CSV lines, infers schemas from them: nothing may
+    /// panic, and every non-blank line ends up as exactly one row or one bad line.
+    fn exercise(bytes: &[u8]) {
+        let mut lines = split_lines(bytes);
+        lines.retain(|l| !bytes[l.start..l.end].iter().all(u8::is_ascii_whitespace));
+        let json = nested_schema();
+        let (good, bad) = decode_lines(bytes, &lines, |c| decode_json(&json, bytes, c));
+        let rows: usize = good.iter().map(|(b, _)| b.num_rows()).sum();
+        assert_eq!(rows + bad.len(), lines.len(), "a line got lost or doubled");
+        let csv = schema();
+        let (good, bad) = decode_lines(bytes, &lines, |c| decode_csv(&csv, b',', bytes, c));
+        let rows: usize = good.iter().map(|(b, _)| b.num_rows()).sum();
+        assert_eq!(
+            rows + bad.len(),
+            lines.len(),
+            "a CSV line got lost or doubled"
+        );
+        let _ = infer_json(bytes.split(|b| *b == b'\n'));
+        let _ = infer_csv(bytes, true, b',');
+    }
+
+    #[test]
+    fn fuzz_corpus_decodes_without_panics() {
+        for folder in ["json_lines", "csv_lines"] {
+            for (name, bytes) in corpus(folder) {
+                let result = std::panic::catch_unwind(|| exercise(&bytes));
+                assert!(result.is_ok(), "decoding {name} panicked");
+            }
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config::with_cases(256))]
+        /// Arbitrary bytes.
+        #[test]
+        fn fuzz_arbitrary_bytes_decode_without_panics(
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..600),
+        ) {
+            exercise(&bytes);
+        }
+
+        /// Almost-JSON: tokens of JSON thrown together, so the decoder gets past the first byte.
+        #[test]
+        fn fuzz_json_like_lines_decode_without_panics(
+            tokens in proptest::collection::vec(proptest::prop_oneof![
+                proptest::strategy::Just("{".to_string()),
+                proptest::strategy::Just("}".to_string()),
+                proptest::strategy::Just("[".to_string()),
+                proptest::strategy::Just("]".to_string()),
+                proptest::strategy::Just(",".to_string()),
+                proptest::strategy::Just(":".to_string()),
+                proptest::strategy::Just("\n".to_string()),
+                proptest::strategy::Just("\"id\"".to_string()),
+                proptest::strategy::Just("\"tags\"".to_string()),
+                proptest::strategy::Just("\"nested\"".to_string()),
+                "-?[0-9]{1,25}(\\.[0-9]{1,5})?(e[+-]?[0-9]{1,4})?",
+                "\"[^\"\\\\]{0,8}(\\\\u[0-9a-fA-F]{4})?\"",
+                proptest::strategy::Just("null".to_string()),
+                proptest::strategy::Just("true".to_string()),
+            ], 0..60),
+        ) {
+            exercise(tokens.concat().as_bytes());
+        }
+
+        /// Corpus files with bytes flipped.
+        #[test]
+        fn fuzz_mutated_corpus_decodes_without_panics(
+            pick in 0usize..64,
+            flips in proptest::collection::vec((0usize..100_000, proptest::prelude::any::<u8>()), 1..8),
+        ) {
+            let files = corpus("json_lines");
+            let (_, bytes) = &files[pick % files.len()];
+            let mut bytes = bytes.clone();
+            for (at, value) in flips {
+                if !bytes.is_empty() {
+                    let i = at % bytes.len();
+                    bytes[i] = value;
+                }
+            }
+            exercise(&bytes);
+        }
     }
 
     #[test]

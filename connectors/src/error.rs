@@ -44,6 +44,22 @@ pub enum ConnectorError {
         /// The earliest offset still there.
         earliest: i64,
     },
+    /// A Kafka partition now ends below the offsets the job committed.
+    #[error(
+        "data loss on {partition}: it now ends at offset {latest}, below the {committed_end} this \
+         job has already read — the topic was deleted and recreated, or an unclean leader \
+         election lost records. Its new records below {committed_end} would never be read. \
+         Start the job afresh (new job id, or delete its output and checkpoint), or set \
+         fail_on_data_loss = false to skip them with a dead letter naming the gap"
+    )]
+    OffsetsBehind {
+        /// `topic` partition `n`.
+        partition: String,
+        /// The partition's latest offset now.
+        latest: i64,
+        /// Where the job's committed batches end.
+        committed_end: i64,
+    },
     /// An offset past what a Kafka partition holds.
     #[error(
         "{partition}: offset {wanted} is out of range: the broker holds offsets \

@@ -82,6 +82,9 @@ const FETCH_MAX_WAIT_MS: i32 = 50;
 const EMPTY_FETCHES_BEFORE_SKIP: u32 = 5;
 const RETRY_FIRST_DELAY: Duration = Duration::from_millis(200);
 const RETRY_MAX_DELAY: Duration = Duration::from_secs(10);
+/// How long `sluice validate` waits for a broker that does not answer (a running job waits as
+/// long as it takes).
+const VALIDATE_PATIENCE: Duration = Duration::from_secs(5);
 /// A Kafka partition: topic and number.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 struct TopicPartition {
@@ -117,6 +120,8 @@ pub struct KafkaSource {
     delimiter: u8,
     client: OnceCell<Client>,
     partition_clients: Mutex<HashMap<TopicPartition, Arc<PartitionClient>>>,
+    /// Validating only: give up on an unreachable broker after [`VALIDATE_PATIENCE`].
+    fail_fast: bool,
     opened: Option<Opened>,
 }
 
@@ -124,7 +129,8 @@ struct Opened {
     name: String,
     checkpoint: CheckpointStore,
     decoder: Arc<RecordDecoder>,
-    starts: StartingOffsets,
+    /// The starting offsets in force: resolved by this run, or recorded by an earlier one.
+    starts: Mutex<StartingOffsets>,
     /// Caps from `ending_offsets`, resolved at open.
     ends: Option<BTreeMap<PartitionId, Offset>>,
     /// What the first `available()` must still record in the checkpoint (`validate` writes
@@ -170,6 +176,9 @@ impl KafkaSource {
         {
             return bad("bootstrap_servers is empty; give host:port of a broker".into());
         }
+        if config.max_records_per_batch == 0 {
+            return bad("max_records_per_batch = 0: a batch must read at least one record".into());
+        }
         config.starting_offsets.resolve("starting_offsets")?;
         if let Some(end) = &config.ending_offsets {
             end.resolve("ending_offsets")?;
@@ -195,6 +204,7 @@ impl KafkaSource {
             delimiter,
             client: OnceCell::new(),
             partition_clients: Mutex::new(HashMap::new()),
+            fail_fast: false,
             opened: None,
         })
     }
@@ -242,7 +252,14 @@ impl KafkaSource {
         let mut delay = RETRY_FIRST_DELAY;
         let mut attempt = 1u32;
         loop {
-            match call().await {
+            let result = if self.fail_fast {
+                tokio::time::timeout(VALIDATE_PATIENCE, call())
+                    .await
+                    .unwrap_or(Err(KafkaError::Timeout))
+            } else {
+                call().await
+            };
+            match result {
                 Ok(v) => {
                     if attempt > 1 {
                         info!(
@@ -254,6 +271,9 @@ impl KafkaSource {
                         );
                     }
                     return Ok(v);
+                }
+                Err(e) if self.fail_fast && started.elapsed() + delay >= VALIDATE_PATIENCE => {
+                    return Err(e);
                 }
                 Err(e) if is_transient(&e) => {
                     warn!(
@@ -569,6 +589,7 @@ impl Source for KafkaSource {
     async fn open(&mut self, ctx: SourceContext) -> sluice_engine::Result<SchemaRef> {
         let name = ctx.name.clone();
         let wrap = |e: ConnectorError| sluice_engine::Error::source(&name, e);
+        self.fail_fast = ctx.validating;
         let partitions = self.partitions().await.map_err(wrap)?;
         let recorded_starts: Option<StartingOffsets> =
             ctx.checkpoint.get_json(STARTING_OFFSETS_FILE).await?;
@@ -614,7 +635,7 @@ impl Source for KafkaSource {
             name: ctx.name,
             checkpoint: ctx.checkpoint,
             decoder: Arc::new(decoder),
-            starts,
+            starts: Mutex::new(starts),
             ends,
             to_record: Mutex::new(to_record),
             known: Mutex::new(BTreeSet::new()),
@@ -630,11 +651,22 @@ impl Source for KafkaSource {
         let to_record = std::mem::take(&mut *opened.to_record.lock().await);
         if let Some(starts) = to_record.starts.filter(|s| !s.partitions.is_empty()) {
             let bytes = opened.checkpoint.to_json(STARTING_OFFSETS_FILE, &starts)?;
-            opened
+            let recorded = opened
                 .checkpoint
                 .put_if_absent(STARTING_OFFSETS_FILE, bytes)
                 .await?;
+            if !recorded {
+                // Another run of the job recorded its starting offsets first: they are the
+                // job's, whatever this run resolved ("latest" may have moved since).
+                let theirs: Option<StartingOffsets> =
+                    opened.checkpoint.get_json(STARTING_OFFSETS_FILE).await?;
+                if let Some(theirs) = theirs {
+                    info!(source = %opened.name, "starting offsets recorded by another run of the job are used");
+                    *opened.starts.lock().await = theirs;
+                }
+            }
         }
+        let starts = opened.starts.lock().await.clone();
         if let Some(schema) = to_record.schema {
             let bytes = opened.checkpoint.to_json(SCHEMA_FILE, &schema)?;
             if !opened.checkpoint.put_if_absent(SCHEMA_FILE, bytes).await? {
@@ -650,7 +682,7 @@ impl Source for KafkaSource {
         }
         let partitions = self.partitions().await.map_err(wrap)?;
         let mut known = opened.known.lock().await;
-        let expected = known.iter().chain(opened.starts.partitions.keys());
+        let expected = known.iter().chain(starts.partitions.keys());
         if let Some(gone) = expected.clone().find(|id| !partitions.contains_key(*id)) {
             return Err(wrap(ConnectorError::Kafka {
                 brokers: self.config.bootstrap_servers.clone(),
@@ -669,7 +701,7 @@ impl Source for KafkaSource {
         .map_err(wrap)?;
         let mut out = BTreeMap::new();
         for ((id, tp), mut latest) in partitions.iter().zip(latest) {
-            let initial = match opened.starts.partitions.get(id) {
+            let initial = match starts.partitions.get(id) {
                 Some(&start) => start,
                 None => {
                     if !known.contains(id) {
@@ -710,6 +742,35 @@ impl Source for KafkaSource {
 
     fn max_per_batch(&self) -> Option<u64> {
         Some(self.config.max_records_per_batch.max(1))
+    }
+
+    fn offsets_behind(
+        &self,
+        partition: &PartitionId,
+        committed_end: Offset,
+        latest: Offset,
+    ) -> sluice_engine::Result<String> {
+        let tp = self
+            .topic_partition(partition)
+            .map(|tp| tp.to_string())
+            .unwrap_or_else(|_| format!("partition {partition}"));
+        if self.config.fail_on_data_loss {
+            let name = self.opened.as_ref().map_or("kafka", |o| o.name.as_str());
+            return Err(sluice_engine::Error::source(
+                name,
+                ConnectorError::OffsetsBehind {
+                    partition: tp,
+                    latest,
+                    committed_end,
+                },
+            ));
+        }
+        Ok(format!(
+            "data loss: {tp} now ends at offset {latest}, below the {committed_end} this job had \
+             already read (the topic was deleted and recreated, or an unclean leader election \
+             lost records); its records below offset {committed_end} are skipped and reading \
+             goes on from there (fail_on_data_loss = false)"
+        ))
     }
 }
 

@@ -3,11 +3,19 @@
 //! ## Offsets
 //! One partition, `"0"`. Offset `n` is the `n`-th file in the order the source first saw files
 //! (new files are appended, sorted by name, each time the directory is listed). That order is
-//! recorded in the checkpoint (`sources/<name>/files.json`) before any batch can name those
-//! offsets, so a batch re-reads exactly the files it read before. A recorded file that changes
-//! (size or modification time) or vanishes is an error naming it, never a silent difference.
-//! Files whose names start with `.` or `_` are not data (temporary files, markers) and are
-//! skipped: write a file under such a name and rename it when complete.
+//! recorded in the checkpoint (`file_log`: append-only segments, put-if-absent) before any
+//! batch can name those offsets, so a batch re-reads exactly the files it read before. A
+//! recorded file that changes (size or modification time) or vanishes is an error naming it,
+//! never a silent difference. Files whose names start with `.` or `_` are not data (temporary
+//! files, markers) and are skipped: write a file under such a name and rename it when complete.
+//!
+//! ## Listing
+//! Planning a batch lists only the names after the greatest name recorded (S3 and friends list
+//! from a start key natively; a local directory skips the rest without reading metadata), so its
+//! cost follows the new files, not the thousands already recorded. Files are expected to arrive
+//! with growing names (timestamps, sequence numbers); one that appears under a smaller name is
+//! found by the full listing made at start and every [`FULL_LISTING_EVERY`], and then recorded
+//! after the others — late, never lost.
 //!
 //! ## Decoding
 //! JSON and CSV files hold one record per line (`.gz` files are decompressed). A file is decoded
@@ -21,9 +29,10 @@
 //! files (up to 1000 records) and then fixed in the checkpoint (`schema.json`), so a later file
 //! with an extra field does not change the table.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::io::Read;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use arrow::array::{RecordBatch, new_null_array};
 use arrow::compute::kernels::cast;
@@ -47,6 +56,13 @@ use crate::decode::{
     INFER_RECORDS, Line, decode_csv, decode_json, decode_lines, infer_csv, infer_json, split_lines,
 };
 use crate::error::{ConnectorError, Result};
+
+pub(crate) mod file_log;
+
+use file_log::{FileLog, RecordedFile};
+
+/// How often the directory is listed whole, to find files named below the greatest name seen.
+pub const FULL_LISTING_EVERY: Duration = Duration::from_secs(60);
 
 /// The only partition of a files source.
 pub const PARTITION: &str = "0";
@@ -110,22 +126,6 @@ fn default_delimiter() -> String {
     ",".into()
 }
 
-/// A file as first seen: its place in the order, and what it looked like.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-struct RecordedFile {
-    /// Path relative to the source directory.
-    name: String,
-    size: u64,
-    modified_micros: i64,
-}
-
-/// The recorded file order, persisted as `files.json`.
-#[derive(Debug, Default, Serialize, Deserialize)]
-struct FileLog {
-    files: Vec<RecordedFile>,
-}
-
-const FILE_LOG: &str = "files.json";
 const SCHEMA_FILE: &str = "schema.json";
 
 /// A directory of files as a [`Source`]. See the module docs.
@@ -145,7 +145,13 @@ struct Opened {
     batch_schema: SchemaRef,
     /// An inferred schema not yet fixed in the checkpoint.
     schema_to_record: Mutex<Option<SchemaRef>>,
-    log: Mutex<FileLog>,
+    listing: Mutex<Listing>,
+}
+
+/// The recorded file order and when the directory was last listed whole.
+struct Listing {
+    log: FileLog,
+    full_at: Option<Instant>,
 }
 
 impl std::fmt::Debug for FilesSource {
@@ -162,6 +168,11 @@ impl FilesSource {
     /// # Errors
     /// If the path is not a usable location or the CSV delimiter is not one byte.
     pub fn new(config: FilesSourceConfig) -> Result<Self> {
+        if config.max_files_per_batch == 0 {
+            return Err(ConnectorError::Config(
+                "max_files_per_batch = 0: a batch must read at least one file".into(),
+            ));
+        }
         let url = sluice_engine::location::directory_url(&config.path)?;
         if url.scheme() == "file" {
             let dir = url.to_file_path().map_err(|_| {
@@ -202,11 +213,16 @@ impl FilesSource {
             .ok_or_else(|| ConnectorError::Config("the files source was used before open()".into()))
     }
 
-    /// Lists the data files of the directory, sorted by name.
-    async fn list(&self) -> Result<Vec<RecordedFile>> {
-        let mut files: Vec<RecordedFile> = self
-            .store
-            .list(Some(&self.prefix))
+    /// Lists the data files of the directory, sorted by name: all of them, or only those named
+    /// after `after`.
+    async fn list(&self, after: Option<&str>) -> Result<Vec<RecordedFile>> {
+        let listing = match after {
+            None => self.store.list(Some(&self.prefix)),
+            Some(name) => self
+                .store
+                .list_with_offset(Some(&self.prefix), &self.file_path(name)),
+        };
+        let mut files: Vec<RecordedFile> = listing
             .map_ok(|meta| {
                 let name = relative_name(&self.prefix, &meta.location);
                 RecordedFile {
@@ -249,7 +265,7 @@ impl FilesSource {
     }
 
     async fn infer_schema(&self) -> Result<SchemaRef> {
-        let files = self.list().await?;
+        let files = self.list(None).await?;
         if files.is_empty() {
             return Err(ConnectorError::Schema(format!(
                 "cannot infer the schema: no files in {} yet; add files or declare `schema`",
@@ -259,7 +275,7 @@ impl FilesSource {
         let mut samples = Vec::new();
         let mut lines = 0;
         for (i, file) in files.iter().enumerate().take(10) {
-            let bytes = decompress(&file.name, self.fetch(file, i as i64).await?)?;
+            let (bytes, _) = decompress(&file.name, self.fetch(file, i as i64).await?);
             lines += bytes.iter().filter(|b| **b == b'\n').count();
             samples.push((file.name.clone(), bytes));
             if lines >= INFER_RECORDS || self.config.format == FileFormat::Parquet {
@@ -309,9 +325,18 @@ impl FilesSource {
             lines.retain(|l| !bytes[l.start..l.end].iter().all(u8::is_ascii_whitespace));
             lines
         };
-        let bytes = match decompress(&file.name, bytes) {
-            Ok(b) => b,
-            Err(e) => return Ok(whole_file_dead_letter(file, offset, e.to_string())),
+        // A truncated or corrupt `.gz`: its complete lines are kept, the cut-off rest is one
+        // dead letter.
+        let (bytes, cut_off) = match decompress(&file.name, bytes) {
+            (bytes, None) => (bytes, None),
+            (bytes, Some(error)) => match bytes.iter().rposition(|b| *b == b'\n') {
+                Some(end) => {
+                    let line = bytes[..=end].iter().filter(|b| **b == b'\n').count() + 1;
+                    let rest = bytes.slice(end + 1..).to_vec();
+                    (bytes.slice(..=end), Some((line, rest, error)))
+                }
+                None => return Ok(whole_file_dead_letter(file, offset, error)),
+            },
         };
         let (decoded, bad) = match self.config.format {
             FileFormat::Json => {
@@ -347,7 +372,14 @@ impl FilesSource {
             read.batches
                 .push(attach_lineage(batch, PARTITION, offset, Some(positions))?);
         }
-        for (line, raw, error) in bad {
+        let cut_off = cut_off.map(|(line, raw, error)| {
+            let error = format!(
+                "the file ends early ({error}): line {line} and whatever followed it are lost; \
+                 the lines before it are read"
+            );
+            (line, raw, error)
+        });
+        for (line, raw, error) in bad.into_iter().chain(cut_off) {
             read.dead_letters.push(DeadLetter {
                 partition: PARTITION.into(),
                 offset,
@@ -374,7 +406,7 @@ impl Source for FilesSource {
                 (Arc::clone(&schema), Some(schema))
             }
         };
-        let log: FileLog = ctx.checkpoint.get_json(FILE_LOG).await?.unwrap_or_default();
+        let log = FileLog::load(&ctx.checkpoint).await.map_err(wrap)?;
         let batch_schema = with_lineage_fields(&data_schema, true);
         self.opened = Some(Opened {
             name: ctx.name,
@@ -382,7 +414,7 @@ impl Source for FilesSource {
             data_schema,
             batch_schema: Arc::clone(&batch_schema),
             schema_to_record: Mutex::new(to_record),
-            log: Mutex::new(log),
+            listing: Mutex::new(Listing { log, full_at: None }),
         });
         Ok(batch_schema)
     }
@@ -406,25 +438,29 @@ impl Source for FilesSource {
                 }
             }
         }
-        let mut log = opened.log.lock().await;
-        let known: HashSet<String> = log.files.iter().map(|f| f.name.clone()).collect();
-        let new: Vec<RecordedFile> = self
-            .list()
-            .await
-            .map_err(wrap)?
-            .into_iter()
-            .filter(|f| !known.contains(&f.name))
-            .collect();
-        if !new.is_empty() {
-            log.files.extend(new);
-            let bytes = opened.checkpoint.to_json(FILE_LOG, &*log)?;
-            opened.checkpoint.put(FILE_LOG, bytes).await?;
+        let mut listing = opened.listing.lock().await;
+        let full = listing
+            .full_at
+            .is_none_or(|at| at.elapsed() >= FULL_LISTING_EVERY);
+        let after = if full { None } else { listing.log.max_name() };
+        let listed = self.list(after).await.map_err(wrap)?;
+        if full {
+            listing.full_at = Some(Instant::now());
         }
+        let new: Vec<RecordedFile> = listed
+            .into_iter()
+            .filter(|f| !listing.log.contains(&f.name))
+            .collect();
+        listing
+            .log
+            .append(&opened.checkpoint, new)
+            .await
+            .map_err(wrap)?;
         Ok(BTreeMap::from([(
             PARTITION.to_string(),
             AvailableRange {
                 initial: 0,
-                latest: log.files.len() as i64,
+                latest: listing.log.files.len() as i64,
             },
         )]))
     }
@@ -444,11 +480,16 @@ impl Source for FilesSource {
             ))));
         }
         let files: Vec<(i64, RecordedFile)> = {
-            let log = opened.log.lock().await;
+            let mut listing = opened.listing.lock().await;
+            if range.end as usize > listing.log.files.len() {
+                // Recorded by another run since this one loaded the log (a batch it planned).
+                listing.log = FileLog::load(&opened.checkpoint).await.map_err(wrap)?;
+            }
+            let log = &listing.log;
             if range.start < 0 || range.end as usize > log.files.len() {
                 return Err(wrap(ConnectorError::Config(format!(
-                    "offsets {range} are outside the {} recorded files (was {FILE_LOG} in the \
-                     checkpoint deleted?)",
+                    "offsets {range} are outside the {} recorded files (was the file log in \
+                     the checkpoint deleted?)",
                     log.files.len()
                 ))));
             }
@@ -500,15 +541,18 @@ fn is_data_file(name: &str) -> bool {
         .any(|part| part.starts_with('.') || part.starts_with('_'))
 }
 
-fn decompress(name: &str, bytes: Bytes) -> Result<Bytes> {
+/// A file's bytes, decompressed if its name ends in `.gz`; for a truncated or corrupt gzip
+/// stream, what could be decompressed before the error, and the error.
+fn decompress(name: &str, bytes: Bytes) -> (Bytes, Option<String>) {
     if !name.ends_with(".gz") {
-        return Ok(bytes);
+        return (bytes, None);
     }
     let mut out = Vec::new();
-    flate2::read::MultiGzDecoder::new(bytes.as_ref())
-        .read_to_end(&mut out)
-        .map_err(|e| std::io::Error::new(e.kind(), format!("{name}: not valid gzip: {e}")))?;
-    Ok(Bytes::from(out))
+    let result = flate2::read::MultiGzDecoder::new(bytes.as_ref()).read_to_end(&mut out);
+    let error = result
+        .err()
+        .map(|e| format!("{name} is not valid gzip: {e}"));
+    (Bytes::from(out), error)
 }
 
 fn whole_file_dead_letter(file: &RecordedFile, offset: i64, error: String) -> SourceRead {
