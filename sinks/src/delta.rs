@@ -38,7 +38,8 @@ use sluice_engine::fault::{crash_point, pause_point};
 use sluice_engine::late::WINDOWS_MISSED;
 use sluice_engine::source::{SOURCE_OFFSET, SOURCE_PARTITION};
 use sluice_engine::{
-    BatchCommit, BatchId, CommitOutcome, OffsetRange, OutputTables, PartitionId, Replacement, Sink,
+    BatchCommit, BatchId, CommitOutcome, OffsetRange, OutputTables, PartitionId, Replacement,
+    SideTableBatch, Sink,
 };
 use tokio::sync::Mutex;
 use tracing::warn;
@@ -87,9 +88,11 @@ pub struct DeltaSink {
     merge_key: Option<Vec<String>>,
 }
 
-/// One Delta table: where it is, and its latest loaded state.
+/// One Delta table: what it is for, where it is, and its latest loaded state.
 #[derive(Debug)]
 struct TableHandle {
+    /// "output", "dead-letter" or "late", for messages.
+    role: &'static str,
     url: Url,
     table: Mutex<Option<DeltaTable>>,
 }
@@ -120,9 +123,9 @@ impl DeltaSink {
             })?),
         };
         Ok(DeltaSink {
-            output: TableHandle::new(output),
-            dead_letters: TableHandle::new(dead),
-            late: TableHandle::new(late),
+            output: TableHandle::new("output", output),
+            dead_letters: TableHandle::new("dead-letter", dead),
+            late: TableHandle::new("late", late),
             target_file_size,
             job_id: String::new(),
             merge_key: None,
@@ -141,8 +144,9 @@ impl DeltaSink {
 }
 
 impl TableHandle {
-    fn new(url: Url) -> Self {
+    fn new(role: &'static str, url: Url) -> Self {
         TableHandle {
+            role,
             url,
             table: Mutex::new(None),
         }
@@ -179,7 +183,19 @@ impl TableHandle {
                 .map_err(|e| self.err(e))?;
             table.load().await.map_err(|e| self.err(e))?;
         }
-        let existing = table.snapshot().map_err(|e| self.err(e))?.schema();
+        let snapshot = table.snapshot().map_err(|e| self.err(e))?;
+        if let Some(retention) = snapshot.table_config().set_transaction_retention_duration {
+            return Err(SinkError::Config(format!(
+                "the {} table {} sets delta.setTransactionRetentionDuration ({}): Sluice keeps \
+                 each job's progress as a txn in its tables, and a txn that expires would make \
+                 the job replay its input from the start; unset the property, or write to \
+                 another table",
+                self.role,
+                self.url,
+                format_args!("{} s", retention.as_secs())
+            )));
+        }
+        let existing = snapshot.schema();
         let existing: Vec<&str> = existing.fields().map(|f| f.name().as_str()).collect();
         let wanted: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
         if existing != wanted {
@@ -408,9 +424,22 @@ impl TableHandle {
         }
     }
 
+    /// The error for a side table that holds a later batch of the job than this run expects.
+    fn ahead(&self, job_id: &str, found: i64, batch: BatchId) -> SinkError {
+        SinkError::Engine(sluice_engine::Error::SideTableAhead {
+            role: self.role.to_string(),
+            table: self.url.to_string(),
+            job_id: job_id.to_string(),
+            found: BatchId(found),
+            expected: format!("the batch being committed ({batch})"),
+        })
+    }
+
     /// Appends one batch's rows with `txn(job_id, batch_id)` unless the table already holds that
-    /// batch (`None`). With `in_sequence`, the table's txn version must be the previous batch
-    /// (else another instance of the job is writing). A commit that delta-rs rejects because a
+    /// batch (`None`). A side table holding a later batch is an error (`SideTableAhead`:
+    /// left by an earlier run whose output was deleted — skipping would lose this run's rows).
+    /// With `in_sequence` (the output table), the table's txn version must be the previous batch;
+    /// a later one means another instance committed ([`sluice_engine::Error::AnotherInstance`]). A commit that delta-rs rejects because a
     /// concurrent commit removed files (a backfill replacing rows) is retried on the new version:
     /// appended rows never depend on what other commits removed.
     async fn append_batch(
@@ -426,13 +455,19 @@ impl TableHandle {
         loop {
             let table = self.latest().await?;
             let found = self.txn_version(&table, job_id).await?;
-            let done = match found {
-                Some(v) if in_sequence => v == batch_id.0,
-                Some(v) => v >= batch_id.0,
-                None => false,
-            };
-            if done {
-                return Ok(None);
+            match found {
+                Some(v) if v == batch_id.0 => return Ok(None),
+                Some(v) if v > batch_id.0 && in_sequence => {
+                    return Err(SinkError::Engine(sluice_engine::Error::AnotherInstance {
+                        job_id: job_id.to_string(),
+                        batch_id: BatchId(v),
+                        table: self.url.to_string(),
+                    }));
+                }
+                Some(v) if v > batch_id.0 => {
+                    return Err(self.ahead(job_id, v, batch_id));
+                }
+                _ => {}
             }
             let expected = (batch_id.0 > 0).then(|| batch_id.0 - 1);
             if in_sequence && found != expected {
@@ -444,7 +479,7 @@ impl TableHandle {
                 });
             }
             if in_sequence {
-                pause_point("before_output_commit").await;
+                pause_point("before_output_commit", batch_id).await;
             }
             let written = match write {
                 BatchWrite::Append { target_file_size } => {
@@ -647,10 +682,16 @@ impl Sink for DeltaSink {
                         .iter()
                         .map(|s| format!("array_has({WINDOWS_MISSED}, {})", timestamp(*s)))
                         .collect::<Vec<_>>();
+                    // Only late rows among the offsets the recomputation read: those the live
+                    // job committed since were not counted and stay late.
                     let missed = if missed.is_empty() {
                         "false".to_string()
                     } else {
-                        missed.join(" OR ")
+                        format!(
+                            "({}) AND ({})",
+                            missed.join(" OR "),
+                            lineage_predicate(&w.read)
+                        )
                     };
                     self.late
                         .replace_where(&r.app_id, Vec::new(), &missed, props)
@@ -678,12 +719,32 @@ impl Sink for DeltaSink {
         Ok(self.output.txn_version(&table, job_id).await?.map(BatchId))
     }
 
+    async fn side_table_batches(&self, job_id: &str) -> sluice_engine::Result<Vec<SideTableBatch>> {
+        let mut out = Vec::new();
+        for table in [&self.dead_letters, &self.late] {
+            let last_batch = match table.open_existing().await? {
+                Some(t) => table.txn_version(&t, job_id).await?.map(BatchId),
+                None => None,
+            };
+            out.push(SideTableBatch {
+                role: table.role.to_string(),
+                location: table.url.to_string(),
+                last_batch,
+            });
+        }
+        Ok(out)
+    }
+
     async fn read_output(&self) -> sluice_engine::Result<Vec<RecordBatch>> {
         Ok(self.output.read_all().await?)
     }
 
     async fn read_late(&self) -> sluice_engine::Result<Vec<RecordBatch>> {
         Ok(self.late.read_all().await?)
+    }
+
+    async fn read_dead_letters(&self) -> sluice_engine::Result<Vec<RecordBatch>> {
+        Ok(self.dead_letters.read_all().await?)
     }
 
     async fn commit(&self, batch: BatchCommit) -> sluice_engine::Result<CommitOutcome> {
