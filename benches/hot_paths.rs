@@ -59,6 +59,7 @@ fn decode_json_files(c: &mut Criterion) {
             .open(SourceContext {
                 name: "clicks".into(),
                 checkpoint,
+                validating: false,
             })
             .await
             .unwrap();

@@ -21,10 +21,8 @@ async fn main() -> anyhow::Result<()> {
         ..FilesSourceConfig::new(input.to_string_lossy(), FileFormat::Json)
     })?;
     let event_time = EventTimeConfig {
-        column: "ts".into(),
-        format: EventTimeFormat::Rfc3339,
         max_out_of_orderness: Duration::from_secs(10),
-        idle_timeout: None,
+        ..EventTimeConfig::new("ts", EventTimeFormat::Rfc3339)
     };
     let sink = DeltaSink::new(DeltaSinkConfig::new(output.to_string_lossy()))?;
 

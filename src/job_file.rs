@@ -83,13 +83,16 @@ struct SourceCommon {
     max_out_of_orderness: Option<String>,
     #[serde(default)]
     idle_timeout: Option<String>,
+    #[serde(default)]
+    max_event_time_skew: Option<String>,
 }
-const SOURCE_COMMON_KEYS: [&str; 5] = [
+const SOURCE_COMMON_KEYS: [&str; 6] = [
     "kind",
     "event_time",
     "event_time_format",
     "max_out_of_orderness",
     "idle_timeout",
+    "max_event_time_skew",
 ];
 
 /// The keys every sink has, whatever its kind.
@@ -148,8 +151,17 @@ fn resolve(base: &Path, path: &str) -> String {
 pub async fn load(path: &Path, trigger: Option<Trigger>) -> Result<(Job, JobFileInfo)> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read job file {}", path.display()))?;
-    let file: JobFile =
-        toml::from_str(&text).with_context(|| format!("job file {}", path.display()))?;
+    parse(&text, path, trigger)
+}
+
+/// Builds the job from the text of a job file at `path` (relative paths in it are relative to
+/// its folder). Every error is one line naming the file and the section or key at fault.
+///
+/// # Errors
+/// As [`load`].
+pub fn parse(text: &str, path: &Path, trigger: Option<Trigger>) -> Result<(Job, JobFileInfo)> {
+    let file: JobFile = toml::from_str(text)
+        .map_err(|e| anyhow::anyhow!("job file {}: {}", path.display(), one_line(&e, text)))?;
     let base = path
         .parent()
         .map(Path::to_path_buf)
@@ -188,7 +200,8 @@ pub async fn load(path: &Path, trigger: Option<Trigger>) -> Result<(Job, JobFile
     for (name, table) in &file.sources {
         let section = format!("sources.{name}");
         let (shared, mut rest) = split(table, &SOURCE_COMMON_KEYS);
-        let common: SourceCommon = shared.try_into().with_context(|| ctx(&section))?;
+        let common: SourceCommon =
+            from_table(shared).map_err(|e| anyhow::anyhow!("{}: {e}", ctx(&section)))?;
         let event_time = event_time_config(&common).with_context(|| ctx(&section))?;
         let source = match common.kind.as_str() {
             "files" => {
@@ -196,16 +209,19 @@ pub async fn load(path: &Path, trigger: Option<Trigger>) -> Result<(Job, JobFile
                     let resolved = resolve(&base, p);
                     rest.insert("path".into(), toml::Value::String(resolved));
                 }
-                let config: FilesSourceConfig = rest.try_into().with_context(|| ctx(&section))?;
+                let config: FilesSourceConfig =
+                    from_table(rest).map_err(|e| anyhow::anyhow!("{}: {e}", ctx(&section)))?;
                 Box::new(FilesSource::new(config).with_context(|| ctx(&section))?)
                     as Box<dyn sluice_engine::Source>
             }
             "kafka" => {
-                let config: KafkaSourceConfig = rest.try_into().with_context(|| ctx(&section))?;
+                let config: KafkaSourceConfig =
+                    from_table(rest).map_err(|e| anyhow::anyhow!("{}: {e}", ctx(&section)))?;
                 Box::new(KafkaSource::new(config).with_context(|| ctx(&section))?)
             }
             "nexmark" => {
-                let config: NexmarkSourceConfig = rest.try_into().with_context(|| ctx(&section))?;
+                let config: NexmarkSourceConfig =
+                    from_table(rest).map_err(|e| anyhow::anyhow!("{}: {e}", ctx(&section)))?;
                 Box::new(NexmarkSource::new(config).with_context(|| ctx(&section))?)
             }
             other => bail!(
@@ -217,7 +233,8 @@ pub async fn load(path: &Path, trigger: Option<Trigger>) -> Result<(Job, JobFile
     }
 
     let (shared, mut rest) = split(&file.sink, &SINK_COMMON_KEYS);
-    let common: SinkCommon = shared.try_into().with_context(|| ctx("sink"))?;
+    let common: SinkCommon =
+        from_table(shared).map_err(|e| anyhow::anyhow!("{}: {e}", ctx("sink")))?;
     let sink = match common.kind.as_str() {
         "delta" => {
             for key in ["path", "dead_letter_path", "late_path"] {
@@ -226,7 +243,8 @@ pub async fn load(path: &Path, trigger: Option<Trigger>) -> Result<(Job, JobFile
                     rest.insert(key.into(), toml::Value::String(resolved));
                 }
             }
-            let config: DeltaSinkConfig = rest.try_into().with_context(|| ctx("sink"))?;
+            let config: DeltaSinkConfig =
+                from_table(rest).map_err(|e| anyhow::anyhow!("{}: {e}", ctx("sink")))?;
             Box::new(DeltaSink::new(config).with_context(|| ctx("sink"))?)
         }
         other => bail!(
@@ -257,6 +275,43 @@ pub async fn load(path: &Path, trigger: Option<Trigger>) -> Result<(Job, JobFile
     Ok((job, info))
 }
 
+/// A TOML error as one line: where it is in `text` (`line N`, and the line itself, which names
+/// the key), then what is wrong.
+fn one_line(e: &toml::de::Error, text: &str) -> String {
+    match locate(e, text) {
+        Some((number, line)) => format!("line {number} (`{line}`): {}", message(e)),
+        None => message(e),
+    }
+}
+
+/// The error's message on one line.
+fn message(e: &toml::de::Error) -> String {
+    e.message().split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// The number and text (first 80 characters) of the line of `text` an error points at.
+fn locate(e: &toml::de::Error, text: &str) -> Option<(usize, String)> {
+    let start = e.span()?.start;
+    let before = text.get(..start)?;
+    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+    let line = text[line_start..].lines().next().unwrap_or("").trim();
+    Some((
+        before.matches('\n').count() + 1,
+        line.chars().take(80).collect(),
+    ))
+}
+
+/// A table of the job file (a section minus the keys read elsewhere) as `T`. The table is
+/// written back as TOML and read with positions, so a bad value's error shows its key (line
+/// numbers in the rewritten table would mean nothing to the user, so they are left out).
+fn from_table<T: serde::de::DeserializeOwned>(table: toml::Table) -> Result<T, String> {
+    let text = toml::to_string(&table).map_err(|e| e.to_string())?;
+    toml::from_str(&text).map_err(|e| match locate(&e, &text) {
+        Some((_, line)) => format!("`{line}`: {}", message(&e)),
+        None => message(&e),
+    })
+}
+
 fn parse_trigger(section: &TriggerSection) -> Result<Trigger> {
     match (section.mode.as_str(), &section.interval) {
         ("interval", Some(every)) => Ok(Trigger::Interval(parse_duration("interval", every)?)),
@@ -272,6 +327,7 @@ fn event_time_config(common: &SourceCommon) -> Result<Option<EventTimeConfig>> {
             ("event_time_format", &common.event_time_format),
             ("max_out_of_orderness", &common.max_out_of_orderness),
             ("idle_timeout", &common.idle_timeout),
+            ("max_event_time_skew", &common.max_event_time_skew),
         ] {
             if v.is_some() {
                 bail!("{key} is set but event_time is not");
@@ -292,10 +348,77 @@ fn event_time_config(common: &SourceCommon) -> Result<Option<EventTimeConfig>> {
         .as_deref()
         .map(|d| parse_duration("idle_timeout", d))
         .transpose()?;
+    let max_event_time_skew = match &common.max_event_time_skew {
+        Some(d) => parse_duration("max_event_time_skew", d)?,
+        None => sluice_engine::event_time::DEFAULT_MAX_EVENT_TIME_SKEW,
+    };
     Ok(Some(EventTimeConfig {
         column: column.clone(),
         format,
         max_out_of_orderness,
         idle_timeout,
+        max_event_time_skew,
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// The job files of `fuzz/corpus/job_files`.
+    fn corpus() -> Vec<(PathBuf, String)> {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/job_files");
+        let mut files: Vec<(PathBuf, String)> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| {
+                let path = e.unwrap().path();
+                let text = std::fs::read_to_string(&path).unwrap();
+                (path, text)
+            })
+            .collect();
+        files.sort();
+        files
+    }
+
+    /// Loading never panics, and a refusal is one line naming the file.
+    fn exercise(text: &str, path: &Path) {
+        if let Err(e) = parse(text, path, None) {
+            let message = format!("{e:#}");
+            assert!(!message.contains('\n'), "not one line: {message}");
+            assert!(message.contains("job file"), "{message}");
+        }
+    }
+
+    #[test]
+    fn fuzz_corpus_job_files_load_without_panics() {
+        for (path, text) in corpus() {
+            exercise(&text, &path);
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config::with_cases(256))]
+        /// Corpus files with a slice replaced by arbitrary text.
+        #[test]
+        fn fuzz_mutated_job_files_load_without_panics(
+            pick in 0usize..64,
+            at in 0usize..4096,
+            cut in 0usize..40,
+            insert in proptest::prelude::any::<String>(),
+        ) {
+            let files = corpus();
+            let (path, text) = &files[pick % files.len()];
+            let mut bytes = text.as_bytes().to_vec();
+            let start = at % (bytes.len() + 1);
+            let end = (start + cut).min(bytes.len());
+            bytes.splice(start..end, insert.into_bytes());
+            exercise(&String::from_utf8_lossy(&bytes), path);
+        }
+
+        #[test]
+        fn fuzz_arbitrary_text_loads_without_panics(text in proptest::prelude::any::<String>()) {
+            exercise(&text, Path::new("job.toml"));
+        }
+    }
 }

@@ -110,6 +110,23 @@ enum Command {
 const DEFAULT_LOG_FILTER: &str = "warn,sluice=info,sluice_engine=info,sluice_connectors=info,sluice_sinks=info,\
      buoyant_kernel=off,deltalake_core::writer::stats=error,rskafka=error";
 
+/// An error and its causes as one line: each cause added unless the message already says it
+/// (errors that wrap another usually repeat it), line breaks folded into spaces.
+fn one_line(error: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in error.chain() {
+        let cause = cause.to_string();
+        if text.contains(cause.as_str()) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&cause);
+    }
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
 /// An RFC 3339 time as µs since the epoch.
 fn parse_time(s: &str) -> Result<i64, String> {
     chrono::DateTime::parse_from_rfc3339(s)
@@ -135,7 +152,7 @@ async fn main() -> ExitCode {
     match dispatch(cli.command).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", one_line(&e));
             ExitCode::FAILURE
         }
     }
