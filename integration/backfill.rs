@@ -363,3 +363,49 @@ async fn backfilling_a_windowed_range_replaces_exactly_its_windows() {
         "the rest are the windows still open in the stream: {newest:?}"
     );
 }
+
+/// A late row the live job commits while a windowed backfill of its windows runs was not read
+/// by the backfill (its offset is past what the backfill read), so the replacement must leave
+/// it in the late table rather than delete it uncounted.
+#[tokio::test(flavor = "multi_thread")]
+async fn late_rows_committed_while_a_windowed_backfill_runs_stay_in_the_late_table() {
+    let ws = tempfile::tempdir().unwrap();
+    let input = ws.path().join("input");
+    Events::write(&input, 0, 20, 5);
+    let (job, out) = windowed_job(ws.path(), "live", &input);
+    assert_ok(&run_sluice(&["run", &job], &[]));
+    assert!(table_values(&late_table(&out), &[]).await.is_empty());
+
+    // The backfill of files 4–5 (windows from 10:00:00 to 10:00:20) reads, then waits.
+    let mut backfill = Background::start(
+        &["backfill", &job, "--from", "0:4", "--to", "0:6"],
+        &[("SLUICE_PAUSE_AT", "before_replacement:8000")],
+        &ws.path().join("backfill.log"),
+    );
+    backfill.wait_for_log("pause point reached", 60);
+    // Meanwhile an event of 10:00:05 arrives — late for the windows 09:59:40 … 10:00:00 — and
+    // the live job commits it to the late table.
+    std::fs::write(
+        input.join("events-late.json"),
+        r#"{"id":9001,"user_id":1,"code":"1","amount":1.5,"ts":"2026-11-01T10:00:05Z"}"#
+            .to_string()
+            + "\n",
+    )
+    .unwrap();
+    assert_ok(&run_sluice(&["run", &job], &[]));
+    let late_ids = |rows: Vec<serde_json::Map<String, serde_json::Value>>| -> Vec<i64> {
+        rows.iter().map(|r| r["id"].as_i64().unwrap()).collect()
+    };
+    assert_eq!(
+        late_ids(table_values(&late_table(&out), &[]).await),
+        vec![9001]
+    );
+
+    let (status, log) = backfill.finish();
+    assert!(status.success(), "{log}");
+    assert_eq!(
+        late_ids(table_values(&late_table(&out), &[]).await),
+        vec![9001],
+        "the backfill deleted a late row it never read"
+    );
+}

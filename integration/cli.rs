@@ -118,15 +118,117 @@ fn bad_job_files_get_errors_naming_the_problem() {
             good.replace(&input.display().to_string(), "/no/such/dir"),
             "/no/such/dir",
         ),
+        (
+            good.replace("[job]", "[job]\nidd = 1"),
+            "unknown field `idd`",
+        ),
+        (
+            good.replace("max_files_per_batch = 5", "max_files_per_batch = -1"),
+            "max_files_per_batch",
+        ),
+        (
+            good.replace("max_files_per_batch = 5", "max_files_per_batch = 0"),
+            "max_files_per_batch = 0",
+        ),
+        (
+            good.replace(
+                "max_out_of_orderness = \"2s\"",
+                "max_out_of_orderness = \"soon\"",
+            ),
+            "max_out_of_orderness 'soon'",
+        ),
+        (
+            good.replace(
+                "max_out_of_orderness = \"2s\"",
+                "max_out_of_orderness = \"2s\"\nmax_event_time_skew = \"a fortnight\"",
+            ),
+            "max_event_time_skew",
+        ),
+        (
+            good.replace(
+                "mode = \"available-now\"",
+                "mode = \"interval\"\ninterval = \"-5s\"",
+            ),
+            "interval '-5s'",
+        ),
+        (
+            good.replace("[query]", "[query]\nallowed_lateness = 3"),
+            "allowed_lateness",
+        ),
+        (good.replace("path = ", "pathh = "), "pathh"),
+        (good.replace("id = \"bad\"", "id = \"bad"), "line 3"),
+        (good.replace("[query]", "[queries]"), "queries"),
+        (
+            good.replace("kind = \"delta\"", "kind = \"delta\"\nmode = \"upsert\""),
+            "'upsert'",
+        ),
     ];
     for (text, needle) in cases {
         std::fs::write(&job, &text).unwrap();
-        let run = run_sluice(&["run", job.to_str().unwrap()], &[]);
-        assert!(!run.status.success(), "expected failure for {needle}");
-        let stderr = String::from_utf8_lossy(&run.stderr);
-        assert!(
-            stderr.contains(needle),
-            "error for {needle} does not name it:\n{stderr}"
-        );
+        for command in ["validate", "run"] {
+            let run = run_sluice(&[command, job.to_str().unwrap()], &[]);
+            assert!(!run.status.success(), "expected failure for {needle}");
+            let stderr = String::from_utf8_lossy(&run.stderr);
+            assert!(
+                stderr.contains(needle),
+                "error for {needle} does not name it:\n{stderr}"
+            );
+            // One line, the error, no panic.
+            let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+            assert!(
+                lines.len() == 1 && lines[0].starts_with("error: "),
+                "{command} for {needle} should print one error line:\n{stderr}"
+            );
+        }
     }
+}
+
+/// `validate` checks a Kafka source by asking the broker; an unreachable one fails within
+/// seconds, naming it (a running job would wait for it, as a broker restart is normal).
+#[test]
+fn validate_fails_fast_on_an_unreachable_broker() {
+    let ws = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let job = ws.path().join("kafka.toml");
+    std::fs::write(
+        &job,
+        format!(
+            r#"
+[job]
+id = "unreachable"
+
+[sources.clicks]
+kind = "kafka"
+bootstrap_servers = "127.0.0.1:{port}"
+topic = "clicks"
+schema = "id BIGINT"
+
+[sink]
+kind = "delta"
+path = "out"
+
+[query]
+sql = "SELECT id FROM clicks"
+"#
+        ),
+    )
+    .unwrap();
+    let started = std::time::Instant::now();
+    let run = run_sluice(&["validate", job.to_str().unwrap()], &[]);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success(), "{stderr}");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(20),
+        "validate waited {:?}",
+        started.elapsed()
+    );
+    let last = stderr.lines().last().unwrap_or("");
+    assert!(
+        last.starts_with("error: ") && last.contains(&format!("127.0.0.1:{port}")),
+        "{stderr}"
+    );
 }

@@ -67,36 +67,6 @@ fn run_and_kill_after(job: &str, delay: Duration) -> bool {
     status.signal() == Some(SIGKILL)
 }
 
-/// Two JSON rows equal, numbers within 1e-9 relative.
-fn rows_close(a: &str, b: &str) -> bool {
-    let (a, b): (serde_json::Value, serde_json::Value) = (
-        serde_json::from_str(a).unwrap(),
-        serde_json::from_str(b).unwrap(),
-    );
-    let (Some(a), Some(b)) = (a.as_object(), b.as_object()) else {
-        return a == b;
-    };
-    a.len() == b.len()
-        && a.iter().all(|(k, x)| {
-            let y = &b[k];
-            match (x.as_f64(), y.as_f64()) {
-                (Some(x), Some(y)) => (x - y).abs() <= 1e-9 * x.abs().max(y.abs()),
-                _ => x == y,
-            }
-        })
-}
-
-/// A small deterministic PRNG (xorshift), so a failing run can be replayed from its seed.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn sigkill_at_any_step_loses_and_duplicates_nothing() {
     crash_test(STATELESS_SQL, RANDOM_KILLS).await;

@@ -1080,3 +1080,135 @@ sql = "SELECT id, _topic, _partition, _offset FROM clicks"
     assert_eq!(c, later.good.keys().map(|(_, o)| *o).collect());
     assert_eq!(c.len(), 5);
 }
+
+/// A topic deleted and recreated (or a partition truncated by an unclean leader election) ends
+/// below the offsets the job committed: the job stops, naming partition and offsets; with
+/// `fail_on_data_loss = false` the skipped offsets become one dead letter, and reading goes on
+/// from the committed end once the new log gets there.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_topic_recreated_below_the_committed_offsets_stops_the_job_or_becomes_one_counted_gap() {
+    let broker = Broker::start();
+    let ws = tempfile::tempdir().unwrap();
+    broker.create_topic("recreated", 1).await;
+    let mut produced = Produced::default();
+    produce(&broker, "recreated", &[0], 0, 20, &mut produced).await;
+    let job = write_kafka_job(
+        ws.path(),
+        &broker,
+        "recreated",
+        "",
+        "mode = \"available-now\"",
+    );
+    assert_ok(&run_sluice(&["run", &job], &[]));
+
+    let client = broker.client().await;
+    client
+        .controller_client()
+        .unwrap()
+        .delete_topic("recreated", 5_000)
+        .await
+        .unwrap();
+    broker.create_topic("recreated", 1).await;
+    let mut recreated = Produced::default();
+    produce(&broker, "recreated", &[0], 100, 5, &mut recreated).await;
+
+    let out = run_sluice(&["run", &job], &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(
+            "data loss on topic recreated partition 0: it now ends at offset 5, below the 20 \
+             this job has already read"
+        ),
+        "{stderr}"
+    );
+
+    let lenient = std::fs::read_to_string(&job)
+        .unwrap()
+        .replace("[sink]", "fail_on_data_loss = false\n\n[sink]");
+    std::fs::write(&job, lenient).unwrap();
+    assert_ok(&run_sluice(&["run", &job], &[]));
+    assert_ok(&run_sluice(&["run", &job], &[]));
+    produce(&broker, "recreated", &[0], 200, 20, &mut recreated).await;
+    assert_ok(&run_sluice(&["run", &job], &[]));
+
+    let table = ws.path().join("out");
+    let gaps: Vec<String> = table_values(&dead_letter_table(&table), &[])
+        .await
+        .iter()
+        .filter_map(|r| r["error"].as_str().map(str::to_string))
+        .filter(|e| e.starts_with("data loss"))
+        .collect();
+    assert_eq!(gaps.len(), 1, "reported once: {gaps:?}");
+    assert!(
+        gaps[0].contains("topic recreated partition 0 now ends at offset 5, below the 20"),
+        "{gaps:?}"
+    );
+    // Offsets 0..20 of the first topic, then 20..25 of the new one; its 0..20 are the gap.
+    let ids: BTreeSet<i64> = table_values(&table, &[])
+        .await
+        .iter()
+        .map(|r| r["id"].as_i64().unwrap())
+        .collect();
+    let want: BTreeSet<i64> = produced
+        .good
+        .values()
+        .copied()
+        .chain(
+            recreated
+                .good
+                .iter()
+                .filter(|((_, o), _)| *o >= 20)
+                .map(|(_, id)| *id),
+        )
+        .collect();
+    assert_eq!(ids, want);
+}
+
+/// `starting_offsets` is resolved when a run opens the source and recorded put-if-absent; a
+/// run that finds another run recorded them first uses theirs ("latest" has moved since).
+#[tokio::test(flavor = "multi_thread")]
+async fn starting_offsets_recorded_by_another_run_are_the_ones_used() {
+    let broker = Broker::start();
+    let ws = tempfile::tempdir().unwrap();
+    broker.create_topic("adopted", 1).await;
+    let mut produced = Produced::default();
+    produce(&broker, "adopted", &[0], 0, 10, &mut produced).await;
+    let job = write_kafka_job(
+        ws.path(),
+        &broker,
+        "adopted",
+        "starting_offsets = \"latest\"",
+        "mode = \"once\"",
+    );
+    // This run resolves "latest" = 10 when it opens, then waits before planning its batch.
+    let mut run = Background::start(
+        &["run", &job],
+        &[("SLUICE_PAUSE_AT", "before_plan:0:3000")],
+        &ws.path().join("run.log"),
+    );
+    run.wait_for_log("pause point reached", 60);
+    // Meanwhile another run of the job recorded its starting offsets first.
+    let folder = ws.path().join("out/_sluice/kafka_adopted/sources/clicks");
+    std::fs::create_dir_all(&folder).unwrap();
+    std::fs::write(
+        folder.join("starting_offsets.json"),
+        r#"{"partitions":{"0":4}}"#,
+    )
+    .unwrap();
+    produce(&broker, "adopted", &[0], 10, 5, &mut produced).await;
+    let (status, log) = run.finish();
+    assert!(status.success(), "{log}");
+    let offsets: BTreeSet<i64> = table_values(&ws.path().join("out"), &[])
+        .await
+        .iter()
+        .map(|r| r["_source_offset"].as_i64().unwrap())
+        .collect();
+    let want: BTreeSet<i64> = produced
+        .good
+        .keys()
+        .map(|(_, o)| *o)
+        .filter(|o| *o >= 4)
+        .collect();
+    assert_eq!(offsets, want, "{log}");
+}

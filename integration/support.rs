@@ -325,3 +325,108 @@ pub fn python_read(table: &Path) -> Value {
     );
     serde_json::from_slice(&out.stdout).unwrap()
 }
+
+/// Two JSON rows equal, numbers within 1e-9 relative.
+pub fn rows_close(a: &str, b: &str) -> bool {
+    let (a, b): (serde_json::Value, serde_json::Value) = (
+        serde_json::from_str(a).unwrap(),
+        serde_json::from_str(b).unwrap(),
+    );
+    let (Some(a), Some(b)) = (a.as_object(), b.as_object()) else {
+        return a == b;
+    };
+    a.len() == b.len()
+        && a.iter().all(|(k, x)| {
+            let y = &b[k];
+            match (x.as_f64(), y.as_f64()) {
+                (Some(x), Some(y)) => (x - y).abs() <= 1e-9 * x.abs().max(y.abs()),
+                _ => x == y,
+            }
+        })
+}
+
+/// A small deterministic PRNG (xorshift), so a failing run can be replayed from its seed.
+pub struct Rng(pub u64);
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+/// Two sorted row lists are equal, floats within 1e-9 relative.
+pub fn assert_rows_close(got: &[String], want: &[String]) {
+    assert_eq!(got.len(), want.len(), "row counts differ");
+    let differing: Vec<_> = got
+        .iter()
+        .zip(want)
+        .filter(|(g, w)| !rows_close(g, w))
+        .collect();
+    assert!(differing.is_empty(), "rows differ: {differing:?}");
+}
+
+/// A `sluice` process started in the background, its stderr in a file.
+pub struct Background {
+    pub child: std::process::Child,
+    pub log: PathBuf,
+}
+
+impl Background {
+    /// Starts `sluice args` with `env`, stderr to `log`.
+    pub fn start(args: &[&str], env: &[(&str, &str)], log: &Path) -> Background {
+        let mut cmd = Command::new(sluice_bin());
+        cmd.args(args)
+            .env_remove("RUST_LOG")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(log).unwrap());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        Background {
+            child: cmd.spawn().unwrap(),
+            log: log.to_path_buf(),
+        }
+    }
+
+    /// What the process has logged so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits until the log holds `needle` (panics after `secs` seconds or if the process ends).
+    pub fn wait_for_log(&mut self, needle: &str, secs: u64) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+        while !self.log_text().contains(needle) {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                panic!(
+                    "the process ended ({status}) before logging '{needle}':\n{}",
+                    self.log_text()
+                );
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no '{needle}' after {secs} s:\n{}",
+                self.log_text()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    }
+
+    /// Sends `signal` (`STOP`, `CONT`, `KILL`, `TERM`) to the process.
+    pub fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(self.child.id().to_string())
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill -{signal} failed");
+    }
+
+    /// Waits for the process to end; its exit status and log.
+    pub fn finish(mut self) -> (std::process::ExitStatus, String) {
+        let status = self.child.wait().unwrap();
+        (status, self.log_text())
+    }
+}
