@@ -1212,3 +1212,82 @@ async fn starting_offsets_recorded_by_another_run_are_the_ones_used() {
         .collect();
     assert_eq!(offsets, want, "{log}");
 }
+
+/// Produces to `topic` with the Python transactional producer (see kafka_transactions.py).
+fn produce_with_python(broker: &Broker, topic: &str, args: &[&str]) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("integration/kafka_transactions.py");
+    let out = Command::new("python3")
+        .arg(script)
+        .args([broker.addr().as_str(), topic])
+        .args(args)
+        .output()
+        .expect("python3 runs (./test installs confluent-kafka)");
+    assert!(
+        out.status.success(),
+        "kafka_transactions.py {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Read-committed: records of a transaction still open are not read (the job stops at the
+/// last stable offset, plain records after it included), and once the transaction is aborted
+/// (a producer fenced by its successor) its records are skipped and everything else is read —
+/// also when batches end inside the transaction.
+#[tokio::test(flavor = "multi_thread")]
+async fn records_of_open_and_aborted_transactions_are_never_read() {
+    let broker = Broker::start();
+    let ws = tempfile::tempdir().unwrap();
+    broker.create_topic("txns", 1).await;
+    produce_with_python(&broker, "txns", &["plain", "0", "3"]);
+    produce_with_python(&broker, "txns", &["open", "tx-1", "100", "3"]);
+    produce_with_python(&broker, "txns", &["plain", "3", "3"]);
+    let job = ws.path().join("txns.toml");
+    std::fs::write(
+        &job,
+        format!(
+            r#"
+[job]
+id = "txns"
+
+[sources.clicks]
+kind = "kafka"
+bootstrap_servers = "{addr}"
+topic = "txns"
+schema = "id BIGINT"
+max_records_per_batch = 2
+
+[sink]
+kind = "delta"
+path = "out"
+
+[query]
+sql = "SELECT id, _offset FROM clicks"
+"#,
+            addr = broker.addr()
+        ),
+    )
+    .unwrap();
+    let job = job.to_str().unwrap();
+    let ids = || async {
+        let mut ids: Vec<i64> = table_values(&ws.path().join("out"), &[])
+            .await
+            .iter()
+            .map(|r| r["id"].as_i64().unwrap())
+            .collect();
+        ids.sort_unstable();
+        ids
+    };
+    assert_ok(&run_sluice(&["run", job], &[]));
+    assert_eq!(ids().await, vec![0, 1, 2], "read past an open transaction");
+
+    produce_with_python(&broker, "txns", &["fence", "tx-1"]);
+    produce_with_python(&broker, "txns", &["plain", "6", "3"]);
+    let run = run_sluice(&["run", job], &[]);
+    assert_ok(&run);
+    assert_eq!(ids().await, (0..9).collect::<Vec<_>>());
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        stderr.contains("records of aborted transactions skipped"),
+        "{stderr}"
+    );
+}

@@ -22,6 +22,17 @@
 //! unless `fail_on_data_loss = false`, where the gap becomes one dead letter (`raw` empty, the
 //! error says which offsets were skipped) and the read continues at the earliest offset.
 //!
+//! ## Transactions
+//! Records written inside a Kafka transaction count only if it commits. The source reads
+//! committed records only: it never plans past a partition's last stable offset (where the
+//! earliest transaction still open begins), reads record batches as they are in the log
+//! ([`fetch`]: producer ids, the transactional flag and the COMMIT/ABORT markers), holds each
+//! producer's transactional records until its marker, and keeps them on COMMIT, drops them on
+//! ABORT (counted in the log). A range ending inside a transaction reads on past its end for the
+//! marker, which exists since everything below the last stable offset is decided; the records
+//! past the range are the next batch's. This works whether or not the broker sends its list of
+//! aborted transactions (tansu does not), so a replay reads the same committed records.
+//!
 //! ## A broker that goes away
 //! Every broker call is retried with exponential backoff (0.2 s doubling to 10 s), forever, with a
 //! `warn` line per attempt naming the brokers and the error, and an `info` line when the broker
@@ -37,7 +48,8 @@
 //! ## The client
 //! [`rskafka`]: pure Rust, async on tokio, no C library to build or install, and built around
 //! exactly our access pattern — fetch records of one partition from an offset, list offsets —
-//! with no consumer-group machinery we would have to switch off. See ARCHITECTURE.md.
+//! with no consumer-group machinery we would have to switch off. Records are fetched over its
+//! protocol layer rather than its partition client, for transactions (see [`fetch`]). See ARCHITECTURE.md.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;
@@ -62,12 +74,14 @@ use tracing::{info, warn};
 use crate::decode::{INFER_RECORDS, infer_csv};
 use crate::error::{ConnectorError, Result};
 mod config;
+mod fetch;
 mod records;
 
 pub use config::{KafkaSourceConfig, OffsetSpec, Topics, ValueFormat};
 pub use records::{HEADERS, KAFKA_TIMESTAMP, KEY, OFFSET, PARTITION, TOPIC};
 
 use config::{ResolvedSpec, TopicSelection};
+use fetch::{Batch, BatchFetcher, Marker};
 use records::{RecordDecoder, raw_value_schema};
 
 const STARTING_OFFSETS_FILE: &str = "starting_offsets.json";
@@ -120,6 +134,8 @@ pub struct KafkaSource {
     delimiter: u8,
     client: OnceCell<Client>,
     partition_clients: Mutex<HashMap<TopicPartition, Arc<PartitionClient>>>,
+    /// Reads record batches as they are in the log, transaction markers included.
+    fetcher: BatchFetcher,
     /// Validating only: give up on an unreachable broker after [`VALIDATE_PATIENCE`].
     fail_fast: bool,
     opened: Option<Opened>,
@@ -198,12 +214,14 @@ impl KafkaSource {
         if config.format == ValueFormat::Raw && config.schema.is_some() {
             return bad("format = \"raw\" has fixed columns key and value; drop schema".into());
         }
+        let fetcher = BatchFetcher::new(brokers(&config.bootstrap_servers));
         Ok(KafkaSource {
             config,
             selection,
             delimiter,
             client: OnceCell::new(),
             partition_clients: Mutex::new(HashMap::new()),
+            fetcher,
             fail_fast: false,
             opened: None,
         })
@@ -304,13 +322,7 @@ impl KafkaSource {
     async fn client(&self) -> Result<&Client> {
         self.client
             .get_or_try_init(|| async {
-                let brokers: Vec<String> = self
-                    .config
-                    .bootstrap_servers
-                    .split(',')
-                    .map(|s| s.trim().to_string())
-                    .filter(|s| !s.is_empty())
-                    .collect();
+                let brokers = brokers(&self.config.bootstrap_servers);
                 self.retry("connect", || {
                     ClientBuilder::new(brokers.clone())
                         .client_id("sluice")
@@ -456,46 +468,62 @@ impl KafkaSource {
         Ok(values)
     }
 
-    /// Fetches the records of `range`. Returns them and, when `fail_on_data_loss = false`,
-    /// the gaps skipped as dead letters.
+    /// Fetches the committed records of `range` (see "Transactions" in the module docs).
+    /// Returns them in offset order and, when `fail_on_data_loss = false`, the gaps skipped as
+    /// dead letters.
     async fn fetch(
         &self,
         tp: &TopicPartition,
         range: OffsetRange,
     ) -> Result<(Vec<RecordAndOffset>, Vec<DeadLetter>)> {
-        let pc = self.partition_client(tp).await?;
         let id = self.partition_id(tp);
         let mut records = Vec::new();
         let mut gaps = Vec::new();
+        // Transactional records of the range read so far, by producer, until their marker.
+        let mut undecided: BTreeMap<i64, Vec<RecordAndOffset>> = BTreeMap::new();
+        let mut aborted = 0usize;
         let mut next = range.start;
         let mut empty_fetches = 0;
-        while next < range.end {
+        while next < range.end || !undecided.is_empty() {
             let what = format!("fetch {tp} from offset {next}");
-            let fetched = match self
+            let batches = match self
                 .retry(&what, || {
-                    pc.fetch_records(next, 1..FETCH_MAX_BYTES, FETCH_MAX_WAIT_MS)
+                    self.fetcher.fetch(
+                        &tp.topic,
+                        tp.partition,
+                        next,
+                        FETCH_MAX_BYTES,
+                        FETCH_MAX_WAIT_MS,
+                    )
                 })
                 .await
             {
-                Ok((batch, _high_watermark)) => batch,
+                Ok(batches) => batches,
                 Err(KafkaError::ServerError {
                     protocol_error: ProtocolError::OffsetOutOfRange,
                     ..
                 }) => Vec::new(),
                 Err(e) => return Err(self.kafka_error(what, e)),
             };
-            let in_range: Vec<RecordAndOffset> = fetched
+            let batches: Vec<Batch> = batches
                 .into_iter()
-                .filter(|r| r.offset >= next && r.offset < range.end)
+                .filter(|b| b.last_offset >= next)
                 .collect();
-            // Nothing at `next`: deleted (retention), truncated, or offsets without data
-            // records (compaction, transaction markers). Only the first is data loss.
+            let first = batches.first().map(|b| {
+                b.records
+                    .iter()
+                    .map(|r| r.offset)
+                    .find(|o| *o >= next)
+                    .unwrap_or(b.last_offset)
+            });
+            // Nothing at `next`: deleted (retention), truncated, or offsets without records
+            // (compaction). Only the first is data loss.
             let mut earliest = None;
-            if in_range.first().map(|r| r.offset) != Some(next) {
+            if first != Some(next) {
                 earliest = Some(self.offset_at(tp, OffsetAt::Earliest).await?);
             }
             if let Some(earliest) = earliest.filter(|e| next < *e) {
-                if self.config.fail_on_data_loss {
+                if self.config.fail_on_data_loss || !undecided.is_empty() {
                     return Err(ConnectorError::DataLoss {
                         partition: tp.to_string(),
                         wanted: next,
@@ -518,32 +546,74 @@ impl KafkaSource {
                 next = skipped_to;
                 continue;
             }
-            if let Some(last) = in_range.last() {
-                next = last.offset + 1;
-                empty_fetches = 0;
-                records.extend(in_range);
+            if batches.is_empty() {
+                let latest = self.offset_at(tp, OffsetAt::Latest).await?;
+                if next < range.end && latest < range.end {
+                    return Err(ConnectorError::OffsetOutOfRange {
+                        partition: tp.to_string(),
+                        wanted: range.end - 1,
+                        earliest: earliest.unwrap_or(next),
+                        latest,
+                        detail: "this batch read up to it before; was the topic deleted or \
+                                 recreated?"
+                            .into(),
+                    });
+                }
+                if next >= range.end {
+                    // Past the range, still waiting for a transaction's marker: it is decided
+                    // (the range ends at or below the last stable offset), so it will come.
+                    warn!(partition = %tp, producers = ?undecided.keys().collect::<Vec<_>>(), "waiting for the COMMIT or ABORT marker of transactions read in this batch");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    continue;
+                }
+                empty_fetches += 1;
+                if empty_fetches >= EMPTY_FETCHES_BEFORE_SKIP {
+                    info!(partition = %tp, from = next, to = range.end, "these offsets hold no records (compacted away); moving on");
+                    next = range.end;
+                    continue;
+                }
+                tokio::time::sleep(Duration::from_millis(20 * u64::from(empty_fetches))).await;
                 continue;
             }
-            let latest = self.offset_at(tp, OffsetAt::Latest).await?;
-            if latest < range.end {
-                return Err(ConnectorError::OffsetOutOfRange {
-                    partition: tp.to_string(),
-                    wanted: range.end - 1,
-                    earliest: earliest.unwrap_or(next),
-                    latest,
-                    detail: "this batch read up to it before; was the topic deleted or recreated?"
-                        .into(),
-                });
+            empty_fetches = 0;
+            for batch in batches {
+                let in_range = |r: &RecordAndOffset| r.offset >= next && r.offset < range.end;
+                match batch.marker {
+                    Some(marker) => {
+                        if let Some(held) = undecided.remove(&batch.producer_id) {
+                            match marker {
+                                Marker::Commit => records.extend(held),
+                                Marker::Abort => aborted += held.len(),
+                            }
+                        }
+                    }
+                    None if batch.transactional => {
+                        let mine: Vec<RecordAndOffset> =
+                            batch.records.into_iter().filter(in_range).collect();
+                        if !mine.is_empty() {
+                            undecided.entry(batch.producer_id).or_default().extend(mine);
+                        }
+                    }
+                    None => records.extend(batch.records.into_iter().filter(in_range)),
+                }
+                next = next.max(batch.last_offset + 1);
             }
-            empty_fetches += 1;
-            if empty_fetches >= EMPTY_FETCHES_BEFORE_SKIP {
-                info!(partition = %tp, from = next, to = range.end, "these offsets hold no data records (compacted away or transaction markers); moving on");
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20 * u64::from(empty_fetches))).await;
         }
+        if aborted > 0 {
+            info!(partition = %tp, range = %range, aborted, "records of aborted transactions skipped");
+        }
+        records.sort_by_key(|r| r.offset);
         Ok((records, gaps))
     }
+}
+
+/// The `host:port` entries of `bootstrap_servers`.
+fn brokers(bootstrap_servers: &str) -> Vec<String> {
+    bootstrap_servers
+        .split(',')
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .collect()
 }
 
 /// Errors worth retrying: the broker is unreachable, restarting, or moving leadership.
