@@ -216,6 +216,17 @@ impl FilesSource {
     /// Lists the data files of the directory, sorted by name: all of them, or only those named
     /// after `after`.
     async fn list(&self, after: Option<&str>) -> Result<Vec<RecordedFile>> {
+        if self.url.scheme() == "file"
+            && let Ok(root) = self.url.to_file_path()
+        {
+            let after = after.map(str::to_string);
+            let mut files =
+                tokio::task::spawn_blocking(move || list_local(&root, after.as_deref()))
+                    .await
+                    .map_err(|e| ConnectorError::Config(format!("listing failed: {e}")))??;
+            files.sort_by(|a, b| a.name.cmp(&b.name));
+            return Ok(files);
+        }
         let listing = match after {
             None => self.store.list(Some(&self.prefix)),
             Some(name) => self
@@ -524,6 +535,49 @@ impl Source for FilesSource {
     fn max_per_batch(&self) -> Option<u64> {
         Some(self.config.max_files_per_batch.max(1))
     }
+}
+
+/// Lists a local directory tree's data files, looking only at the names after `after` (the
+/// rest are skipped by name, without reading their metadata — object_store's local listing
+/// reads every entry's), so planning costs little more than reading the directory.
+fn list_local(root: &std::path::Path, after: Option<&str>) -> Result<Vec<RecordedFile>> {
+    let mut files = Vec::new();
+    let mut dirs = vec![(root.to_path_buf(), String::new())];
+    while let Some((dir, rel)) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir)? {
+            let entry = entry?;
+            let Some(name) = entry.file_name().to_str().map(str::to_string) else {
+                tracing::warn!(file = %entry.path().display(), "a file name that is not UTF-8 is skipped; rename it to read it");
+                continue;
+            };
+            if !is_data_file(&name) {
+                continue;
+            }
+            let rel_name = if rel.is_empty() {
+                name
+            } else {
+                format!("{rel}/{name}")
+            };
+            let kind = entry.file_type()?;
+            let is_dir = kind.is_dir()
+                || (kind.is_symlink() && std::fs::metadata(entry.path()).is_ok_and(|m| m.is_dir()));
+            if is_dir {
+                dirs.push((entry.path(), rel_name));
+                continue;
+            }
+            if after.is_some_and(|a| rel_name.as_str() <= a) {
+                continue;
+            }
+            let meta = std::fs::metadata(entry.path())?;
+            files.push(RecordedFile {
+                name: rel_name,
+                size: meta.len(),
+                modified_micros: chrono::DateTime::<chrono::Utc>::from(meta.modified()?)
+                    .timestamp_micros(),
+            });
+        }
+    }
+    Ok(files)
 }
 
 fn relative_name(prefix: &Path, location: &Path) -> String {

@@ -1,0 +1,349 @@
+//! Scale benchmarks: costs that must not grow with how long a job has run.
+//!
+//! ```text
+//! cargo bench --bench scale -- files-planning [--files 1000,10000,100000]
+//! cargo bench --bench scale -- backfill-memory [--events-per-hour 1000000]
+//! ```
+//!
+//! - `files-planning`: the files source's planning step (`available()`: list the directory,
+//!   record new files) with 1k, 10k and 100k files already recorded, one new file per batch —
+//!   p50 per batch, next to a full listing of the directory (what every batch cost when the whole
+//!   directory was listed and the whole file log rewritten). Goal: flat.
+//! - `backfill-memory`: a 24-hour history of click events (JSON files) committed by the live
+//!   job, then a backfill of one hour of it — stateless and windowed — in this process; prints
+//!   the peak RSS of the backfill next to that hour's data as Arrow. Goal: ≤ 2× the hour.
+//!
+//! Both append their figures as JSON lines (with the git commit) to `benches/results/scale.jsonl`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use sluice::connectors::files::{FileFormat, FilesSource, FilesSourceConfig};
+use sluice::engine::backfill::BackfillRange;
+use sluice::engine::checkpoint::CheckpointStore;
+use sluice::engine::{Source, SourceContext};
+
+fn results() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/results/scale.jsonl")
+}
+
+fn record(line: serde_json::Value) {
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(results())
+        .unwrap();
+    writeln!(f, "{line}").unwrap();
+}
+
+fn git_commit() -> String {
+    std::process::Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// A field of `/proc/self/status` (`VmHWM`, `VmRSS`) in bytes.
+fn proc_status(field: &str) -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with(field))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// Resets the peak RSS to the current RSS (Linux: writing 5 to `clear_refs`).
+fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / 1_048_576.0
+}
+
+fn p50(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1).filter(|a| a != "--bench");
+    let what = args.next().unwrap_or_default();
+    let rest: Vec<String> = args.collect();
+    let option = |name: &str| {
+        rest.iter()
+            .position(|a| a == name)
+            .and_then(|i| rest.get(i + 1))
+            .cloned()
+    };
+    match what.as_str() {
+        "files-planning" => {
+            let counts: Vec<usize> = option("--files")
+                .unwrap_or_else(|| "1000,10000,100000".into())
+                .split(',')
+                .map(|n| n.replace('_', "").parse().unwrap())
+                .collect();
+            files_planning(&counts);
+        }
+        "backfill-memory" => {
+            let per_hour = option("--events-per-hour")
+                .map_or(1_000_000, |n| n.replace('_', "").parse().unwrap());
+            backfill_memory(per_hour);
+        }
+        other => panic!(
+            "unknown benchmark '{other}': files-planning [--files N,N] | backfill-memory \
+             [--events-per-hour N]"
+        ),
+    }
+}
+
+fn files_planning(counts: &[usize]) {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    println!("files source, planning one batch (available()) with N files recorded:");
+    println!(
+        "{:>10} {:>16} {:>18} {:>20}",
+        "files", "p50 per batch", "full listing", "first listing"
+    );
+    for &n in counts {
+        let dir = tempfile::tempdir().unwrap();
+        let input = dir.path().join("input");
+        std::fs::create_dir_all(&input).unwrap();
+        for i in 0..n {
+            std::fs::write(input.join(format!("f-{i:08}.json")), "{\"id\":1}\n").unwrap();
+        }
+        let checkpoint = CheckpointStore::open(
+            &url::Url::from_directory_path(dir.path().join("checkpoint")).unwrap(),
+        )
+        .unwrap();
+        let (first, per_batch, full) = rt.block_on(async {
+            let mut source = FilesSource::new(FilesSourceConfig {
+                schema: Some("id BIGINT".into()),
+                ..FilesSourceConfig::new(input.to_string_lossy(), FileFormat::Json)
+            })
+            .unwrap();
+            source
+                .open(SourceContext {
+                    name: "files".into(),
+                    checkpoint,
+                    validating: false,
+                })
+                .await
+                .unwrap();
+            let t = Instant::now();
+            let available = source.available().await.unwrap();
+            let first = t.elapsed();
+            assert_eq!(available["0"].latest, n as i64);
+            let mut per_batch = Vec::new();
+            for i in 0..30 {
+                std::fs::write(input.join(format!("f-{:08}.json", n + i)), "{\"id\":1}\n").unwrap();
+                let t = Instant::now();
+                let available = source.available().await.unwrap();
+                per_batch.push(t.elapsed());
+                assert_eq!(available["0"].latest, (n + i + 1) as i64);
+            }
+            // What a batch paid before: the whole directory listed, every entry looked at.
+            let t = Instant::now();
+            let listed = std::fs::read_dir(&input)
+                .unwrap()
+                .filter_map(|e| e.ok()?.metadata().ok())
+                .count();
+            assert!(listed > n);
+            (first, p50(per_batch), t.elapsed())
+        });
+        println!(
+            "{n:>10} {:>13.2} ms {:>15.2} ms {:>17.2} ms",
+            per_batch.as_secs_f64() * 1e3,
+            full.as_secs_f64() * 1e3,
+            first.as_secs_f64() * 1e3
+        );
+        record(serde_json::json!({
+            "bench": "files-planning", "commit": git_commit(), "files": n,
+            "p50_ms_per_batch": per_batch.as_secs_f64() * 1e3,
+            "full_listing_ms": full.as_secs_f64() * 1e3,
+            "first_listing_ms": first.as_secs_f64() * 1e3,
+        }));
+    }
+}
+
+/// Writes 24 hours of click events, `per_hour` an hour, 10 files an hour.
+fn write_history(input: &Path, per_hour: u64) {
+    std::fs::create_dir_all(input).unwrap();
+    let per_file = per_hour / 10;
+    let mut id = 0u64;
+    for hour in 0..24u64 {
+        for part in 0..10u64 {
+            let file =
+                std::fs::File::create(input.join(format!("h{hour:02}-{part:02}.json"))).unwrap();
+            let mut w = std::io::BufWriter::new(file);
+            for i in 0..per_file {
+                let micros = (hour * 3600 + part * 360) * 1_000_000 + i * 360_000_000 / per_file;
+                let (s, us) = (micros / 1_000_000, micros % 1_000_000);
+                writeln!(
+                    w,
+                    r#"{{"id":{id},"user_id":{},"page":"/p/{}","amount":{}.5,"ts":"2026-11-01T{:02}:{:02}:{:02}.{us:06}Z"}}"#,
+                    id % 1000,
+                    id % 50,
+                    id % 100,
+                    s / 3600,
+                    (s / 60) % 60,
+                    s % 60
+                )
+                .unwrap();
+                id += 1;
+            }
+        }
+    }
+}
+
+fn job_file(dir: &Path, name: &str, input: &Path, sql: &str) -> PathBuf {
+    let path = dir.join(format!("{name}.toml"));
+    std::fs::write(
+        &path,
+        format!(
+            r#"
+[job]
+id = "{name}"
+
+[sources.clicks]
+kind = "files"
+path = "{input}"
+format = "json"
+schema = "id BIGINT, user_id BIGINT, page VARCHAR, amount DOUBLE, ts TIMESTAMP"
+event_time = "ts"
+max_out_of_orderness = "10s"
+max_files_per_batch = 2
+
+[sink]
+kind = "delta"
+path = "{out}"
+
+[query]
+sql = """{sql}"""
+"#,
+            input = input.display(),
+            out = dir.join(name).display(),
+        ),
+    )
+    .unwrap();
+    path
+}
+
+fn backfill_memory(per_hour: u64) {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("input");
+    let t = Instant::now();
+    write_history(&input, per_hour);
+    println!(
+        "24 hours of click events, {per_hour} an hour, written in {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+    let jobs = [
+        (
+            "stateless",
+            "SELECT id, user_id, upper(page) AS page, amount, ts FROM clicks",
+        ),
+        (
+            "windowed",
+            "SELECT window_start, window_end, user_id % 10 AS bucket, count(*) AS clicks, \
+             sum(amount) AS amount FROM tumble(clicks, ts, INTERVAL '1' MINUTE) \
+             GROUP BY window_start, window_end, user_id % 10",
+        ),
+    ];
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    for (name, sql) in jobs {
+        let job = job_file(dir.path(), name, &input, sql);
+        // The live job commits the whole history, in its own process.
+        let t = Instant::now();
+        let live = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .args(["run", job.to_str().unwrap()])
+            .env("RUST_LOG", "warn")
+            .output()
+            .unwrap();
+        assert!(
+            live.status.success(),
+            "{}",
+            String::from_utf8_lossy(&live.stderr)
+        );
+        let live_secs = t.elapsed().as_secs_f64();
+        // Then one hour of it is backfilled here, measuring this process.
+        let (report, baseline, peak, secs) = rt.block_on(async {
+            let (job, _) = sluice::job_file::load(&job, None).await.unwrap();
+            reset_peak_rss();
+            let baseline = proc_status("VmRSS:");
+            let t = Instant::now();
+            let report = job
+                .backfill(
+                    BackfillRange::Time {
+                        from: time("2026-11-01T12:00:00Z"),
+                        to: time("2026-11-01T13:00:00Z"),
+                    },
+                    false,
+                )
+                .await
+                .unwrap();
+            (
+                report,
+                baseline,
+                proc_status("VmHWM:"),
+                t.elapsed().as_secs_f64(),
+            )
+        });
+        let hour = rt.block_on(hour_as_arrow(&input));
+        let grown = peak.saturating_sub(baseline);
+        println!(
+            "{name}: live job over 24 h {live_secs:.1} s; backfill of 12:00–13:00: rows in {}, \
+             out {}, {secs:.1} s\n  peak RSS {:.0} MiB ({:.0} MiB above the {:.0} MiB before it); \
+             the hour as Arrow {:.0} MiB: {:.2}× the hour",
+            report.rows_in,
+            report.rows_out,
+            mib(peak),
+            mib(grown),
+            mib(baseline),
+            mib(hour),
+            grown as f64 / hour as f64
+        );
+        record(serde_json::json!({
+            "bench": "backfill-memory", "commit": git_commit(), "job": name,
+            "events_per_hour": per_hour, "rows_in": report.rows_in, "rows_out": report.rows_out,
+            "backfill_secs": secs, "peak_rss_bytes": peak, "baseline_rss_bytes": baseline,
+            "hour_arrow_bytes": hour, "ratio_to_hour": grown as f64 / hour as f64,
+        }));
+    }
+}
+
+fn time(rfc3339: &str) -> i64 {
+    chrono::DateTime::parse_from_rfc3339(rfc3339)
+        .unwrap()
+        .timestamp_micros()
+}
+
+/// The 12:00 hour's events decoded into Arrow, in bytes.
+async fn hour_as_arrow(input: &Path) -> u64 {
+    let schema = sluice::engine::schema::parse_schema(
+        "id BIGINT, user_id BIGINT, page VARCHAR, amount DOUBLE, ts TIMESTAMP",
+    )
+    .await
+    .unwrap();
+    let mut bytes = 0;
+    for part in 0..10 {
+        let file = std::fs::File::open(input.join(format!("h12-{part:02}.json"))).unwrap();
+        let reader = arrow::json::ReaderBuilder::new(schema.clone())
+            .build(std::io::BufReader::new(file))
+            .unwrap();
+        for batch in reader {
+            bytes += batch.unwrap().get_array_memory_size() as u64;
+        }
+    }
+    bytes
+}
