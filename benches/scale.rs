@@ -9,9 +9,11 @@
 //!   record new files) with 1k, 10k and 100k files already recorded, one new file per batch —
 //!   p50 per batch, next to a full listing of the directory (what every batch cost when the whole
 //!   directory was listed and the whole file log rewritten). Goal: flat.
-//! - `backfill-memory`: a 24-hour history of click events (JSON files) committed by the live
-//!   job, then a backfill of one hour of it — stateless and windowed — in this process; prints
-//!   the peak RSS of the backfill next to that hour's data as Arrow. Goal: ≤ 2× the hour.
+//! - `backfill-memory`: a 24-hour history (`--hours`) of click events (JSON files) committed by
+//!   the live job, then a backfill of one hour of it — stateless and windowed — in this process;
+//!   prints the peak RSS of resolving the hour to offsets (a scan of the whole history) and of
+//!   the backfill, next to that hour's data as Arrow. Goal: ≤ 2× the hour, and the same figures
+//!   for a longer history.
 //!
 //! Both append their figures as JSON lines (with the git commit) to `benches/results/scale.jsonl`.
 
@@ -22,7 +24,6 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use sluice::connectors::files::{FileFormat, FilesSource, FilesSourceConfig};
-use sluice::engine::backfill::BackfillRange;
 use sluice::engine::checkpoint::CheckpointStore;
 use sluice::engine::{Source, SourceContext};
 
@@ -48,24 +49,6 @@ fn git_commit() -> String {
         .filter(|o| o.status.success())
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
         .unwrap_or_else(|| "unknown".into())
-}
-
-/// A field of `/proc/self/status` (`VmHWM`, `VmRSS`) in bytes.
-fn proc_status(field: &str) -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with(field))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<u64>().ok())
-        })
-        .map_or(0, |kb| kb * 1024)
-}
-
-/// Resets the peak RSS to the current RSS (Linux: writing 5 to `clear_refs`).
-fn reset_peak_rss() {
-    let _ = std::fs::write("/proc/self/clear_refs", "5");
 }
 
 fn mib(bytes: u64) -> f64 {
@@ -99,11 +82,12 @@ fn main() {
         "backfill-memory" => {
             let per_hour = option("--events-per-hour")
                 .map_or(1_000_000, |n| n.replace('_', "").parse().unwrap());
-            backfill_memory(per_hour);
+            let hours = option("--hours").map_or(24, |n| n.parse().unwrap());
+            backfill_memory(per_hour, hours);
         }
         other => panic!(
             "unknown benchmark '{other}': files-planning [--files N,N] | backfill-memory \
-             [--events-per-hour N]"
+             [--events-per-hour N] [--hours N]"
         ),
     }
 }
@@ -176,26 +160,27 @@ fn files_planning(counts: &[usize]) {
     }
 }
 
-/// Writes 24 hours of click events, `per_hour` an hour, 10 files an hour.
-fn write_history(input: &Path, per_hour: u64) {
+/// Writes `hours` hours of click events from midnight, `per_hour` an hour, 10 files an hour.
+fn write_history(input: &Path, per_hour: u64, hours: u64) {
     std::fs::create_dir_all(input).unwrap();
     let per_file = per_hour / 10;
     let mut id = 0u64;
-    for hour in 0..24u64 {
+    for hour in 0..hours {
         for part in 0..10u64 {
             let file =
-                std::fs::File::create(input.join(format!("h{hour:02}-{part:02}.json"))).unwrap();
+                std::fs::File::create(input.join(format!("h{hour:03}-{part:02}.json"))).unwrap();
             let mut w = std::io::BufWriter::new(file);
             for i in 0..per_file {
                 let micros = (hour * 3600 + part * 360) * 1_000_000 + i * 360_000_000 / per_file;
                 let (s, us) = (micros / 1_000_000, micros % 1_000_000);
                 writeln!(
                     w,
-                    r#"{{"id":{id},"user_id":{},"page":"/p/{}","amount":{}.5,"ts":"2026-11-01T{:02}:{:02}:{:02}.{us:06}Z"}}"#,
+                    r#"{{"id":{id},"user_id":{},"page":"/p/{}","amount":{}.5,"ts":"2026-11-{:02}T{:02}:{:02}:{:02}.{us:06}Z"}}"#,
                     id % 1000,
                     id % 50,
                     id % 100,
-                    s / 3600,
+                    1 + s / 86_400,
+                    (s / 3600) % 24,
                     (s / 60) % 60,
                     s % 60
                 )
@@ -239,13 +224,14 @@ sql = """{sql}"""
     path
 }
 
-fn backfill_memory(per_hour: u64) {
+fn backfill_memory(per_hour: u64, hours: u64) {
+    assert!(hours > 12, "the backfilled hour is 12:00-13:00");
     let dir = tempfile::tempdir().unwrap();
     let input = dir.path().join("input");
     let t = Instant::now();
-    write_history(&input, per_hour);
+    write_history(&input, per_hour, hours);
     println!(
-        "24 hours of click events, {per_hour} an hour, written in {:.1} s",
+        "{hours} hours of click events, {per_hour} an hour, written in {:.1} s",
         t.elapsed().as_secs_f64()
     );
     let jobs = [
@@ -276,59 +262,92 @@ fn backfill_memory(per_hour: u64) {
             String::from_utf8_lossy(&live.stderr)
         );
         let live_secs = t.elapsed().as_secs_f64();
-        // Then one hour of it is backfilled here, measuring this process.
-        let (report, baseline, peak, secs) = rt.block_on(async {
-            let (job, _) = sluice::job_file::load(&job, None).await.unwrap();
-            reset_peak_rss();
-            let baseline = proc_status("VmRSS:");
-            let t = Instant::now();
-            let report = job
-                .backfill(
-                    BackfillRange::Time {
-                        from: time("2026-11-01T12:00:00Z"),
-                        to: time("2026-11-01T13:00:00Z"),
-                    },
-                    false,
-                )
-                .await
-                .unwrap();
-            (
-                report,
-                baseline,
-                proc_status("VmHWM:"),
-                t.elapsed().as_secs_f64(),
-            )
-        });
+        // Then one hour of it is backfilled by the binary, measured from outside: the peak of
+        // a run that only opens everything (an empty range, dry), of resolving the hour to
+        // offsets (a scan of the whole history, dry), and of the backfill of those offsets.
+        let job = job.to_str().unwrap();
+        let (opened, _) = peak_of(&["backfill", job, "--from", "0:0", "--to", "0:0", "--dry-run"]);
+        let (scan, resolved) = peak_of(&[
+            "backfill",
+            job,
+            "--from-time",
+            "2026-11-01T12:00:00Z",
+            "--to-time",
+            "2026-11-01T13:00:00Z",
+            "--dry-run",
+        ]);
+        assert!(resolved.contains("offsets 0:[120, 130)"), "{resolved}");
+        let t = Instant::now();
+        let (peak, stdout) = peak_of(&["backfill", job, "--from", "0:120", "--to", "0:130"]);
+        let secs = t.elapsed().as_secs_f64();
+        let report = stdout
+            .lines()
+            .find(|l| l.contains("rows in"))
+            .unwrap_or_default()
+            .trim()
+            .to_string();
         let hour = rt.block_on(hour_as_arrow(&input));
-        let grown = peak.saturating_sub(baseline);
+        let hour_json: u64 = (0..10)
+            .map(|part| {
+                std::fs::metadata(input.join(format!("h012-{part:02}.json")))
+                    .unwrap()
+                    .len()
+            })
+            .sum();
+        let ratio = |peak: u64| peak.saturating_sub(opened) as f64 / hour as f64;
         println!(
-            "{name}: live job over 24 h {live_secs:.1} s; backfill of 12:00–13:00: rows in {}, \
-             out {}, {secs:.1} s\n  peak RSS {:.0} MiB ({:.0} MiB above the {:.0} MiB before it); \
-             the hour as Arrow {:.0} MiB: {:.2}× the hour",
-            report.rows_in,
-            report.rows_out,
+            "{name}: live job over {hours} h {live_secs:.1} s; backfill of 12:00–13:00 in \
+             {secs:.1} s ({report})\n  peak RSS: opening {:.0} MiB; resolving the hour to its \
+             offsets (scans {hours} h) {:.0} MiB = +{:.2}× the hour; backfilling those offsets \
+             {:.0} MiB = +{:.2}× the hour (the hour as Arrow: {:.0} MiB; as JSON: {:.0} MiB)",
+            mib(opened),
+            mib(scan),
+            ratio(scan),
             mib(peak),
-            mib(grown),
-            mib(baseline),
+            ratio(peak),
             mib(hour),
-            grown as f64 / hour as f64
+            mib(hour_json),
         );
         record(serde_json::json!({
             "bench": "backfill-memory", "commit": git_commit(), "job": name,
-            "events_per_hour": per_hour, "rows_in": report.rows_in, "rows_out": report.rows_out,
-            "backfill_secs": secs, "peak_rss_bytes": peak, "baseline_rss_bytes": baseline,
-            "hour_arrow_bytes": hour, "ratio_to_hour": grown as f64 / hour as f64,
+            "events_per_hour": per_hour, "hours": hours, "backfill_secs": secs,
+            "opening_peak_rss_bytes": opened, "resolving_peak_rss_bytes": scan,
+            "backfill_peak_rss_bytes": peak, "hour_arrow_bytes": hour, "hour_json_bytes": hour_json,
+            "backfill_ratio_to_hour": ratio(peak), "resolving_ratio_to_hour": ratio(scan),
         }));
     }
 }
 
-fn time(rfc3339: &str) -> i64 {
-    chrono::DateTime::parse_from_rfc3339(rfc3339)
-        .unwrap()
-        .timestamp_micros()
+/// Runs `sluice args` and returns its peak resident set size (polled from `/proc` every 10 ms)
+/// and its stdout.
+fn peak_of(args: &[&str]) -> (u64, String) {
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let status_file = format!("/proc/{}/status", child.id());
+    let mut peak = 0;
+    while child.try_wait().unwrap().is_none() {
+        if let Ok(status) = std::fs::read_to_string(&status_file)
+            && let Some(kb) = status
+                .lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        {
+            peak = peak.max(kb * 1024);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "sluice {args:?} failed");
+    (peak, String::from_utf8_lossy(&out.stdout).to_string())
 }
 
-/// The 12:00 hour's events decoded into Arrow, in bytes.
+/// The 12:00 hour's events decoded into Arrow, in bytes (decoded after the measurements, so
+/// they do not count it).
 async fn hour_as_arrow(input: &Path) -> u64 {
     let schema = sluice::engine::schema::parse_schema(
         "id BIGINT, user_id BIGINT, page VARCHAR, amount DOUBLE, ts TIMESTAMP",
@@ -337,7 +356,7 @@ async fn hour_as_arrow(input: &Path) -> u64 {
     .unwrap();
     let mut bytes = 0;
     for part in 0..10 {
-        let file = std::fs::File::open(input.join(format!("h12-{part:02}.json"))).unwrap();
+        let file = std::fs::File::open(input.join(format!("h012-{part:02}.json"))).unwrap();
         let reader = arrow::json::ReaderBuilder::new(schema.clone())
             .build(std::io::BufReader::new(file))
             .unwrap();

@@ -11,6 +11,13 @@ use sluice::engine::Trigger;
 use sluice::engine::backfill::BackfillRange;
 use sluice::job_file;
 
+/// The allocator: batches are decoded, queried and written on many threads (tokio's workers and
+/// blocking pool, rayon); with the system allocator's per-thread arenas the memory a batch frees
+/// on one thread is not reused by the next, and the resident size of a long scan grew to several
+/// times what it held (a backfill: 8×, `cargo bench --bench scale -- backfill-memory`).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Sluice: exactly-once micro-batch stream processing from files and Kafka to Delta tables.
 ///
 /// A job file names the sources, one SQL query, the Delta sink and the trigger. Every batch

@@ -47,8 +47,13 @@ pub(crate) type Decoded = (
     Vec<(usize, Vec<u8>, String)>,
 );
 
-/// Decodes `lines`, splitting in halves around failures until each bad line is alone.
-/// Returns decoded batches with their line numbers, in file order, and the bad lines.
+/// Lines decoded together: a file becomes batches of at most this many rows, so a decoder's
+/// working memory stays small whatever the file's size.
+pub(crate) const DECODE_ROWS: usize = 8192;
+
+/// Decodes `lines` in runs of [`DECODE_ROWS`], splitting a run in halves around failures until
+/// each bad line is alone. Returns decoded batches with their line numbers, in file order, and
+/// the bad lines.
 pub(crate) fn decode_lines(
     bytes: &[u8],
     lines: &[Line],
@@ -56,7 +61,11 @@ pub(crate) fn decode_lines(
 ) -> Decoded {
     let mut good = Vec::new();
     let mut bad = Vec::new();
-    let mut pending = vec![(0, lines.len())];
+    let mut pending: Vec<(usize, usize)> = (0..lines.len())
+        .step_by(DECODE_ROWS)
+        .map(|from| (from, (from + DECODE_ROWS).min(lines.len())))
+        .rev()
+        .collect();
     while let Some((from, to)) = pending.pop() {
         if from == to {
             continue;
@@ -136,14 +145,20 @@ pub(crate) fn decode_json(
         .with_batch_size(lines.len() + 1)
         .build_decoder()
         .map_err(|e| e.to_string())?;
-    let contiguous = lines.windows(2).all(|w| w[1].number == w[0].number + 1);
-    if contiguous {
-        let span = &bytes[lines[0].start..lines[lines.len() - 1].end];
-        feed(&mut decoder, span)?;
-    } else {
-        for l in lines {
-            feed(&mut decoder, &bytes[l.start..l.end])?;
-            feed(&mut decoder, b"\n")?;
+    // Line by line, so a record spanning two lines, or two records on one line, is caught at
+    // its line rather than decoded into rows attributed to the wrong lines.
+    for l in lines {
+        let before = decoder.len();
+        feed(&mut decoder, &bytes[l.start..l.end])?;
+        feed(&mut decoder, b"\n")?;
+        if decoder.has_partial_record() {
+            return Err("Json error: truncated record: the line ends inside a JSON record".into());
+        }
+        let records = decoder.len() - before;
+        if records != 1 {
+            return Err(format!(
+                "Json error: the line holds {records} JSON records; one record per line is read"
+            ));
         }
     }
     Ok(decoder
@@ -324,6 +339,23 @@ mod tests {
         );
         let _ = infer_json(bytes.split(|b| *b == b'\n'));
         let _ = infer_csv(bytes, true, b',');
+    }
+
+    /// One record split over two lines, and two records on one line, are bad lines — not rows
+    /// given to the wrong lines.
+    #[test]
+    fn a_line_holds_exactly_one_record() {
+        let bytes = b"{\"id\":1}\n{\"id\":\n2}\n{\"id\":3}{\"id\":4}\n{\"id\":5}\n";
+        let lines = split_lines(bytes)
+            .into_iter()
+            .filter(|l| l.end > l.start)
+            .collect::<Vec<_>>();
+        let s = schema();
+        let (good, bad) = decode_lines(bytes, &lines, |c| decode_json(&s, bytes, c));
+        let numbers: Vec<usize> = good.iter().flat_map(|(_, n)| n.clone()).collect();
+        assert_eq!(numbers, vec![1, 5]);
+        let bad_lines: Vec<usize> = bad.iter().map(|(n, _, _)| *n).collect();
+        assert_eq!(bad_lines, vec![2, 3, 4]);
     }
 
     #[test]

@@ -13,8 +13,9 @@
 //! beyond what the result needs — a stateless backfill holds its recomputed rows until the
 //! replacement commits (split a very large range into several backfills); a windowed one holds
 //! the state of the windows it recomputes, reading every committed offset but keeping only the
-//! rows of those windows; resolving an event-time range keeps nothing but offsets. Memory is
-//! independent of how long the job has run.
+//! rows of those windows; resolving an event-time range keeps nothing but offsets; of the side
+//! tables only the columns and rows needed are read. Memory is independent of how much data the
+//! job has read over its life.
 //!
 //! Which rows a range "produced" is told by lineage for a stateless job: output rows by
 //! `_source_partition` / `_source_offset` (so the job must keep `lineage = true`), dead letters
@@ -52,13 +53,13 @@ use crate::driver::{checkpoint_location, query_settings};
 use crate::error::{Error, Result};
 use crate::event_time::rows_in_period;
 use crate::fault::pause_point;
-use crate::input::{FutureTimes, OpenSource, open_sources_and_query, read_source};
+use crate::input::{FutureTimes, OpenSource, open_sources_and_query, read_source, table_column};
 use crate::job::Job;
 use crate::late::{Lateness, WINDOWS_MISSED};
 use crate::offsets::{BatchId, Offset, OffsetRange, PartitionId, plan_ranges};
 use crate::query::BatchWatermark;
 use crate::query::StreamingQuery;
-use crate::sink::{CommitOutcome, ReplacedWindows, Replacement, Sink};
+use crate::sink::{CommitOutcome, ReplacedWindows, Replacement, Sink, TableScan};
 use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION};
 use crate::watermark::display_watermark;
 use crate::window::{WINDOW_END, WINDOW_START, WindowKind, WindowUse};
@@ -253,7 +254,7 @@ impl Job {
             }
         };
         let future = if live {
-            FutureTimes::recorded(&self.sink.read_dead_letters().await?, &source.name)?
+            FutureTimes::as_recorded_by(self.sink.as_ref(), &source.name).await?
         } else {
             FutureTimes::Clock(chrono::Utc::now().timestamp_micros())
         };
@@ -489,24 +490,26 @@ async fn covered_windows(
         .collect();
     // Late rows that missed a window in the set: all their missed windows join it.
     let mut missed_sets: Vec<Vec<i64>> = Vec::new();
-    for b in sink.read_late().await? {
+    // Only the columns needed: the late table grows for as long as the job runs.
+    let scan = TableScan {
+        columns: Some(
+            [WINDOWS_MISSED, SOURCE_PARTITION, SOURCE_OFFSET]
+                .map(String::from)
+                .to_vec(),
+        ),
+        filter: None,
+    };
+    for b in sink.read_late(&scan).await? {
         let Some(lists) = b
             .column_by_name(WINDOWS_MISSED)
             .and_then(|c| c.as_list_opt::<i32>())
         else {
             continue;
         };
-        // Read back from the table, strings may be views: cast to one layout.
-        let missing = |c: &str| Error::InvalidJob(format!("the late table has no column {c}"));
-        let partitions = b
-            .column_by_name(SOURCE_PARTITION)
-            .ok_or_else(|| missing(SOURCE_PARTITION))?;
-        let partitions = arrow::compute::kernels::cast::cast(partitions, &DataType::Utf8)?;
+        let partitions = table_column(&b, SOURCE_PARTITION, &DataType::Utf8, "late")?;
         let partitions = partitions.as_string::<i32>();
-        let offsets = b
-            .column_by_name(SOURCE_OFFSET)
-            .and_then(|c| c.as_primitive_opt::<Int64Type>())
-            .ok_or_else(|| missing(SOURCE_OFFSET))?;
+        let offsets = table_column(&b, SOURCE_OFFSET, &DataType::Int64, "late")?;
+        let offsets = offsets.as_primitive::<Int64Type>();
         for i in 0..lists.len() {
             let read = committed
                 .get(partitions.value(i))

@@ -16,7 +16,7 @@ use crate::source::{DeadLetter, SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_POSITION
 /// Dead-letter column: the name of the source the input came from.
 pub const SOURCE_NAME: &str = "_source_name";
 
-/// The dead-letter table's schema (DESIGN.md contract, plus `_source_name`).
+/// The dead-letter table's schema (the columns users query, plus `_source_name`).
 pub fn dead_letter_schema() -> SchemaRef {
     Arc::new(Schema::new(vec![
         Field::new(SOURCE_NAME, DataType::Utf8, false),

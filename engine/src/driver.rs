@@ -298,42 +298,29 @@ impl Pipeline {
         let (sources, mut query) =
             open_sources_and_query(sources, &sql, &settings, &checkpoint, false).await?;
         let lease = Lease::acquire(&checkpoint, &job_id, LeaseSettings::default()).await?;
-        sink.open(&job_id, query.output_tables()).await?;
-        let last = sink.committed_batch(&job_id).await?;
-        refuse_leftovers(&checkpoint, sink.as_ref(), &job_id, last).await?;
-        let (next_batch, committed, watermark, state_files, behind) =
-            match last {
-                None => (
-                    BatchId(0),
-                    SourceOffsets::new(),
-                    Watermark::default(),
-                    vec![],
-                    SourceOffsets::new(),
-                ),
-                Some(v) => {
-                    let manifest = checkpoint.read_manifest(v).await?.ok_or_else(|| {
-                        Error::MissingManifest {
-                            job_id: job_id.clone(),
-                            batch_id: v,
-                            path: checkpoint.manifest_location(v),
-                        }
-                    })?;
-                    let watermark =
-                        Watermark::restore(manifest.watermark_micros, manifest.max_event_time);
-                    (
-                        v.next(),
-                        manifest.end_offsets,
-                        watermark,
-                        manifest.state_files,
-                        manifest.behind,
-                    )
-                }
-            };
-        // The state the last committed batch left, from the files its manifest lists.
-        let log = StateLog::new(&checkpoint, lease.epoch());
-        query
-            .restore_state(log, &state_files, watermark.current())
-            .await?;
+        let position = match restore(
+            &checkpoint,
+            sink.as_mut(),
+            &job_id,
+            &mut query,
+            lease.epoch(),
+        )
+        .await
+        {
+            Ok(position) => position,
+            Err(e) => {
+                // Released, so fixing what stopped it and starting again needs no wait.
+                let _ = lease.release().await;
+                return Err(e);
+            }
+        };
+        let Position {
+            last,
+            next_batch,
+            committed,
+            watermark,
+            behind,
+        } = position;
         let rules = sources
             .iter()
             .filter_map(|s| {
@@ -795,6 +782,67 @@ impl Pipeline {
             "batch committed"
         );
     }
+}
+
+/// Where a job stands after its last commit.
+struct Position {
+    last: Option<BatchId>,
+    next_batch: BatchId,
+    committed: SourceOffsets,
+    watermark: Watermark,
+    behind: SourceOffsets,
+}
+
+/// Restart: opens the sink's tables, reads the last committed batch from the output table,
+/// refuses leftovers of an earlier life of the job, and restores the offsets, watermark and
+/// state that batch's manifest records.
+async fn restore(
+    checkpoint: &CheckpointStore,
+    sink: &mut dyn Sink,
+    job_id: &str,
+    query: &mut StreamingQuery,
+    epoch: u64,
+) -> Result<Position> {
+    sink.open(job_id, query.output_tables()).await?;
+    let last = sink.committed_batch(job_id).await?;
+    refuse_leftovers(checkpoint, sink, job_id, last).await?;
+    let (position, state_files) = match last {
+        None => (
+            Position {
+                last,
+                next_batch: BatchId(0),
+                committed: SourceOffsets::new(),
+                watermark: Watermark::default(),
+                behind: SourceOffsets::new(),
+            },
+            Vec::new(),
+        ),
+        Some(v) => {
+            let manifest =
+                checkpoint
+                    .read_manifest(v)
+                    .await?
+                    .ok_or_else(|| Error::MissingManifest {
+                        job_id: job_id.to_string(),
+                        batch_id: v,
+                        path: checkpoint.manifest_location(v),
+                    })?;
+            let position = Position {
+                last,
+                next_batch: v.next(),
+                committed: manifest.end_offsets,
+                watermark: Watermark::restore(manifest.watermark_micros, manifest.max_event_time),
+                behind: manifest.behind,
+            };
+            (position, manifest.state_files)
+        }
+    };
+    // The state the last committed batch left, from the files its manifest lists.
+    let log = StateLog::new(checkpoint, epoch);
+    query
+        .restore_state(log, &state_files, position.watermark.current())
+        .await?;
+    Ok(position)
 }
 
 /// Refuses to continue over what an earlier life of the job left behind: a checkpoint holding

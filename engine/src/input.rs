@@ -21,6 +21,7 @@ use crate::event_time::{
 use crate::job::SourceSpec;
 use crate::offsets::{OffsetRange, PartitionId};
 use crate::query::{QuerySettings, StreamingQuery};
+use crate::sink::{Sink, TableScan};
 use crate::source::{
     DeadLetter, SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_POSITION, Source, SourceContext,
 };
@@ -95,20 +96,30 @@ pub(crate) enum FutureTimes {
 }
 
 impl FutureTimes {
+    /// The live job's judgement of `source`'s rows, read from its dead-letter table (only the
+    /// rows it judged too far ahead).
+    ///
+    /// # Errors
+    /// If the table cannot be read.
+    pub(crate) async fn as_recorded_by(sink: &dyn Sink, source: &str) -> Result<FutureTimes> {
+        let scan = TableScan {
+            columns: None,
+            filter: Some(format!(
+                "{SOURCE_NAME} = '{}' AND starts_with(error, '{TOO_FAR_AHEAD}')",
+                source.replace('\'', "''")
+            )),
+        };
+        FutureTimes::recorded(&sink.read_dead_letters(&scan).await?, source)
+    }
+
     /// The live job's judgement, from its dead-letter table's rows of `source`.
     ///
     /// # Errors
     /// If the rows lack the dead-letter columns.
-    pub(crate) fn recorded(dead_letters: &[RecordBatch], source: &str) -> Result<FutureTimes> {
+    fn recorded(dead_letters: &[RecordBatch], source: &str) -> Result<FutureTimes> {
         let mut rows = HashMap::new();
         for b in dead_letters {
-            // Read back from the table, strings may be views: cast to one layout.
-            let column = |name: &str, to: &DataType| -> Result<ArrayRef> {
-                let c = b.column_by_name(name).ok_or_else(|| {
-                    Error::InvalidJob(format!("the dead-letter table has no column {name}"))
-                })?;
-                Ok(arrow::compute::kernels::cast::cast(c, to)?)
-            };
+            let column = |name: &str, to: &DataType| table_column(b, name, to, "dead-letter");
             let (names, partitions, positions, errors) = (
                 column(SOURCE_NAME, &DataType::Utf8)?,
                 column(SOURCE_PARTITION, &DataType::Utf8)?,
@@ -136,6 +147,23 @@ impl FutureTimes {
         }
         Ok(FutureTimes::AsRecorded(Arc::new(rows)))
     }
+}
+
+/// Column `name` of rows read back from the `table` table, cast to `to` (strings read back from
+/// a table may come as views).
+///
+/// # Errors
+/// If the column is missing or does not cast.
+pub(crate) fn table_column(
+    batch: &RecordBatch,
+    name: &str,
+    to: &DataType,
+    table: &str,
+) -> Result<ArrayRef> {
+    let column = batch
+        .column_by_name(name)
+        .ok_or_else(|| Error::InvalidJob(format!("the {table} table has no column {name}")))?;
+    Ok(arrow::compute::kernels::cast::cast(column, to)?)
 }
 
 /// Reads every range of one source (partitions concurrently), parses event time, and returns

@@ -4,7 +4,7 @@
 //! it can no longer change it. Such a row is never dropped silently: it goes once to the late
 //! table with the watermark that was in force and the windows it missed, and it still counts in
 //! any of its windows that are open (hopping windows overlap). The late table's schema is the
-//! source row's columns plus [`WATERMARK`], [`WINDOWS_MISSED`] and `batch_id` (DESIGN.md).
+//! source row's columns plus [`WATERMARK`], [`WINDOWS_MISSED`] and `batch_id`.
 
 use std::sync::Arc;
 

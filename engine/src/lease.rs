@@ -14,16 +14,18 @@
 //! - **Holding it.** The holder rewrites its own epoch's file every [`LeaseSettings::renew_every`]
 //!   (2 s) with a new `beat` — only the holder of an epoch writes that file, so a plain write
 //!   suffices (local disks offer no conditional update) — and checks that no newer epoch exists.
-//! - **A live holder** (its beat moves while a newcomer watches, or its file was written less
-//!   than the timeout ago and keeps moving) makes the newcomer stop with [`Error::LeaseHeld`]
-//!   naming host, pid and epoch.
+//! - **A live holder** (its beat moves while a newcomer watches) makes the newcomer stop with
+//!   [`Error::LeaseHeld`] naming host, pid and epoch.
 //! - **A dead holder** (SIGKILLed, its machine gone) stops renewing: a newcomer that sees no
-//!   renewal for [`LeaseSettings::timeout`] (10 s) takes epoch `e + 1` — it waits, it never
-//!   fails because of a dead holder. A holder that stops cleanly marks its file released, so the
-//!   next run takes over at once.
+//!   renewal for [`LeaseSettings::timeout`] (10 s, by its own clock) takes epoch `e + 1` — it
+//!   waits, it never fails because of a dead holder. A lease last written three timeouts ago by
+//!   the store's clock is taken at once (three, so a clock a little ahead of the store's cannot
+//!   take a live lease), and so is one its holder marked released when it stopped cleanly.
 //! - **Losing it.** A holder that finds a newer epoch, or could not renew for most of the
 //!   timeout (the store was down, the process was paused), counts the lease as lost: the driver
-//!   checks before planning and before committing, and stops with [`Error::LeaseLost`].
+//!   looks in the store before planning each batch and at the renewal's last look before each
+//!   commit, and stops with [`Error::LeaseLost`]. Renewal runs on a thread of its own, so a busy
+//!   batch cannot starve it.
 //!
 //! The lease is a guard, not the proof of correctness: a paused process can resume and write
 //! before its next check. Every checkpoint write is therefore also safe against a twin on its
@@ -36,7 +38,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use tokio::task::JoinHandle;
+use tokio::sync::Notify;
 use tracing::{info, warn};
 
 use crate::checkpoint::CheckpointStore;
@@ -94,12 +96,19 @@ impl LeaseRecord {
 }
 
 /// The lease of one running job; renewed in the background until released or dropped.
+///
+/// The renewal runs on a thread of its own (with its own small runtime), so a batch keeping the
+/// job's runtime busy — decoding, encoding Parquet — cannot delay it past the timeout and let
+/// another instance take over a live job.
 #[derive(Debug)]
 pub struct Lease {
     store: CheckpointStore,
     record: LeaseRecord,
     lost: Arc<AtomicBool>,
-    renewal: JoinHandle<()>,
+    /// Set (and `wake` notified) to stop the renewal thread.
+    stop: Arc<AtomicBool>,
+    wake: Arc<Notify>,
+    renewal: Option<std::thread::JoinHandle<()>>,
 }
 
 fn lease_file(epoch: u64) -> String {
@@ -153,9 +162,12 @@ impl Lease {
                         _ => Instant::now(),
                     };
                     watching = Some((epoch, record.beat, unchanged_since));
+                    // Not renewed while watched for the timeout (our clock), or written long
+                    // ago by the store's clock — three timeouts, so a clock a little ahead of
+                    // the store's cannot take a live lease.
                     let stale = record.released
-                        || age.is_some_and(|a| a >= settings.timeout)
-                        || unchanged_since.elapsed() >= settings.timeout;
+                        || unchanged_since.elapsed() >= settings.timeout
+                        || age.is_some_and(|a| a >= settings.timeout * 3);
                     if !stale {
                         if !waiting_logged {
                             info!(job_id, holder = %record.holder(), timeout_ms = settings.timeout.as_millis() as u64,
@@ -186,27 +198,24 @@ impl Lease {
                 .put_if_absent(&rel, store.to_json(&rel, &record)?)
                 .await?
             {
-                let lost = Arc::new(AtomicBool::new(false));
-                let renewal = tokio::spawn(renew(
-                    store.clone(),
-                    record.clone(),
-                    settings,
-                    Arc::clone(&lost),
-                ));
-                // Epochs two or more behind can never be current again.
-                for old in store.list_files("").await? {
-                    if let Some(e) = parse_epoch(&old)
-                        && e + 1 < next
-                    {
-                        store.delete(&old).await?;
-                    }
-                }
-                return Ok(Lease {
+                let mut lease = Lease {
                     store,
                     record,
-                    lost,
-                    renewal,
-                });
+                    lost: Arc::new(AtomicBool::new(false)),
+                    stop: Arc::new(AtomicBool::new(false)),
+                    wake: Arc::new(Notify::new()),
+                    renewal: None,
+                };
+                lease.renewal = Some(spawn_renewal(&lease, settings)?);
+                // Epochs two or more behind can never be current again (best effort).
+                if let Ok(files) = lease.store.list_files("").await {
+                    for old in files {
+                        if parse_epoch(&old).is_some_and(|e| e + 1 < next) {
+                            let _ = lease.store.delete(&old).await;
+                        }
+                    }
+                }
+                return Ok(lease);
             }
             // Another instance took this epoch first: look again.
             watching = None;
@@ -249,8 +258,14 @@ impl Lease {
     }
 
     /// Stops renewing and marks the lease released, so the next run starts at once.
-    pub async fn release(self) -> Result<()> {
-        self.renewal.abort();
+    pub async fn release(mut self) -> Result<()> {
+        self.stop.store(true, Ordering::SeqCst);
+        self.wake.notify_one();
+        // The renewal must be over before the record is marked released, or a last beat could
+        // overwrite the mark.
+        if let Some(renewal) = self.renewal.take() {
+            let _ = tokio::task::spawn_blocking(move || renewal.join()).await;
+        }
         if self.lost.load(Ordering::SeqCst) {
             return Ok(());
         }
@@ -267,44 +282,77 @@ impl Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        self.renewal.abort();
+        self.stop.store(true, Ordering::SeqCst);
+        self.wake.notify_one();
     }
 }
 
-/// The holder's renewal loop: every `renew_every`, check that no newer epoch exists, then write
-/// a new beat. Sets `lost` when a newer epoch appears or renewals failed for most of the timeout.
-async fn renew(
+/// Starts the renewal loop of `lease` on a thread of its own.
+fn spawn_renewal(lease: &Lease, settings: LeaseSettings) -> Result<std::thread::JoinHandle<()>> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let renewal = Renewal {
+        store: lease.store.clone(),
+        record: lease.record.clone(),
+        settings,
+        lost: Arc::clone(&lease.lost),
+        stop: Arc::clone(&lease.stop),
+        wake: Arc::clone(&lease.wake),
+    };
+    Ok(std::thread::Builder::new()
+        .name("sluice-lease".into())
+        .spawn(move || runtime.block_on(renewal.run()))?)
+}
+
+/// What the renewal loop needs.
+struct Renewal {
     store: CheckpointStore,
-    mut record: LeaseRecord,
+    record: LeaseRecord,
     settings: LeaseSettings,
     lost: Arc<AtomicBool>,
-) {
-    let rel = lease_file(record.epoch);
-    let mut last_renewed = Instant::now();
-    loop {
-        tokio::time::sleep(settings.renew_every).await;
-        let newer = match newest_epoch(&store).await {
-            Ok(newest) => newest.is_some_and(|e| e > record.epoch),
-            Err(_) => false,
-        };
-        if newer {
-            warn!(job_id = %record.job_id, epoch = record.epoch, "another instance took over the job's lease; this run stops before its next commit");
-            lost.store(true, Ordering::SeqCst);
-            return;
-        }
-        record.beat += 1;
-        let written = match store.to_json(&rel, &record) {
-            Ok(bytes) => store.put(&rel, bytes).await,
-            Err(e) => Err(e),
-        };
-        match written {
-            Ok(()) => last_renewed = Instant::now(),
-            Err(error) => {
-                warn!(job_id = %record.job_id, %error, "could not renew the job's lease; retrying");
-                // Past most of the timeout another instance may take over: stop writing.
-                if last_renewed.elapsed() >= settings.timeout.mul_f32(0.8) {
-                    lost.store(true, Ordering::SeqCst);
-                    return;
+    stop: Arc<AtomicBool>,
+    wake: Arc<Notify>,
+}
+
+impl Renewal {
+    /// Every `renew_every`: check that no newer epoch exists, then write a new beat. Sets
+    /// `lost` when a newer epoch appears or renewals failed for most of the timeout; ends when
+    /// `stop` is set.
+    async fn run(mut self) {
+        let rel = lease_file(self.record.epoch);
+        let mut last_renewed = Instant::now();
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(self.settings.renew_every) => {}
+                _ = self.wake.notified() => {}
+            }
+            if self.stop.load(Ordering::SeqCst) {
+                return;
+            }
+            let newer = match newest_epoch(&self.store).await {
+                Ok(newest) => newest.is_some_and(|e| e > self.record.epoch),
+                Err(_) => false,
+            };
+            if newer {
+                warn!(job_id = %self.record.job_id, epoch = self.record.epoch, "another instance took over the job's lease; this run stops before its next commit");
+                self.lost.store(true, Ordering::SeqCst);
+                return;
+            }
+            self.record.beat += 1;
+            let written = match self.store.to_json(&rel, &self.record) {
+                Ok(bytes) => self.store.put(&rel, bytes).await,
+                Err(e) => Err(e),
+            };
+            match written {
+                Ok(()) => last_renewed = Instant::now(),
+                Err(error) => {
+                    warn!(job_id = %self.record.job_id, %error, "could not renew the job's lease; retrying");
+                    // Past most of the timeout another instance may take over: stop writing.
+                    if last_renewed.elapsed() >= self.settings.timeout.mul_f32(0.8) {
+                        self.lost.store(true, Ordering::SeqCst);
+                        return;
+                    }
                 }
             }
         }
@@ -382,19 +430,22 @@ mod tests {
         let store = checkpoint(&dir);
         let dead = Lease::acquire(&store, "j", settings(600)).await.unwrap();
         // A SIGKILLed holder: it stops renewing, nothing else happens.
-        dead.renewal.abort();
+        dead.stop.store(true, Ordering::SeqCst);
+        dead.wake.notify_one();
         let started = Instant::now();
         let next = Lease::acquire(&store, "j", settings(600)).await.unwrap();
         assert!(started.elapsed() >= Duration::from_millis(400));
         assert_eq!(next.epoch(), 1);
         // Had the "dead" holder only been paused, it finds out at its next renewal.
-        let zombie_lost = Arc::clone(&dead.lost);
-        tokio::spawn(renew(
-            store.child(LEASE_FOLDER),
-            dead.record.clone(),
-            settings(600),
-            Arc::clone(&zombie_lost),
-        ));
+        let zombie = Renewal {
+            store: store.child(LEASE_FOLDER),
+            record: dead.record.clone(),
+            settings: settings(600),
+            lost: Arc::clone(&dead.lost),
+            stop: Arc::new(AtomicBool::new(false)),
+            wake: Arc::new(Notify::new()),
+        };
+        tokio::spawn(zombie.run());
         tokio::time::sleep(Duration::from_millis(300)).await;
         let err = dead.check().unwrap_err().to_string();
         assert!(err.contains("lost its lease"), "{err}");

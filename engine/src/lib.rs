@@ -55,7 +55,7 @@ pub use job::{Job, JobBuilder, SourceSpec, Trigger, parse_duration};
 pub use offsets::{BatchId, Offset, OffsetRange, PartitionId};
 pub use sink::{
     BatchCommit, CommitOutcome, OutputMode, OutputTables, ReplacedWindows, Replacement,
-    SideTableBatch, Sink,
+    SideTableBatch, Sink, TableScan,
 };
 pub use source::{AvailableRange, DeadLetter, Source, SourceContext, SourceRead};
 

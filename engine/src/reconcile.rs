@@ -36,7 +36,7 @@ use crate::job::Job;
 use crate::late::WATERMARK;
 use crate::offsets::{BatchId, OffsetRange, PartitionId};
 use crate::query::StreamingQuery;
-use crate::sink::Sink;
+use crate::sink::{Sink, TableScan};
 use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION};
 use crate::watermark::display_watermark;
 use crate::window::{WINDOW_END, WINDOW_START, WindowKind};
@@ -123,11 +123,15 @@ impl Job {
                     batch_id: last_batch,
                     path: checkpoint.manifest_location(last_batch),
                 })?;
-        let dead_letters = self.sink.read_dead_letters().await?;
+        let mut future = BTreeMap::new();
+        for s in &sources {
+            let judged = FutureTimes::as_recorded_by(self.sink.as_ref(), &s.name).await?;
+            future.insert(s.name.clone(), judged);
+        }
         let committed = Committed {
             sources: &sources,
             manifest: &manifest,
-            dead_letters: &dead_letters,
+            future: &future,
         };
         if query.is_stateful() {
             return reconcile_windows(self.sink.as_ref(), committed, query, from, to).await;
@@ -193,8 +197,8 @@ impl Job {
 struct Committed<'a> {
     sources: &'a [OpenSource],
     manifest: &'a BatchManifest,
-    /// The dead-letter table: rows the live job judged too far ahead are left out again.
-    dead_letters: &'a [RecordBatch],
+    /// Per source, the rows the live job judged too far ahead: left out again.
+    future: &'a BTreeMap<String, FutureTimes>,
 }
 
 impl Committed<'_> {
@@ -217,8 +221,11 @@ impl Committed<'_> {
                 Some((p, OffsetRange::new(a.initial, end.max(a.initial))))
             })
             .collect();
-        let future = FutureTimes::recorded(self.dead_letters, &s.name)?;
-        let (rows, _dead_letters) = read_source(s, &ranges, &future).await?;
+        let future = self
+            .future
+            .get(&s.name)
+            .ok_or_else(|| Error::source(&s.name, "no recorded judgement of its event times"))?;
+        let (rows, _dead_letters) = read_source(s, &ranges, future).await?;
         rows_in_period(&rows, &time.column, from, to)
     }
 }
@@ -286,7 +293,7 @@ async fn reconcile_windows(
     let raw = committed.read(source, lo, hi).await?;
 
     // Late rows of those events, grouped by the watermark they met: replayed under it.
-    let late_table = sink.read_late().await?;
+    let late_table = sink.read_late(&TableScan::all()).await?;
     let mut late_by_watermark: BTreeMap<i64, Vec<RecordBatch>> = BTreeMap::new();
     let mut late_rows = 0;
     for b in &late_table {

@@ -132,6 +132,23 @@ pub enum CommitOutcome {
     AlreadyCommitted,
 }
 
+/// Which columns and rows of a table to read: a side table can grow for as long as a job runs,
+/// so readers that need a part of it ask for that part.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TableScan {
+    /// Only these columns (`None`: all).
+    pub columns: Option<Vec<String>>,
+    /// Only the rows matching this SQL predicate over the table's columns (`None`: all).
+    pub filter: Option<String>,
+}
+
+impl TableScan {
+    /// Every column of every row.
+    pub fn all() -> Self {
+        TableScan::default()
+    }
+}
+
 /// What a side table (dead letters, late rows) holds of a job, for the start-up check that no
 /// side table is ahead of the output (see `Pipeline::open`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -184,14 +201,15 @@ pub trait Sink: Send + Sync {
     /// Every row of the output table, read without writing anything. For reconciliation.
     async fn read_output(&self) -> Result<Vec<RecordBatch>>;
 
-    /// Every row of the late table (none if there is none), read without writing anything. For
-    /// reconciliation.
-    async fn read_late(&self) -> Result<Vec<RecordBatch>>;
+    /// The late table's rows and columns `scan` asks for (none if there is no table), read
+    /// without writing anything. For reconciliation and windowed backfills.
+    async fn read_late(&self, scan: &TableScan) -> Result<Vec<RecordBatch>>;
 
-    /// Every row of the dead-letter table (none if there is none), read without writing
-    /// anything: backfill and reconcile reapply the live job's judgement of event times too far
-    /// ahead from it.
-    async fn read_dead_letters(&self) -> Result<Vec<RecordBatch>> {
+    /// The dead-letter table's rows and columns `scan` asks for (none if there is no table),
+    /// read without writing anything: backfill and reconcile reapply the live job's judgement of
+    /// event times too far ahead from it.
+    async fn read_dead_letters(&self, scan: &TableScan) -> Result<Vec<RecordBatch>> {
+        let _ = scan;
         Ok(Vec::new())
     }
 }

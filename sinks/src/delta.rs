@@ -39,7 +39,7 @@ use sluice_engine::late::WINDOWS_MISSED;
 use sluice_engine::source::{SOURCE_OFFSET, SOURCE_PARTITION};
 use sluice_engine::{
     BatchCommit, BatchId, CommitOutcome, OffsetRange, OutputTables, PartitionId, Replacement,
-    SideTableBatch, Sink,
+    SideTableBatch, Sink, TableScan,
 };
 use tokio::sync::Mutex;
 use tracing::warn;
@@ -226,8 +226,9 @@ impl TableHandle {
         }
     }
 
-    /// Every row of the table at its latest version (none if there is no table).
-    async fn read_all(&self) -> Result<Vec<RecordBatch>> {
+    /// The columns and rows `scan` asks for of the table at its latest version (none if there
+    /// is no table).
+    async fn read(&self, scan: &TableScan) -> Result<Vec<RecordBatch>> {
         let Some(table) = self.open_existing().await? else {
             return Ok(Vec::new());
         };
@@ -239,13 +240,17 @@ impl TableHandle {
             .table_provider()
             .await
             .map_err(|e| self.err(e.into()))?;
-        let rows = ctx
-            .read_table(provider)
-            .map_err(|e| self.err(e.into()))?
-            .collect()
-            .await
-            .map_err(|e| self.err(e.into()))?;
-        Ok(rows)
+        let df_err = |e: deltalake::datafusion::error::DataFusionError| self.err(e.into());
+        let mut df = ctx.read_table(provider).map_err(df_err)?;
+        if let Some(filter) = &scan.filter {
+            let predicate = df.parse_sql_expr(filter).map_err(df_err)?;
+            df = df.filter(predicate).map_err(df_err)?;
+        }
+        if let Some(columns) = &scan.columns {
+            let columns: Vec<&str> = columns.iter().map(String::as_str).collect();
+            df = df.select_columns(&columns).map_err(df_err)?;
+        }
+        df.collect().await.map_err(df_err)
     }
 
     /// The table at its latest version.
@@ -736,20 +741,34 @@ impl Sink for DeltaSink {
     }
 
     async fn read_output(&self) -> sluice_engine::Result<Vec<RecordBatch>> {
-        Ok(self.output.read_all().await?)
+        Ok(self.output.read(&TableScan::all()).await?)
     }
 
-    async fn read_late(&self) -> sluice_engine::Result<Vec<RecordBatch>> {
-        Ok(self.late.read_all().await?)
+    async fn read_late(&self, scan: &TableScan) -> sluice_engine::Result<Vec<RecordBatch>> {
+        Ok(self.late.read(scan).await?)
     }
 
-    async fn read_dead_letters(&self) -> sluice_engine::Result<Vec<RecordBatch>> {
-        Ok(self.dead_letters.read_all().await?)
+    async fn read_dead_letters(&self, scan: &TableScan) -> sluice_engine::Result<Vec<RecordBatch>> {
+        Ok(self.dead_letters.read(scan).await?)
     }
 
     async fn commit(&self, batch: BatchCommit) -> sluice_engine::Result<CommitOutcome> {
         let batch_id = batch.batch_id;
         let props = || properties(&self.job_id, batch_id, &batch.manifest);
+
+        // 0. A batch the output table holds already was committed by another instance (a
+        //    restart never reruns a committed batch): stop before touching the side tables,
+        //    which would otherwise look "ahead" of this run.
+        let output = self.output.latest().await?;
+        if let Some(found) = self.output.txn_version(&output, &self.job_id).await?
+            && found >= batch_id.0
+        {
+            return Err(sluice_engine::Error::AnotherInstance {
+                job_id: self.job_id.clone(),
+                batch_id: BatchId(found),
+                table: self.output.url.to_string(),
+            });
+        }
 
         // 1. Side tables first, each skipped if it already holds this batch.
         for (table, rows) in [

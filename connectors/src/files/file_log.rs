@@ -195,17 +195,25 @@ impl FileLog {
                 first: first as u64,
                 files: new.clone(),
             };
-            if checkpoint
+            let written = checkpoint
                 .put_if_absent(&rel, checkpoint.to_json(&rel, &segment)?)
-                .await?
-            {
+                .await?;
+            // The offsets are ours only if no snapshot covers them: a run that consolidated
+            // meanwhile deleted the segments below its snapshot, so a stale run's write there
+            // can succeed — and must be ignored (loads never read segments below a snapshot,
+            // and the next consolidation deletes it).
+            let names = checkpoint.child(FOLDER).list_files("").await?;
+            let covered = names
+                .iter()
+                .filter_map(|n| parse(n, "snapshot-"))
+                .any(|end| end > first);
+            if written && !covered {
                 self.push(new);
                 self.segments_since_snapshot += 1;
                 break;
             }
             // Another run recorded files at this offset first: take what it recorded.
-            let names = checkpoint.child(FOLDER).list_files("").await?;
-            if !self.read_segments_after(checkpoint, &names).await? {
+            if covered || !self.read_segments_after(checkpoint, &names).await? {
                 *self = FileLog::load(checkpoint).await?;
             }
         }
@@ -224,9 +232,14 @@ impl FileLog {
             first: 0,
             files: self.files.clone(),
         };
-        checkpoint
+        if !checkpoint
             .put_if_absent(&rel, checkpoint.to_json(&rel, &snapshot)?)
-            .await?;
+            .await?
+        {
+            // Another run consolidated the same log at the same point: its to clean up.
+            self.segments_since_snapshot = 0;
+            return Ok(());
+        }
         let folder = checkpoint.child(FOLDER);
         for name in folder.list_files("").await? {
             let covered = parse(&name, "segment-").is_some_and(|first| first < end)
@@ -280,6 +293,34 @@ mod tests {
         let reloaded = FileLog::load(&checkpoint).await.unwrap();
         assert_eq!(names(&reloaded), names(&stale));
         assert_eq!(reloaded.max_name(), Some("e"));
+    }
+
+    /// A stale run whose segment lands below a snapshot the current run wrote meanwhile (the
+    /// consolidation deleted the segment it wrote over) does not take those offsets.
+    #[tokio::test]
+    async fn a_stale_twin_cannot_write_below_a_snapshot() {
+        let dir = tempfile::tempdir().unwrap();
+        let checkpoint =
+            CheckpointStore::open(&Url::from_directory_path(dir.path()).unwrap()).unwrap();
+        let mut current = FileLog::load(&checkpoint).await.unwrap();
+        current.append(&checkpoint, vec![file("a")]).await.unwrap();
+        let mut stale = FileLog::load(&checkpoint).await.unwrap();
+        let later: Vec<String> = (0..SEGMENTS_PER_SNAPSHOT + 3)
+            .map(|i| format!("b{i:03}"))
+            .collect();
+        for name in &later {
+            current.append(&checkpoint, vec![file(name)]).await.unwrap();
+        }
+        // The stale run lists a file with a small name and the current run's files in name
+        // order: it must not number them its own way.
+        let mut listed = vec![file("a0-late")];
+        listed.extend(later.iter().map(|n| file(n)));
+        stale.append(&checkpoint, listed).await.unwrap();
+        let mut want = vec!["a"];
+        want.extend(later.iter().map(String::as_str));
+        want.push("a0-late");
+        assert_eq!(names(&stale), want);
+        assert_eq!(names(&FileLog::load(&checkpoint).await.unwrap()), want);
     }
 
     /// A long life of one-file listings leaves a handful of objects, not one per listing.

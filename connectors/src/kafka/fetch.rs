@@ -34,6 +34,7 @@ use rskafka::protocol::primitives::{Boolean, Int16, Int32, Int64, NullableBytes,
 use rskafka::protocol::record::{ControlBatchOrRecords, Record as WireRecord, RecordBatch};
 use rskafka::protocol::traits::{ReadError, ReadType};
 use rskafka::record::{Record, RecordAndOffset};
+use sluice_engine::OffsetRange;
 use tokio::net::TcpStream;
 use tokio::sync::Mutex;
 
@@ -52,7 +53,7 @@ pub(crate) enum Marker {
 }
 
 /// One record batch as it is in the log.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct Batch {
     /// The offset of its last record (markers take an offset too).
     pub(crate) last_offset: i64,
@@ -64,6 +65,62 @@ pub(crate) struct Batch {
     pub(crate) marker: Option<Marker>,
     /// The records (none for a control batch).
     pub(crate) records: Vec<RecordAndOffset>,
+}
+
+/// Read-committed over one range: the batches read for it go in, in log order; the records that
+/// count come out. A producer's transactional records are held until its COMMIT (kept) or
+/// ABORT (dropped) marker; markers of transactions with nothing in the range change nothing.
+#[derive(Debug, Default)]
+pub(crate) struct Transactions {
+    /// Transactional records of the range, by producer, waiting for their marker.
+    undecided: BTreeMap<i64, Vec<RecordAndOffset>>,
+    /// The records that count so far.
+    committed: Vec<RecordAndOffset>,
+    /// Records of aborted transactions dropped.
+    aborted: usize,
+}
+
+impl Transactions {
+    /// Takes a batch read from offset `next` for `range`: only its records in `[next, end)`
+    /// belong to the range (a batch may start before `next`; reading on past the range's end
+    /// is only for markers).
+    pub(crate) fn add(&mut self, batch: Batch, next: i64, range: OffsetRange) {
+        let in_range = |r: &RecordAndOffset| r.offset >= next && r.offset < range.end;
+        match batch.marker {
+            Some(marker) => {
+                if let Some(held) = self.undecided.remove(&batch.producer_id) {
+                    match marker {
+                        Marker::Commit => self.committed.extend(held),
+                        Marker::Abort => self.aborted += held.len(),
+                    }
+                }
+            }
+            None if batch.transactional => {
+                let mine: Vec<RecordAndOffset> =
+                    batch.records.into_iter().filter(in_range).collect();
+                if !mine.is_empty() {
+                    self.undecided
+                        .entry(batch.producer_id)
+                        .or_default()
+                        .extend(mine);
+                }
+            }
+            None => self
+                .committed
+                .extend(batch.records.into_iter().filter(in_range)),
+        }
+    }
+
+    /// The producers whose transactions in the range still wait for their marker.
+    pub(crate) fn waiting(&self) -> Vec<i64> {
+        self.undecided.keys().copied().collect()
+    }
+
+    /// The records that count, in offset order, and how many aborted ones were dropped.
+    pub(crate) fn finish(mut self) -> (Vec<RecordAndOffset>, usize) {
+        self.committed.sort_by_key(|r| r.offset);
+        (self.committed, self.aborted)
+    }
 }
 
 type Connection = Messenger<TcpStream>;
@@ -188,6 +245,33 @@ impl BatchFetcher {
         max_bytes: i32,
         max_wait_ms: i32,
     ) -> Result<Vec<Batch>, KafkaError> {
+        // A batch larger than the budget comes back cut off: ask again with room for it.
+        let mut budget = max_bytes;
+        loop {
+            let (batches, cut_off) = self
+                .fetch_once(topic, partition, offset, budget, max_wait_ms)
+                .await?;
+            if !batches.is_empty() || !cut_off {
+                return Ok(batches);
+            }
+            if budget >= MAX_MESSAGE_SIZE as i32 / 4 {
+                return Err(KafkaError::InvalidResponse(format!(
+                    "topic {topic} partition {partition}: the record batch at offset {offset} is \
+                     larger than {MAX_MESSAGE_SIZE} bytes"
+                )));
+            }
+            budget = budget.saturating_mul(4);
+        }
+    }
+
+    async fn fetch_once(
+        &self,
+        topic: &str,
+        partition: i32,
+        offset: i64,
+        max_bytes: i32,
+        max_wait_ms: i32,
+    ) -> Result<(Vec<Batch>, bool), KafkaError> {
         let leader = self.leader(topic, partition).await?;
         let result = async {
             let connection = self.connection(&leader).await?;
@@ -252,10 +336,10 @@ impl BatchFetcher {
     }
 }
 
-/// Splits a fetch response's record bytes into batches. A batch cut off at the end (the broker
-/// fills the byte budget with whole batches and may add a partial one) is left for the next
-/// fetch.
-fn parse_batches(bytes: &[u8]) -> Result<Vec<Batch>, String> {
+/// Splits a fetch response's record bytes into batches, and says whether a batch was cut off
+/// at the end (the broker fills the byte budget with whole batches and may add a partial one,
+/// left for the next fetch — unless it is the only one).
+fn parse_batches(bytes: &[u8]) -> Result<(Vec<Batch>, bool), String> {
     let mut batches = Vec::new();
     let mut at = 0;
     while bytes.len() >= at + 12 {
@@ -264,7 +348,7 @@ fn parse_batches(bytes: &[u8]) -> Result<Vec<Batch>, String> {
             .map_err(|_| format!("a record batch at offset {base_offset} has a negative length"))?;
         let end = at + 12 + length;
         if end > bytes.len() {
-            break;
+            return Ok((batches, true));
         }
         let batch = &bytes[at..end];
         at = end;
@@ -314,7 +398,7 @@ fn parse_batches(bytes: &[u8]) -> Result<Vec<Batch>, String> {
             records,
         });
     }
-    Ok(batches)
+    Ok((batches, at < bytes.len()))
 }
 
 /// The marker in a control batch's first record: its key is `version: i16, type: i16`.
@@ -482,6 +566,85 @@ mod tests {
         out
     }
 
+    fn data(producer_id: i64, transactional: bool, offsets: std::ops::Range<i64>) -> Batch {
+        Batch {
+            last_offset: offsets.end - 1,
+            producer_id,
+            transactional,
+            marker: None,
+            records: offsets
+                .map(|offset| RecordAndOffset {
+                    record: Record {
+                        key: None,
+                        value: Some(offset.to_string().into_bytes()),
+                        headers: BTreeMap::new(),
+                        timestamp: Utc.timestamp_millis_opt(0).unwrap(),
+                    },
+                    offset,
+                })
+                .collect(),
+        }
+    }
+
+    fn marker(producer_id: i64, offset: i64, marker: Marker) -> Batch {
+        Batch {
+            last_offset: offset,
+            producer_id,
+            transactional: true,
+            marker: Some(marker),
+            records: Vec::new(),
+        }
+    }
+
+    /// Feeds `batches` for `range` as the source does (`next` moving past each batch) and
+    /// returns the offsets that count, the records dropped, and whether anything still waits.
+    fn resolve(batches: Vec<Batch>, range: OffsetRange) -> (Vec<i64>, usize, Vec<i64>) {
+        let mut txns = Transactions::default();
+        let mut next = range.start;
+        for batch in batches {
+            let last = batch.last_offset;
+            txns.add(batch, next, range);
+            next = next.max(last + 1);
+        }
+        let waiting = txns.waiting();
+        let (records, aborted) = txns.finish();
+        (records.iter().map(|r| r.offset).collect(), aborted, waiting)
+    }
+
+    #[test]
+    fn committed_transactions_count_aborted_ones_do_not() {
+        // Producer 1 commits 2..4, producer 2 aborts 5..6 interleaved with plain records.
+        let log = || {
+            vec![
+                data(-1, false, 0..2),
+                data(1, true, 2..4),
+                data(2, true, 4..6),
+                data(-1, false, 6..7),
+                marker(2, 7, Marker::Abort),
+                marker(1, 8, Marker::Commit),
+                data(-1, false, 9..10),
+            ]
+        };
+        let (offsets, aborted, waiting) = resolve(log(), OffsetRange::new(0, 10));
+        assert_eq!(offsets, vec![0, 1, 2, 3, 6, 9]);
+        assert_eq!(aborted, 2);
+        assert!(waiting.is_empty());
+
+        // A range ending inside producer 1's transaction: its records wait for the marker
+        // (read past the range's end), the records past the end are not the range's.
+        let (offsets, _, waiting) = resolve(log()[..3].to_vec(), OffsetRange::new(0, 3));
+        assert_eq!(offsets, vec![0, 1]);
+        assert_eq!(waiting, vec![1]);
+        let (offsets, _, waiting) = resolve(log(), OffsetRange::new(0, 3));
+        assert_eq!(offsets, vec![0, 1, 2]);
+        assert!(waiting.is_empty());
+
+        // The next range starts inside the same transaction; its marker decides the rest.
+        let (offsets, aborted, _) = resolve(log()[1..].to_vec(), OffsetRange::new(3, 10));
+        assert_eq!(offsets, vec![3, 6, 9]);
+        assert_eq!(aborted, 2);
+    }
+
     #[test]
     fn markers_and_cut_off_batches_are_read_from_the_headers() {
         let mut bytes = batch(7, 0x30, 0, 42, &control_record(0), 1);
@@ -489,14 +652,18 @@ mod tests {
         let full = bytes.len();
         // A third batch cut off by the byte budget.
         bytes.extend(&batch(9, 0x30, 0, 44, &control_record(1), 1)[..20]);
-        let batches = parse_batches(&bytes).unwrap();
+        let (batches, cut_off) = parse_batches(&bytes).unwrap();
+        assert!(cut_off);
         assert_eq!(batches.len(), 2);
         assert_eq!(batches[0].marker, Some(Marker::Abort));
         assert_eq!(batches[0].producer_id, 42);
         assert!(batches[0].transactional);
         assert_eq!(batches[1].marker, Some(Marker::Commit));
         assert_eq!(batches[1].last_offset, 8);
-        assert!(parse_batches(&bytes[..full]).is_ok());
+        assert!(!parse_batches(&bytes[..full]).unwrap().1);
+        // Only a cut-off batch: nothing, and the caller asks again with a bigger budget.
+        let (none, cut_off) = parse_batches(&bytes[full..]).unwrap();
+        assert!(none.is_empty() && cut_off);
         let mut old = batch(1, 0, 0, -1, &[], 0);
         old[16] = 1;
         assert!(parse_batches(&old).unwrap_err().contains("format v1"));

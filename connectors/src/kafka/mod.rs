@@ -26,7 +26,7 @@
 //! Records written inside a Kafka transaction count only if it commits. The source reads
 //! committed records only: it never plans past a partition's last stable offset (where the
 //! earliest transaction still open begins), reads record batches as they are in the log
-//! ([`fetch`]: producer ids, the transactional flag and the COMMIT/ABORT markers), holds each
+//! (`fetch.rs`: producer ids, the transactional flag and the COMMIT/ABORT markers), holds each
 //! producer's transactional records until its marker, and keeps them on COMMIT, drops them on
 //! ABORT (counted in the log). A range ending inside a transaction reads on past its end for the
 //! marker, which exists since everything below the last stable offset is decided; the records
@@ -49,7 +49,7 @@
 //! [`rskafka`]: pure Rust, async on tokio, no C library to build or install, and built around
 //! exactly our access pattern — fetch records of one partition from an offset, list offsets —
 //! with no consumer-group machinery we would have to switch off. Records are fetched over its
-//! protocol layer rather than its partition client, for transactions (see [`fetch`]). See ARCHITECTURE.md.
+//! protocol layer rather than its partition client, for transactions (see `fetch.rs`). See ARCHITECTURE.md.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;
@@ -81,7 +81,7 @@ pub use config::{KafkaSourceConfig, OffsetSpec, Topics, ValueFormat};
 pub use records::{HEADERS, KAFKA_TIMESTAMP, KEY, OFFSET, PARTITION, TOPIC};
 
 use config::{ResolvedSpec, TopicSelection};
-use fetch::{Batch, BatchFetcher, Marker};
+use fetch::{Batch, BatchFetcher, Transactions};
 use records::{RecordDecoder, raw_value_schema};
 
 const STARTING_OFFSETS_FILE: &str = "starting_offsets.json";
@@ -477,14 +477,11 @@ impl KafkaSource {
         range: OffsetRange,
     ) -> Result<(Vec<RecordAndOffset>, Vec<DeadLetter>)> {
         let id = self.partition_id(tp);
-        let mut records = Vec::new();
         let mut gaps = Vec::new();
-        // Transactional records of the range read so far, by producer, until their marker.
-        let mut undecided: BTreeMap<i64, Vec<RecordAndOffset>> = BTreeMap::new();
-        let mut aborted = 0usize;
+        let mut txns = Transactions::default();
         let mut next = range.start;
         let mut empty_fetches = 0;
-        while next < range.end || !undecided.is_empty() {
+        while next < range.end || !txns.waiting().is_empty() {
             let what = format!("fetch {tp} from offset {next}");
             let batches = match self
                 .retry(&what, || {
@@ -523,7 +520,7 @@ impl KafkaSource {
                 earliest = Some(self.offset_at(tp, OffsetAt::Earliest).await?);
             }
             if let Some(earliest) = earliest.filter(|e| next < *e) {
-                if self.config.fail_on_data_loss || !undecided.is_empty() {
+                if self.config.fail_on_data_loss || !txns.waiting().is_empty() {
                     return Err(ConnectorError::DataLoss {
                         partition: tp.to_string(),
                         wanted: next,
@@ -562,7 +559,7 @@ impl KafkaSource {
                 if next >= range.end {
                     // Past the range, still waiting for a transaction's marker: it is decided
                     // (the range ends at or below the last stable offset), so it will come.
-                    warn!(partition = %tp, producers = ?undecided.keys().collect::<Vec<_>>(), "waiting for the COMMIT or ABORT marker of transactions read in this batch");
+                    warn!(partition = %tp, producers = ?txns.waiting(), "waiting for the COMMIT or ABORT marker of transactions read in this batch");
                     tokio::time::sleep(Duration::from_millis(200)).await;
                     continue;
                 }
@@ -577,32 +574,15 @@ impl KafkaSource {
             }
             empty_fetches = 0;
             for batch in batches {
-                let in_range = |r: &RecordAndOffset| r.offset >= next && r.offset < range.end;
-                match batch.marker {
-                    Some(marker) => {
-                        if let Some(held) = undecided.remove(&batch.producer_id) {
-                            match marker {
-                                Marker::Commit => records.extend(held),
-                                Marker::Abort => aborted += held.len(),
-                            }
-                        }
-                    }
-                    None if batch.transactional => {
-                        let mine: Vec<RecordAndOffset> =
-                            batch.records.into_iter().filter(in_range).collect();
-                        if !mine.is_empty() {
-                            undecided.entry(batch.producer_id).or_default().extend(mine);
-                        }
-                    }
-                    None => records.extend(batch.records.into_iter().filter(in_range)),
-                }
-                next = next.max(batch.last_offset + 1);
+                let last = batch.last_offset;
+                txns.add(batch, next, range);
+                next = next.max(last + 1);
             }
         }
+        let (records, aborted) = txns.finish();
         if aborted > 0 {
             info!(partition = %tp, range = %range, aborted, "records of aborted transactions skipped");
         }
-        records.sort_by_key(|r| r.offset);
         Ok((records, gaps))
     }
 }
