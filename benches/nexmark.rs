@@ -34,7 +34,11 @@ fn args() -> Args {
         events: 10_000_000,
         batch_size: 1_000_000,
         partitions: 4,
-        results: Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/results/nexmark.jsonl"),
+        results: std::path::PathBuf::from(
+            std::env::var_os("CARGO_MANIFEST_DIR")
+                .unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into()),
+        )
+        .join("benches/results/nexmark.jsonl"),
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
@@ -60,7 +64,9 @@ fn args() -> Args {
 
 /// The example job with the benchmark's stream size, batch size and output.
 fn job_file(args: &Args, dir: &Path) -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let root = std::path::PathBuf::from(
+        std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into()),
+    );
     let example = root.join(format!("examples/nexmark/{}.toml", args.query));
     let text =
         std::fs::read_to_string(&example).unwrap_or_else(|e| panic!("{}: {e}", example.display()));
@@ -137,7 +143,10 @@ fn dir_size(path: &Path) -> u64 {
 fn git_commit() -> String {
     std::process::Command::new("git")
         .args(["rev-parse", "--short", "HEAD"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .current_dir(std::path::PathBuf::from(
+            std::env::var_os("CARGO_MANIFEST_DIR")
+                .unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into()),
+        ))
         .output()
         .ok()
         .filter(|o| o.status.success())

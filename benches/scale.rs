@@ -28,7 +28,10 @@ use sluice::engine::checkpoint::CheckpointStore;
 use sluice::engine::{Source, SourceContext};
 
 fn results() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/results/scale.jsonl")
+    std::path::PathBuf::from(
+        std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into()),
+    )
+    .join("benches/results/scale.jsonl")
 }
 
 fn record(line: serde_json::Value) {
@@ -43,7 +46,10 @@ fn record(line: serde_json::Value) {
 fn git_commit() -> String {
     std::process::Command::new("git")
         .args(["rev-parse", "--short", "HEAD"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .current_dir(std::path::PathBuf::from(
+            std::env::var_os("CARGO_MANIFEST_DIR")
+                .unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into()),
+        ))
         .output()
         .ok()
         .filter(|o| o.status.success())

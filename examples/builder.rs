@@ -2,7 +2,6 @@
 //!
 //! Run with `cargo run --example builder`; it writes `examples/out/clicks_builder`.
 
-use std::path::Path;
 use std::time::Duration;
 
 use sluice::connectors::files::{FileFormat, FilesSource, FilesSourceConfig};
@@ -11,7 +10,10 @@ use sluice::sinks::delta::{DeltaSink, DeltaSinkConfig, table_row_count};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples");
+    let examples = std::path::PathBuf::from(
+        std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into()),
+    )
+    .join("examples");
     let input = examples.join("data/clicks");
     let output = examples.join("out/clicks_builder");
 

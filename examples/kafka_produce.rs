@@ -6,7 +6,6 @@
 //! key (as Kafka's default partitioner does). `examples/kafka/run.sh` calls it.
 
 use std::collections::BTreeMap;
-use std::path::Path;
 
 use anyhow::{Context, bail};
 use rskafka::client::ClientBuilder;
@@ -31,7 +30,10 @@ async fn main() -> anyhow::Result<()> {
             .await?;
     }
 
-    let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/data/clicks");
+    let data = std::path::PathBuf::from(
+        std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into()),
+    )
+    .join("examples/data/clicks");
     let mut files: Vec<_> = std::fs::read_dir(&data)?.collect::<Result<_, _>>()?;
     files.sort_by_key(|f| f.file_name());
     let mut by_partition: BTreeMap<i32, Vec<Record>> = BTreeMap::new();

@@ -496,8 +496,11 @@ mod tests {
 
     #[test]
     fn fuzz_corpus_parses_without_panics() {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../fuzz/corpus/event_times/times.txt");
+        let path = std::path::PathBuf::from(
+            std::env::var_os("CARGO_MANIFEST_DIR")
+                .unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into()),
+        )
+        .join("../fuzz/corpus/event_times/times.txt");
         let text = std::fs::read_to_string(path).unwrap();
         let values: Vec<String> = text.lines().map(str::to_string).collect();
         let ints: Vec<i64> = text.lines().filter_map(|l| l.parse().ok()).collect();
