@@ -21,10 +21,7 @@ fn copy_dir(from: &Path, to: &Path) {
 #[tokio::test(flavor = "multi_thread")]
 async fn the_bundled_example_runs_and_reports_its_table() {
     let ws = tempfile::tempdir().unwrap();
-    let examples = std::path::PathBuf::from(
-        std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into()),
-    )
-    .join("examples");
+    let examples = repo_root().join("examples");
     copy_dir(&examples.join("data"), &ws.path().join("data"));
     std::fs::copy(examples.join("clicks.toml"), ws.path().join("clicks.toml")).unwrap();
     let out = run_sluice(

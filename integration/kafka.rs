@@ -1215,7 +1215,7 @@ async fn starting_offsets_recorded_by_another_run_are_the_ones_used() {
 
 /// Produces to `topic` with the Python transactional producer (see kafka_transactions.py).
 fn produce_with_python(broker: &Broker, topic: &str, args: &[&str]) {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("integration/kafka_transactions.py");
+    let script = repo_root().join("integration/kafka_transactions.py");
     let out = Command::new("python3")
         .arg(script)
         .args([broker.addr().as_str(), topic])
@@ -1289,5 +1289,112 @@ sql = "SELECT id, _offset FROM clicks"
     assert!(
         stderr.contains("records of aborted transactions skipped"),
         "{stderr}"
+    );
+}
+
+/// Produces JSON values to `partition`: ids `ids`, each with the fields of `extra` (`"k": v`).
+async fn produce_values(
+    broker: &Broker,
+    topic: &str,
+    partition: i32,
+    ids: std::ops::Range<i64>,
+    extra: &str,
+) {
+    let client = broker.client().await;
+    let pc = client
+        .partition_client(topic, partition, UnknownTopicHandling::Retry)
+        .await
+        .unwrap();
+    let records = ids
+        .map(|id| Record {
+            key: None,
+            value: Some(
+                format!(
+                    "{{\"id\": {id}, \"ts\": \"2026-11-29T10:00:{:02}Z\"{extra}}}",
+                    id % 60
+                )
+                .into_bytes(),
+            ),
+            headers: BTreeMap::new(),
+            timestamp: chrono::Utc::now(),
+        })
+        .collect();
+    pc.produce(records, Compression::NoCompression)
+        .await
+        .unwrap();
+}
+
+/// Schema evolution on Kafka: a field that appears in every partition at once (a producer
+/// deploy) is added once, by whichever partition's read records it first, and every record of
+/// every partition carrying it lands with it — none dead-lettered, however the reads interleave.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_new_field_in_every_partition_at_once_becomes_one_column() {
+    let broker = Broker::start();
+    let ws = tempfile::tempdir().unwrap();
+    broker.create_topic("evolving", 3).await;
+    for p in 0..3 {
+        let base = i64::from(p) * 1000;
+        produce_values(&broker, "evolving", p, base..base + 20, "").await;
+    }
+    let text = format!(
+        r#"
+[job]
+id = "kafka_evolving"
+
+[sources.clicks]
+kind = "kafka"
+bootstrap_servers = "{addr}"
+topic = "evolving"
+max_records_per_batch = 30
+event_time = "ts"
+
+[sink]
+kind = "delta"
+path = "out"
+
+[query]
+sql = "SELECT * FROM clicks"
+"#,
+        addr = broker.addr()
+    );
+    let job = ws.path().join("job.toml");
+    std::fs::write(&job, text).unwrap();
+    // The first run infers the schema from the records without the new fields.
+    assert_ok(&run_sluice(&["run", job.to_str().unwrap()], &[]));
+    for p in 0..3 {
+        let base = i64::from(p) * 1000;
+        produce_values(
+            &broker,
+            "evolving",
+            p,
+            base + 20..base + 60,
+            ", \"plan\": \"pro\", \"seats\": 3",
+        )
+        .await;
+    }
+    assert_ok(&run_sluice(&["run", job.to_str().unwrap()], &[]));
+
+    let out = ws.path().join("out");
+    let rows = python_read(&out)["rows"].as_array().unwrap().clone();
+    assert_eq!(rows.len(), 180, "every record lands");
+    for r in &rows {
+        let id = r["id"].as_i64().unwrap();
+        if id % 1000 < 20 {
+            assert!(r["plan"].is_null() && r["seats"].is_null(), "{r}");
+        } else {
+            assert_eq!(r["plan"], "pro", "{r}");
+            assert_eq!(r["seats"], 3, "{r}");
+        }
+    }
+    assert_eq!(
+        dead_letter_rows(&out),
+        Vec::<serde_json::Value>::new(),
+        "no dead letters"
+    );
+    let evolutions = out.join("_sluice/kafka_evolving/sources/clicks/schemas");
+    let recorded = std::fs::read_dir(&evolutions).unwrap().count();
+    assert!(
+        (1..=3).contains(&recorded),
+        "one evolution per partition's read at most: {recorded}"
     );
 }

@@ -8,8 +8,10 @@ mod support;
 
 mod backfill;
 mod cli;
+mod contracts;
 mod crash;
 mod dead_letters;
+mod evolution;
 mod formats;
 mod hostile;
 mod instances;

@@ -5,9 +5,7 @@ use crate::support::*;
 
 /// Copies the example job `q` with a smaller stream and its output under `ws`.
 fn example(ws: &std::path::Path, q: &str, events: u64) -> String {
-    let root = std::path::PathBuf::from(
-        std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into()),
-    );
+    let root = repo_root();
     let text = std::fs::read_to_string(root.join(format!("examples/nexmark/{q}.toml"))).unwrap();
     assert!(text.contains("total_events = 10_000_000"), "{q}");
     let text = text

@@ -310,20 +310,48 @@ pub fn txn_versions(table: &Path, app_id: &str) -> Vec<i64> {
     versions
 }
 
-/// Reads a table with the Python `deltalake` package: `{"schema": [[name, type]], "rows": [...]}`.
-pub fn python_read(table: &Path) -> Value {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("integration/read_delta.py");
+/// The repository's root folder.
+pub fn repo_root() -> PathBuf {
+    // At run time: a test binary cached from a clone at another path must not look there.
+    PathBuf::from(
+        std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into()),
+    )
+}
+
+/// Runs the reader `integration/<script>` on `table` and parses the JSON it prints.
+fn python_reader(script: &str, table: &Path) -> Value {
     let out = Command::new("python3")
-        .arg(script)
+        .arg(repo_root().join("integration").join(script))
         .arg(table)
         .output()
-        .expect("python3 runs (./test installs the deltalake package)");
+        .expect("python3 runs (./test installs the readers)");
     assert!(
         out.status.success(),
-        "the Python deltalake reader failed: {}",
+        "{script} failed on {}: {}",
+        table.display(),
         String::from_utf8_lossy(&out.stderr)
     );
     serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Reads a table with the Python `deltalake` package: `{"schema": [[name, type]], "rows": [...]}`.
+pub fn python_read(table: &Path) -> Value {
+    python_reader("read_delta.py", table)
+}
+
+/// Reads a table with Polars (`polars.read_delta`): `{"schema": [[name, dtype]], "rows": [...]}`.
+pub fn polars_read(table: &Path) -> Value {
+    python_reader("read_polars.py", table)
+}
+
+/// The rows of the dead-letter table next to the output table `out` (none if it was never
+/// created), read by the Python reader.
+pub fn dead_letter_rows(out: &Path) -> Vec<Value> {
+    let table = dead_letter_table(out);
+    if !table.join("_delta_log").exists() {
+        return Vec::new();
+    }
+    python_read(&table)["rows"].as_array().unwrap().clone()
 }
 
 /// Two JSON rows equal, numbers within 1e-9 relative.

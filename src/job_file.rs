@@ -15,7 +15,9 @@ use serde::Deserialize;
 use sluice_connectors::files::{FilesSource, FilesSourceConfig};
 use sluice_connectors::kafka::{KafkaSource, KafkaSourceConfig};
 use sluice_connectors::nexmark::{NexmarkSource, NexmarkSourceConfig};
-use sluice_engine::{EventTimeConfig, EventTimeFormat, Job, OutputMode, Trigger, parse_duration};
+use sluice_engine::{
+    EventTimeConfig, EventTimeFormat, Expectation, Job, OutputMode, Trigger, parse_duration,
+};
 use sluice_sinks::delta::{DeltaSink, DeltaSinkConfig};
 
 /// The whole job file.
@@ -28,6 +30,17 @@ struct JobFile {
     #[serde(default)]
     trigger: TriggerSection,
     query: QuerySection,
+    #[serde(default)]
+    expectations: Vec<ExpectationSection>,
+}
+
+/// One `[[expectations]]` table.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ExpectationSection {
+    name: String,
+    check: String,
+    on_failure: String,
 }
 
 #[derive(Debug, Deserialize)]
@@ -106,8 +119,10 @@ struct SinkCommon {
     mode: Option<String>,
     #[serde(default)]
     key: Option<Vec<String>>,
+    #[serde(default)]
+    max_dead_letter_fraction: Option<f64>,
 }
-const SINK_COMMON_KEYS: [&str; 4] = ["kind", "lineage", "mode", "key"];
+const SINK_COMMON_KEYS: [&str; 5] = ["kind", "lineage", "mode", "key", "max_dead_letter_fraction"];
 
 fn default_true() -> bool {
     true
@@ -262,6 +277,24 @@ pub fn parse(text: &str, path: &Path, trigger: Option<Trigger>) -> Result<(Job, 
             ctx("sink")
         );
     }
+    if let Some(fraction) = common.max_dead_letter_fraction {
+        builder = builder.with_max_dead_letter_fraction(fraction);
+    }
+    for (i, e) in file.expectations.into_iter().enumerate() {
+        let on_failure = e.on_failure.parse().with_context(|| {
+            format!(
+                "{}: [[expectations]] #{} ({})",
+                path.display(),
+                i + 1,
+                e.name
+            )
+        })?;
+        builder = builder.with_expectation(Expectation {
+            name: e.name,
+            check: e.check,
+            on_failure,
+        });
+    }
     let job = builder
         .with_sink(sink)
         .with_output_mode(mode, common.key)
@@ -368,7 +401,11 @@ mod tests {
 
     /// The job files of `fuzz/corpus/job_files`.
     fn corpus() -> Vec<(PathBuf, String)> {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/job_files");
+        let dir = std::path::PathBuf::from(
+            std::env::var_os("CARGO_MANIFEST_DIR")
+                .unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into()),
+        )
+        .join("fuzz/corpus/job_files");
         let mut files: Vec<(PathBuf, String)> = std::fs::read_dir(&dir)
             .unwrap()
             .map(|e| {

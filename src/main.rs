@@ -232,9 +232,25 @@ async fn validate(path: PathBuf) -> Result<()> {
     let validation = job.validate().await?;
     println!("job {} is valid", info.job_id);
     for (name, schema) in &validation.sources {
-        println!("\nsource {name}:");
+        let inferred = validation
+            .inferred
+            .iter()
+            .find(|(source, _)| source == name)
+            .map(|(_, inference)| inference);
+        match inferred {
+            Some(i) => println!(
+                "\nsource {name} (schema inferred from {}, {} records; declare `schema` to fix it):",
+                i.sample, i.records
+            ),
+            None => println!("\nsource {name}:"),
+        }
         for f in schema.fields() {
-            println!("  {} {}", f.name(), f.data_type());
+            // The event-time column is shown as parsed (a timestamp), not as inferred.
+            let column = inferred.and_then(|i| i.column(f.name()));
+            match column.filter(|c| c.data_type == f.data_type().to_string()) {
+                Some(column) => println!("  {column}"),
+                None => println!("  {} {}", f.name(), f.data_type()),
+            }
         }
     }
     println!("\noutput:");

@@ -3,18 +3,12 @@
 //! A source hands over a buffer and the spans of its records (lines of a file, values of Kafka
 //! messages). They are decoded in one go; if that fails, the spans are split in halves until each
 //! bad record is alone, so one bad record costs a few extra decodes, never the batch, and every
-//! good record is kept in order.
+//! good record is kept in order. Inference of a missing schema is `crate::infer`'s.
 
-use std::collections::HashSet;
 use std::sync::Arc;
 
-use arrow::array::RecordBatch;
-use arrow::datatypes::{Field, Schema, SchemaRef};
-
-use crate::error::Result;
-
-/// How many records schema inference looks at.
-pub(crate) const INFER_RECORDS: usize = 1000;
+use arrow::array::{ArrayRef, AsArray, PrimitiveArray, RecordBatch, StringArray};
+use arrow::datatypes::{ArrowPrimitiveType, DataType, Field, Schema, SchemaRef};
 
 /// A line of a file: 1-based number and byte span (without the newline).
 #[derive(Debug, Clone, Copy)]
@@ -133,16 +127,26 @@ fn check_depth(record: &[u8]) -> std::result::Result<(), String> {
     Ok(())
 }
 
+/// Decodes JSON `lines` of `bytes` into `schema`. `strict`: a record with a field the schema
+/// lacks fails (schema evolution looks at it); else such fields are ignored. A text column
+/// takes numbers and booleans as their JSON text. A top-level integer column takes only whole
+/// numbers: Arrow alone would read `12.75` as 12.
 pub(crate) fn decode_json(
     schema: &SchemaRef,
     bytes: &[u8],
     lines: &[Line],
+    strict: bool,
 ) -> std::result::Result<RecordBatch, String> {
     for l in lines {
         check_depth(&bytes[l.start..l.end])?;
     }
-    let mut decoder = arrow::json::ReaderBuilder::new(Arc::clone(schema))
+    let decode_schema = integers_as_text(schema);
+    let mut decoder = arrow::json::ReaderBuilder::new(Arc::clone(&decode_schema))
         .with_batch_size(lines.len() + 1)
+        .with_strict_mode(strict)
+        // A text column takes numbers and booleans as their text (inference makes a field
+        // text only for a real mix of kinds).
+        .with_coerce_primitive(true)
         .build_decoder()
         .map_err(|e| e.to_string())?;
     // Line by line, so a record spanning two lines, or two records on one line, is caught at
@@ -161,10 +165,99 @@ pub(crate) fn decode_json(
             ));
         }
     }
-    Ok(decoder
+    let batch = decoder
         .flush()
         .map_err(|e| e.to_string())?
-        .unwrap_or_else(|| RecordBatch::new_empty(Arc::clone(schema))))
+        .unwrap_or_else(|| RecordBatch::new_empty(Arc::clone(&decode_schema)));
+    exact_integers(batch, schema)
+}
+
+/// `schema` with its top-level integer columns as text, for [`exact_integers`].
+fn integers_as_text(schema: &SchemaRef) -> SchemaRef {
+    if !schema.fields().iter().any(|f| f.data_type().is_integer()) {
+        return Arc::clone(schema);
+    }
+    let fields: Vec<Field> = schema
+        .fields()
+        .iter()
+        .map(|f| match f.data_type().is_integer() {
+            true => f.as_ref().clone().with_data_type(DataType::Utf8),
+            false => f.as_ref().clone(),
+        })
+        .collect();
+    Arc::new(Schema::new_with_metadata(fields, schema.metadata().clone()))
+}
+
+/// `batch` (decoded with [`integers_as_text`]) in `schema`: each integer column's text parsed
+/// as a whole number that fits the column (`7`, `"7"`, `7.0`, `7e2`), or the batch fails naming
+/// the value.
+fn exact_integers(
+    batch: RecordBatch,
+    schema: &SchemaRef,
+) -> std::result::Result<RecordBatch, String> {
+    use arrow::datatypes::{
+        Int8Type, Int16Type, Int32Type, Int64Type, UInt8Type, UInt16Type, UInt32Type, UInt64Type,
+    };
+    if batch.schema() == *schema {
+        return Ok(batch);
+    }
+    let mut columns = batch.columns().to_vec();
+    for (i, field) in schema.fields().iter().enumerate() {
+        if !field.data_type().is_integer() {
+            continue;
+        }
+        let text = columns[i].as_string::<i32>();
+        columns[i] = match field.data_type() {
+            DataType::Int8 => whole_numbers::<Int8Type>(text, field)?,
+            DataType::Int16 => whole_numbers::<Int16Type>(text, field)?,
+            DataType::Int32 => whole_numbers::<Int32Type>(text, field)?,
+            DataType::Int64 => whole_numbers::<Int64Type>(text, field)?,
+            DataType::UInt8 => whole_numbers::<UInt8Type>(text, field)?,
+            DataType::UInt16 => whole_numbers::<UInt16Type>(text, field)?,
+            DataType::UInt32 => whole_numbers::<UInt32Type>(text, field)?,
+            DataType::UInt64 => whole_numbers::<UInt64Type>(text, field)?,
+            _ => continue,
+        };
+    }
+    RecordBatch::try_new_with_options(
+        Arc::clone(schema),
+        columns,
+        &arrow::array::RecordBatchOptions::new().with_row_count(Some(batch.num_rows())),
+    )
+    .map_err(|e| e.to_string())
+}
+
+/// An integer column from the text of its values.
+fn whole_numbers<T: ArrowPrimitiveType>(
+    text: &StringArray,
+    field: &Field,
+) -> std::result::Result<ArrayRef, String>
+where
+    T::Native: TryFrom<i128>,
+{
+    let parse = |value: &str| -> std::result::Result<T::Native, String> {
+        let v = value.trim();
+        let whole = v.parse::<i128>().ok().or_else(|| {
+            v.parse::<f64>()
+                .ok()
+                .filter(|f| f.is_finite() && f.fract() == 0.0 && f.abs() < 1e30)
+                .map(|f| f as i128)
+        });
+        whole
+            .and_then(|n| T::Native::try_from(n).ok())
+            .ok_or_else(|| {
+                format!(
+                    "Json error: {value} is not a whole number that fits column '{}' ({})",
+                    field.name(),
+                    field.data_type()
+                )
+            })
+    };
+    let array: PrimitiveArray<T> = text
+        .iter()
+        .map(|v| v.map(parse).transpose())
+        .collect::<std::result::Result<_, String>>()?;
+    Ok(Arc::new(array))
 }
 
 pub(crate) fn feed(
@@ -211,43 +304,11 @@ pub(crate) fn decode_csv(
         .unwrap_or_else(|| RecordBatch::new_empty(Arc::clone(schema))))
 }
 
-/// Infers a JSON schema from sample records (one JSON object each; others are skipped), keeping
-/// fields in first-seen order. Looks at no more than [`INFER_RECORDS`] records.
-pub(crate) fn infer_json<'a>(records: impl IntoIterator<Item = &'a [u8]>) -> Result<Schema> {
-    let mut values = Vec::new();
-    let mut order: Vec<String> = Vec::new();
-    let mut seen = HashSet::new();
-    for record in records.into_iter().take(INFER_RECORDS) {
-        if let Ok(serde_json::Value::Object(map)) = serde_json::from_slice(record) {
-            for key in map.keys() {
-                if seen.insert(key.clone()) {
-                    order.push(key.clone());
-                }
-            }
-            values.push(serde_json::Value::Object(map));
-        }
-    }
-    let inferred = arrow::json::reader::infer_json_schema_from_iterator(values.iter().map(Ok))?;
-    let fields: Vec<Field> = order
-        .iter()
-        .filter_map(|name| inferred.field_with_name(name).ok().cloned())
-        .collect();
-    Ok(Schema::new(fields))
-}
-
-/// Infers a CSV schema from sample text (records separated by newlines).
-pub(crate) fn infer_csv(sample: &[u8], header: bool, delimiter: u8) -> Result<Schema> {
-    let format = arrow::csv::reader::Format::default()
-        .with_header(header)
-        .with_delimiter(delimiter);
-    let (schema, _) = format.infer_schema(sample, Some(INFER_RECORDS))?;
-    Ok(schema)
-}
 #[cfg(test)]
 mod tests {
     use super::*;
     use arrow::array::AsArray;
-    use arrow::datatypes::{DataType, Int64Type};
+    use arrow::datatypes::{DataType, Field, Int64Type, Schema};
     use bytes::Bytes;
 
     fn schema() -> SchemaRef {
@@ -264,7 +325,7 @@ mod tests {
         let mut lines = split_lines(&bytes);
         lines.retain(|l| !bytes[l.start..l.end].iter().all(u8::is_ascii_whitespace));
         let s = schema();
-        let (good, bad) = decode_lines(&bytes, &lines, |c| decode_json(&s, &bytes, c));
+        let (good, bad) = decode_lines(&bytes, &lines, |c| decode_json(&s, &bytes, c, false));
         let ids: Vec<i64> = good
             .iter()
             .flat_map(|(b, _)| b.column(0).as_primitive::<Int64Type>().values().to_vec())
@@ -294,9 +355,12 @@ mod tests {
 
     /// The files of `fuzz/corpus/<folder>`.
     fn corpus(folder: &str) -> Vec<(String, Vec<u8>)> {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../fuzz/corpus")
-            .join(folder);
+        let dir = std::path::PathBuf::from(
+            std::env::var_os("CARGO_MANIFEST_DIR")
+                .unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into()),
+        )
+        .join("../fuzz/corpus")
+        .join(folder);
         let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(&dir)
             .unwrap()
             .map(|e| {
@@ -326,7 +390,7 @@ mod tests {
         let mut lines = split_lines(bytes);
         lines.retain(|l| !bytes[l.start..l.end].iter().all(u8::is_ascii_whitespace));
         let json = nested_schema();
-        let (good, bad) = decode_lines(bytes, &lines, |c| decode_json(&json, bytes, c));
+        let (good, bad) = decode_lines(bytes, &lines, |c| decode_json(&json, bytes, c, false));
         let rows: usize = good.iter().map(|(b, _)| b.num_rows()).sum();
         assert_eq!(rows + bad.len(), lines.len(), "a line got lost or doubled");
         let csv = schema();
@@ -337,8 +401,54 @@ mod tests {
             lines.len(),
             "a CSV line got lost or doubled"
         );
-        let _ = infer_json(bytes.split(|b| *b == b'\n'));
-        let _ = infer_csv(bytes, true, b',');
+        let positions = bytes
+            .split(|b| *b == b'\n')
+            .enumerate()
+            .map(|(i, l)| (l, format!("f:{i}")));
+        let _ = crate::infer::infer_json(positions, String::new());
+        let _ = crate::infer::infer_csv(&[("f".into(), bytes)], true, b',', String::new());
+    }
+
+    /// An integer column takes whole numbers however written, and refuses a fraction (Arrow
+    /// alone truncates it) or a value out of its range; a text column takes numbers as text.
+    #[test]
+    fn integer_columns_take_whole_numbers_only() {
+        let s: SchemaRef = Arc::new(Schema::new(vec![
+            Field::new("n", DataType::Int64, true),
+            Field::new("small", DataType::Int8, true),
+            Field::new("t", DataType::Utf8, true),
+        ]));
+        let bytes = b"{\"n\":7,\"small\":1,\"t\":5}\n{\"n\":\"8\",\"small\":7.0,\"t\":true}\n{\"n\":9e2}\n{\"n\":12.75}\n{\"small\":300}\n{\"n\":null}\n";
+        let lines = split_lines(bytes);
+        let lines: Vec<Line> = lines.into_iter().filter(|l| l.end > l.start).collect();
+        let (good, bad) = decode_lines(bytes, &lines, |c| decode_json(&s, bytes, c, false));
+        let mut n = Vec::new();
+        for (batch, _) in &good {
+            n.extend(batch.column(0).as_primitive::<Int64Type>().iter());
+        }
+        assert_eq!(n, vec![Some(7), Some(8), Some(900), None]);
+        let bad: Vec<(usize, &str)> = bad.iter().map(|(l, _, e)| (*l, e.as_str())).collect();
+        assert_eq!(
+            bad,
+            vec![
+                (
+                    4,
+                    "Json error: 12.75 is not a whole number that fits column 'n' (Int64)"
+                ),
+                (
+                    5,
+                    "Json error: 300 is not a whole number that fits column 'small' (Int8)"
+                ),
+            ]
+        );
+        let t: Vec<Option<&str>> = good[0]
+            .0
+            .column(2)
+            .as_string::<i32>()
+            .iter()
+            .take(2)
+            .collect();
+        assert_eq!(t, vec![Some("5"), Some("true")]);
     }
 
     /// One record split over two lines, and two records on one line, are bad lines — not rows
@@ -351,7 +461,7 @@ mod tests {
             .filter(|l| l.end > l.start)
             .collect::<Vec<_>>();
         let s = schema();
-        let (good, bad) = decode_lines(bytes, &lines, |c| decode_json(&s, bytes, c));
+        let (good, bad) = decode_lines(bytes, &lines, |c| decode_json(&s, bytes, c, false));
         let numbers: Vec<usize> = good.iter().flat_map(|(_, n)| n.clone()).collect();
         assert_eq!(numbers, vec![1, 5]);
         let bad_lines: Vec<usize> = bad.iter().map(|(n, _, _)| *n).collect();
@@ -418,22 +528,5 @@ mod tests {
             }
             exercise(&bytes);
         }
-    }
-
-    #[test]
-    fn json_inference_keeps_first_seen_order() {
-        let sample = b"{\"b\":1,\"a\":\"x\"}\nnot json\n{\"c\":1.5}\n";
-        let schema = infer_json(sample.split(|b| *b == b'\n')).unwrap();
-        let names: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
-        assert_eq!(names, vec!["b", "a", "c"]);
-        let types: Vec<_> = schema
-            .fields()
-            .iter()
-            .map(|f| f.data_type().clone())
-            .collect();
-        assert_eq!(
-            types,
-            vec![DataType::Int64, DataType::Utf8, DataType::Float64]
-        );
     }
 }

@@ -12,7 +12,8 @@
 //!   event a pure function of `(seed, event number)`.
 //!
 //! Both decode text records through the shared `decode` module (bad records isolated by
-//! bisection, schema inference).
+//! bisection), infer a missing schema with `infer` (types a few bad values cannot decide) and
+//! fix it in their checkpoint with `schema_log`.
 
 pub mod files;
 pub mod kafka;
@@ -20,4 +21,7 @@ pub mod nexmark;
 
 mod decode;
 mod error;
+pub mod evolve;
+mod infer;
+mod schema_log;
 pub use error::{ConnectorError, Result};

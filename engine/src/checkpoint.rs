@@ -322,6 +322,15 @@ pub struct BatchCounters {
     /// Windowed queries: bytes of state files the batch wrote.
     #[serde(default)]
     pub state_bytes_written: u64,
+    /// Per expectation, the output rows that failed it.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub expectations: BTreeMap<String, u64>,
+    /// Output rows expectations left out (`drop`).
+    #[serde(default)]
+    pub rows_dropped: u64,
+    /// Output rows expectations sent to the dead-letter table (`quarantine`).
+    #[serde(default)]
+    pub rows_quarantined: u64,
 }
 
 fn batch_file(batch_id: BatchId, name: &str) -> String {

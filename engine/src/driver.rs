@@ -41,7 +41,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use arrow::array::RecordBatch;
+use arrow::array::{AsArray, RecordBatch};
 use arrow::datatypes::SchemaRef;
 use tokio::sync::watch;
 use tracing::{info, warn};
@@ -52,9 +52,12 @@ use crate::checkpoint::{
 };
 use crate::dead_letter::{dead_letter_batch, dead_letter_from_row};
 use crate::error::{Error, Result};
+use crate::expectations::{Expectations, QUARANTINE_SOURCE};
 use crate::fault::{crash_point, pause_point};
-use crate::input::{FutureTimes, OpenSource, open_sources_and_query, read_source};
-use crate::job::{Job, Trigger};
+use crate::input::{
+    FutureTimes, OpenSource, conform, open_sources_and_query, plan_query, read_source,
+};
+use crate::job::{DEAD_LETTER_BREAKER_MIN, Job, Trigger};
 use crate::lease::{Lease, LeaseSettings};
 use crate::offsets::{
     BatchId, OffsetRange, SourceOffsets, SourceRanges, display_offsets, display_ranges, plan_ranges,
@@ -62,6 +65,7 @@ use crate::offsets::{
 use crate::query::{BatchWatermark, QuerySettings, StreamingQuery};
 use crate::sink::{BatchCommit, CommitOutcome, Sink};
 use crate::source::DeadLetter;
+use crate::source::SchemaInference;
 use crate::state_store::StateLog;
 use crate::watermark::{
     SourcePartition, Watermark, WatermarkRules, display_watermark, max_event_time_by_partition,
@@ -108,6 +112,8 @@ pub struct BatchStats {
 pub struct Validation {
     /// Each source's schema as the query sees it.
     pub sources: Vec<(String, SchemaRef)>,
+    /// How the schemas that were not declared were inferred, by source.
+    pub inferred: Vec<(String, SchemaInference)>,
     /// The output schema.
     pub output: SchemaRef,
     /// The optimised logical plan.
@@ -151,10 +157,15 @@ impl Job {
         let settings = query_settings(&self);
         let (sources, query) =
             open_sources_and_query(self.sources, &self.sql, &settings, &checkpoint, true).await?;
+        Expectations::plan(&self.expectations, &query.output_schema())?;
         Ok(Validation {
             sources: sources
                 .iter()
                 .map(|s| (s.name.clone(), Arc::clone(&s.schema)))
+                .collect(),
+            inferred: sources
+                .iter()
+                .filter_map(|s| Some((s.name.clone(), s.source.schema_inference()?)))
                 .collect(),
             output: query.output_schema(),
             plan: query.display_plan()?,
@@ -204,11 +215,18 @@ pub(crate) fn query_settings(job: &Job) -> QuerySettings {
 struct Pipeline {
     job_id: String,
     sources: Vec<OpenSource>,
+    /// The job's query and how it is planned: planned again when a source's schema grows.
+    sql: String,
+    settings: QuerySettings,
     query: StreamingQuery,
     sink: Box<dyn Sink>,
     checkpoint: CheckpointStore,
     lease: Lease,
     keep_batches: u32,
+    /// Data-quality checks on the output rows.
+    expectations: Expectations,
+    /// The dead-letter circuit breaker's share.
+    max_dead_letter_fraction: f64,
     /// The next batch to run.
     next_batch: BatchId,
     /// End offsets of the last committed batch.
@@ -293,10 +311,13 @@ impl Pipeline {
             sql,
             mut sink,
             keep_batches,
+            expectations,
+            max_dead_letter_fraction,
             ..
         } = job;
         let (sources, mut query) =
             open_sources_and_query(sources, &sql, &settings, &checkpoint, false).await?;
+        let expectations = Expectations::plan(&expectations, &query.output_schema())?;
         let lease = Lease::acquire(&checkpoint, &job_id, LeaseSettings::default()).await?;
         let position = match restore(
             &checkpoint,
@@ -341,11 +362,15 @@ impl Pipeline {
         Ok(Pipeline {
             job_id,
             sources,
+            sql,
+            settings,
             query,
             sink,
             checkpoint,
             lease,
             keep_batches,
+            expectations,
+            max_dead_letter_fraction,
             next_batch,
             committed,
             latest_at_plan: SourceOffsets::new(),
@@ -505,6 +530,8 @@ impl Pipeline {
         let inputs = self.read(&mut batch).await?;
         let watermark = self.next_watermark(&batch);
         let output = self.execute(&mut batch, inputs, &watermark).await?;
+        self.check_dead_letters(&batch)?;
+        let output = self.check_expectations(&mut batch, output)?;
         let manifest = self.write_manifest(&mut batch, &watermark).await?;
         let outcome = self.commit(&mut batch, output, &manifest).await?;
         self.purge(&mut batch).await?;
@@ -516,14 +543,19 @@ impl Pipeline {
     /// a usable event time to dead letters; rows of windows the watermark in force has closed
     /// to the late table (they still count in their open windows; the query leaves the closed
     /// ones out).
-    async fn read(&self, batch: &mut Batch) -> Result<BTreeMap<String, RecordBatch>> {
+    async fn read(&mut self, batch: &mut Batch) -> Result<BTreeMap<String, RecordBatch>> {
         let t = Instant::now();
         let future = FutureTimes::Clock(batch.clock);
         let mut inputs = BTreeMap::new();
-        for s in &self.sources {
+        let mut grown = Vec::new();
+        for (index, s) in self.sources.iter().enumerate() {
             let empty = BTreeMap::new();
             let ranges = batch.intent.ranges.get(&s.name).unwrap_or(&empty);
-            let (rows, letters) = read_source(s, ranges, &future).await?;
+            let read = read_source(s, ranges, &future).await?;
+            if let Some(schema) = read.grown {
+                grown.push((index, schema));
+            }
+            let (rows, letters) = (read.rows, read.dead_letters);
             if let Some(time) = &s.event_time {
                 let maxima = batch.max_event_time.entry(s.name.clone()).or_default();
                 max_event_time_by_partition(&rows, &time.column, maxima)?;
@@ -554,8 +586,52 @@ impl Pipeline {
             }
             inputs.insert(s.name.clone(), rows);
         }
+        if !grown.is_empty() {
+            self.schemas_grew(grown).await?;
+        }
+        for s in &self.sources {
+            if let Some(rows) = inputs.get_mut(&s.name)
+                && rows.schema() != s.planned
+            {
+                *rows = conform(rows, &s.planned).map_err(|e| Error::source(&s.name, e))?;
+            }
+        }
         batch.times.read = t.elapsed();
         Ok(inputs)
+    }
+
+    /// Schema evolution added columns to sources during this batch's read: a stateless query
+    /// is planned again over the grown schemas (so `SELECT *` carries the new columns from this
+    /// batch on); a stateful one keeps its plan and state, and its input is conformed to the
+    /// schemas it was planned over (the next run plans with the new columns). The late table
+    /// takes the late rows as read, new columns included; the sink adds them to the tables in
+    /// this batch's commit.
+    async fn schemas_grew(&mut self, grown: Vec<(usize, SchemaRef)>) -> Result<()> {
+        for (index, schema) in grown {
+            let s = &mut self.sources[index];
+            let added: Vec<String> = schema
+                .fields()
+                .iter()
+                .filter(|f| s.schema.field_with_name(f.name()).ok() != Some(f.as_ref()))
+                .map(|f| format!("{} {}", f.name(), f.data_type()))
+                .collect();
+            info!(source = %s.name, columns = %added.join(", "), replanned = !self.query.is_stateful(), "source schema grew");
+            s.schema = schema;
+        }
+        if self.query.is_stateful() {
+            return Ok(());
+        }
+        let schemas: Vec<(String, SchemaRef)> = self
+            .sources
+            .iter()
+            .map(|s| (s.name.clone(), Arc::clone(&s.schema)))
+            .collect();
+        self.query = plan_query(&self.sql, &schemas, &self.settings, &self.sources).await?;
+        self.expectations = self.expectations.replan(&self.query.output_schema())?;
+        for s in &mut self.sources {
+            s.planned = Arc::clone(&s.schema);
+        }
+        Ok(())
     }
 
     /// Step 6 watermark: from the newest event time per partition, over the non-idle ones.
@@ -603,6 +679,82 @@ impl Pipeline {
         batch.counters.rows_out = output.batches.iter().map(|b| b.num_rows() as u64).sum();
         batch.times.execute = t.elapsed();
         Ok(output.batches)
+    }
+
+    /// The dead-letter circuit breaker: a batch whose dead letters are more than
+    /// `max_dead_letter_fraction` of the records it read, and more than
+    /// [`DEAD_LETTER_BREAKER_MIN`], fails before anything of it is written.
+    fn check_dead_letters(&self, batch: &Batch) -> Result<()> {
+        let dead = batch.counters.rows_dead_lettered;
+        let read = batch.counters.rows_in + dead;
+        if dead <= DEAD_LETTER_BREAKER_MIN
+            || dead as f64 <= self.max_dead_letter_fraction * read as f64
+        {
+            return Ok(());
+        }
+        let mut reasons: BTreeMap<String, u64> = BTreeMap::new();
+        for letters in &batch.dead_letters {
+            if let Some(errors) = letters
+                .column_by_name("error")
+                .and_then(|c| c.as_string_opt::<i32>())
+            {
+                for error in errors.iter().flatten() {
+                    let reason: String = error.chars().take(160).collect();
+                    *reasons.entry(reason).or_default() += 1;
+                }
+            }
+        }
+        let mut reasons: Vec<(String, u64)> = reasons.into_iter().collect();
+        reasons.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        let reasons: Vec<String> = reasons
+            .iter()
+            .take(3)
+            .map(|(reason, n)| format!("{n} × \"{reason}\""))
+            .collect();
+        Err(Error::TooManyDeadLetters {
+            batch_id: batch.id(),
+            dead,
+            read,
+            percent: 100.0 * dead as f64 / read as f64,
+            fraction: self.max_dead_letter_fraction,
+            reasons: reasons.join(", "),
+        })
+    }
+
+    /// The job's expectations on the output rows: counted per expectation; rows left out
+    /// (`drop`), moved to the dead-letter table (`quarantine`), or the batch failed (`fail`).
+    fn check_expectations(
+        &self,
+        batch: &mut Batch,
+        output: Vec<RecordBatch>,
+    ) -> Result<Vec<RecordBatch>> {
+        if self.expectations.is_empty() {
+            return Ok(output);
+        }
+        let checked = self.expectations.apply(output)?;
+        if !checked.quarantined.is_empty() {
+            let source = match self.sources.as_slice() {
+                [only] => only.name.as_str(),
+                _ => QUARANTINE_SOURCE,
+            };
+            batch
+                .dead_letters
+                .push(dead_letter_batch(source, batch.id(), &checked.quarantined)?);
+        }
+        let failing: Vec<String> = checked
+            .failures
+            .iter()
+            .filter(|(_, n)| **n > 0)
+            .map(|(name, n)| format!("{name}={n}"))
+            .collect();
+        if !failing.is_empty() {
+            warn!(batch_id = batch.id().0, failed = %failing.join(", "), dropped = checked.dropped, quarantined = checked.quarantined.len(), "output rows failed expectations");
+        }
+        batch.counters.rows_quarantined = checked.quarantined.len() as u64;
+        batch.counters.rows_dropped = checked.dropped;
+        batch.counters.rows_out = checked.kept.iter().map(|b| b.num_rows() as u64).sum();
+        batch.counters.expectations = checked.failures;
+        Ok(checked.kept)
     }
 
     /// Step 8 manifest: state files, then the end offsets of every partition, the watermark and
@@ -768,6 +920,9 @@ impl Pipeline {
             rows_out = counters.rows_out,
             rows_dead_lettered = counters.rows_dead_lettered,
             rows_late = counters.rows_late,
+            rows_dropped = counters.rows_dropped,
+            rows_quarantined = counters.rows_quarantined,
+            expectations = %display_expectations(&counters.expectations),
             state_rows = counters.state_rows,
             state_bytes = counters.state_bytes,
             state_bytes_written = counters.state_bytes_written,
@@ -948,6 +1103,15 @@ fn consumer_lag(latest: &SourceOffsets, ends: &SourceOffsets) -> SourceOffsets {
             (source.clone(), lag)
         })
         .collect()
+}
+
+/// Per expectation, its failing rows: `positive_amount=3, known_user=0`.
+fn display_expectations(failures: &BTreeMap<String, u64>) -> String {
+    failures
+        .iter()
+        .map(|(name, n)| format!("{name}={n}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn ms(d: Duration) -> u64 {

@@ -32,6 +32,10 @@ pub enum Error {
     /// The job definition is invalid; the message names the offending setting.
     #[error("invalid job: {0}")]
     InvalidJob(String),
+    /// The job's query does not plan over its sources' schemas; the message says why in the
+    /// job's terms (an inferred column's type, and how to declare it).
+    #[error("the query does not plan: {0}")]
+    Query(String),
     /// The query uses something a streaming job cannot run (yet).
     #[error("unsupported query: {0}")]
     UnsupportedQuery(String),
@@ -132,6 +136,46 @@ pub enum Error {
         checkpoint: String,
         /// The newest batch folder in it.
         newest: i64,
+    },
+    /// A row failed an expectation whose `on_failure` is `fail`.
+    #[error(
+        "expectation '{name}' (check = \"{check}\") failed on {failing} row(s) of the batch; the \
+         first, from {position}: {row}. Nothing of the batch was committed: fix the input, or \
+         change the expectation's on_failure (warn, drop, quarantine)"
+    )]
+    ExpectationFailed {
+        /// The expectation.
+        name: String,
+        /// Its predicate.
+        check: String,
+        /// Rows of the batch failing it.
+        failing: u64,
+        /// The first failing output row, as JSON.
+        row: String,
+        /// Where it came from (`file.json:17`, `partition@offset`).
+        position: String,
+    },
+    /// A batch's dead letters exceeded `[sink] max_dead_letter_fraction`.
+    #[error(
+        "batch {batch_id} was not committed: {dead} of the {read} records it read ({percent:.1}%) \
+         are dead letters, above [sink] max_dead_letter_fraction = {fraction}. Most common \
+         reasons: {reasons}. A job that dead-letters most of its input is misconfigured (wrong \
+         format, schema or event-time settings); fix that, or raise max_dead_letter_fraction \
+         (1.0 turns the check off) to commit such batches"
+    )]
+    TooManyDeadLetters {
+        /// The batch.
+        batch_id: BatchId,
+        /// Its dead letters.
+        dead: u64,
+        /// Records it read, dead letters included.
+        read: u64,
+        /// `dead / read`, in percent.
+        percent: f64,
+        /// The setting.
+        fraction: f64,
+        /// The three most common reasons with their counts.
+        reasons: String,
     },
     /// A source failed; the message names the source and what it was reading.
     #[error("source '{source_name}': {message}")]

@@ -31,8 +31,12 @@ pub(crate) struct OpenSource {
     pub(crate) name: String,
     pub(crate) source: Box<dyn Source>,
     pub(crate) event_time: Option<EventTimeConfig>,
-    /// The schema the query sees (event-time column already converted).
+    /// The schema the query sees (event-time column already converted); grows when schema
+    /// evolution adds columns.
     pub(crate) schema: SchemaRef,
+    /// The schema the query was planned over: [`OpenSource::schema`] until it grows; a stateful
+    /// query keeps its plan (and state), so its input is conformed back to this.
+    pub(crate) planned: SchemaRef,
 }
 
 /// Opens every source (with its folder of the checkpoint) and plans the query over their
@@ -70,6 +74,7 @@ pub(crate) async fn open_sources_and_query(
             name: spec.name,
             source,
             event_time: spec.event_time,
+            planned: Arc::clone(&schema),
             schema,
         });
     }
@@ -77,8 +82,134 @@ pub(crate) async fn open_sources_and_query(
         .iter()
         .map(|s| (s.name.clone(), Arc::clone(&s.schema)))
         .collect();
-    let query = StreamingQuery::plan(sql, &schemas, settings).await?;
+    let query = plan_query(sql, &schemas, settings, &sources).await?;
     Ok((sources, query))
+}
+
+/// Plans the job's query over the sources' schemas, a planning error explained in the job's
+/// terms.
+pub(crate) async fn plan_query(
+    sql: &str,
+    schemas: &[(String, SchemaRef)],
+    settings: &QuerySettings,
+    sources: &[OpenSource],
+) -> Result<StreamingQuery> {
+    StreamingQuery::plan(sql, schemas, settings)
+        .await
+        .map_err(|e| explain_plan_error(e, sql, sources))
+}
+
+/// What DataFusion appends to an internal error; a type mismatch in a user's query is not a
+/// bug in DataFusion, and the text sends the user to the wrong place.
+const DATAFUSION_BUG_TEXT: &str = "This issue was likely caused by a bug in DataFusion's code";
+
+/// A planning error in the job's terms: DataFusion's "file a bug" text removed, and for each
+/// column whose type was inferred that the error (or else the query, for a text column) names:
+/// that it was inferred, as what, from which sample, and how to declare it.
+fn explain_plan_error(error: Error, sql: &str, sources: &[OpenSource]) -> Error {
+    let Error::DataFusion(inner) = &error else {
+        return error;
+    };
+    let mut message = inner.to_string();
+    if let Some(at) = message.find(DATAFUSION_BUG_TEXT) {
+        message.truncate(at);
+    }
+    let message = message.trim_end().trim_end_matches('.').to_string();
+    // Inferred columns as the query sees them (not the event-time column, which is parsed).
+    let inferred: Vec<(&str, crate::source::InferredColumn, String)> = sources
+        .iter()
+        .filter_map(|s| Some((s, s.source.schema_inference()?)))
+        .flat_map(|(s, inference)| {
+            inference
+                .columns
+                .into_iter()
+                .filter(|c| {
+                    s.schema
+                        .field_with_name(&c.name)
+                        .is_ok_and(|f| f.data_type().to_string() == c.data_type)
+                })
+                .map(move |c| (s.name.as_str(), c, inference.sample.clone()))
+        })
+        .collect();
+    let mentions = |text: &str, name: &str| {
+        text.match_indices(name).any(|(at, _)| {
+            let before = text[..at].chars().next_back();
+            let after = text[at + name.len()..].chars().next();
+            let word = |c: Option<char>| c.is_some_and(|c| c.is_alphanumeric() || c == '_');
+            !word(before) && !word(after)
+        })
+    };
+    let mut named: Vec<_> = inferred
+        .iter()
+        .filter(|(_, c, _)| mentions(&message, &c.name))
+        .collect();
+    // A type error that names no column (`Cannot coerce … Utf8 * Int64`): the text columns
+    // the query uses.
+    if named.is_empty() && message.contains("Utf8") {
+        named = inferred
+            .iter()
+            .filter(|(_, c, _)| c.data_type == "Utf8" && mentions(sql, &c.name))
+            .collect();
+    }
+    let mut out = message;
+    for (source, column, sample) in named {
+        out.push_str(&format!(
+            ". Column '{name}' of source '{source}' was not declared: it was inferred from \
+             {sample} as: {column}. Declare its type in the job file ([sources.{source}] \
+             schema = \"{name} DOUBLE, …\", every column listed), or convert it in the query \
+             (CAST({name} AS DOUBLE))",
+            name = column.name,
+        ));
+    }
+    Error::Query(out)
+}
+
+/// `rows` in `schema`, a schema it extends: columns picked by name, struct columns' fields too
+/// (recursively); what `schema` lacks is dropped.
+///
+/// # Errors
+/// If a column of `schema` is missing from `rows` or has another type.
+pub(crate) fn conform(rows: &RecordBatch, schema: &SchemaRef) -> Result<RecordBatch> {
+    fn conform_array(array: &ArrayRef, to: &DataType) -> Result<ArrayRef> {
+        match (array.data_type(), to) {
+            (from, to) if from == to => Ok(Arc::clone(array)),
+            (DataType::Struct(_), DataType::Struct(fields)) => {
+                let array = array.as_struct();
+                let children = fields
+                    .iter()
+                    .map(|f| {
+                        let child = array.column_by_name(f.name()).ok_or_else(|| {
+                            Error::InvalidJob(format!("the struct has no field {}", f.name()))
+                        })?;
+                        conform_array(child, f.data_type())
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(Arc::new(arrow::array::StructArray::try_new(
+                    fields.clone(),
+                    children,
+                    array.nulls().cloned(),
+                )?))
+            }
+            (from, to) => Err(Error::InvalidJob(format!(
+                "a column of type {from} cannot be read as {to}"
+            ))),
+        }
+    }
+    let columns = schema
+        .fields()
+        .iter()
+        .map(|f| {
+            let column = rows.column_by_name(f.name()).ok_or_else(|| {
+                Error::InvalidJob(format!("the rows have no column {}", f.name()))
+            })?;
+            conform_array(column, f.data_type())
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(RecordBatch::try_new_with_options(
+        Arc::clone(schema),
+        columns,
+        &arrow::array::RecordBatchOptions::new().with_row_count(Some(rows.num_rows())),
+    )?)
 }
 
 /// Where a row came from: partition, offset and position (`file.json:17`, or `partition@offset`
@@ -166,20 +297,50 @@ pub(crate) fn table_column(
     Ok(arrow::compute::kernels::cast::cast(column, to)?)
 }
 
+/// Rows of one source as the query sees them, with what became dead letters.
+pub(crate) struct SourceRows {
+    /// The rows, in the source's query schema (event time parsed).
+    pub(crate) rows: RecordBatch,
+    /// What could not be decoded or had no usable event time.
+    pub(crate) dead_letters: Vec<DeadLetter>,
+    /// The source's query schema, if schema evolution grew it during this read.
+    pub(crate) grown: Option<SchemaRef>,
+}
+
 /// Reads every range of one source (partitions concurrently), parses event time, and returns
-/// the rows as one batch plus the dead letters.
+/// the rows as one batch plus the dead letters. If schema evolution grew the source's schema
+/// during the read, ranges read before another partition's read grew it are read again, so all
+/// rows come in the grown schema.
 pub(crate) async fn read_source(
     s: &OpenSource,
     ranges: &BTreeMap<PartitionId, OffsetRange>,
     future: &FutureTimes,
-) -> Result<(RecordBatch, Vec<DeadLetter>)> {
-    let reads = try_join_all(
-        ranges
-            .iter()
-            .filter(|(_, r)| !r.is_empty())
-            .map(|(p, r)| s.source.read(p, *r)),
-    )
-    .await?;
+) -> Result<SourceRows> {
+    let ranges: Vec<(&PartitionId, &OffsetRange)> =
+        ranges.iter().filter(|(_, r)| !r.is_empty()).collect();
+    let mut reads = try_join_all(ranges.iter().map(|(p, r)| s.source.read(p, **r))).await?;
+    let mut query_schema = Arc::clone(&s.schema);
+    if let Some(mut current) = s.source.current_schema().await {
+        // Bounded: every pass that finds a stale read follows a growth of the schema.
+        for _ in 0..MAX_REREADS {
+            let stale: Vec<usize> = (0..reads.len())
+                .filter(|&i| reads[i].batches.iter().any(|b| b.schema() != current))
+                .collect();
+            if stale.is_empty() {
+                break;
+            }
+            for i in stale {
+                let (p, r) = ranges[i];
+                reads[i] = s.source.read(p, *r).await?;
+            }
+            current = s.source.current_schema().await.unwrap_or(current);
+        }
+        query_schema = match &s.event_time {
+            Some(time) => schema_with_event_time(&current, &time.column)
+                .map_err(|e| Error::source(&s.name, e))?,
+            None => current,
+        };
+    }
     let clock = match future {
         FutureTimes::Clock(clock) => Some(*clock),
         FutureTimes::AsRecorded(_) => None,
@@ -222,8 +383,39 @@ pub(crate) async fn read_source(
             batches.push(filter_record_batch(&parsed, &keep.into())?);
         }
     }
-    let rows = concat_batches(&s.schema, &batches)?;
-    Ok((rows, letters))
+    let rows = concat_batches(&query_schema, &batches)
+        .map_err(|e| Error::source(&s.name, format!("its reads disagree on the schema: {e}")))?;
+    let grown = (query_schema != s.schema).then_some(query_schema);
+    Ok(SourceRows {
+        rows,
+        dead_letters: letters,
+        grown,
+    })
+}
+
+/// How many times a read is repeated because another partition's read grew the schema.
+const MAX_REREADS: usize = 8;
+
+/// [`read_source`] for commands that read committed offsets over the schema they opened with
+/// (backfill, reconcile): a schema grown during the read means the job's input holds columns
+/// these commands' query was not planned with.
+///
+/// # Errors
+/// If the schema grew during the read, asking to run the command again.
+pub(crate) async fn read_source_as_opened(
+    s: &OpenSource,
+    ranges: &BTreeMap<PartitionId, OffsetRange>,
+    future: &FutureTimes,
+) -> Result<(RecordBatch, Vec<DeadLetter>)> {
+    let read = read_source(s, ranges, future).await?;
+    if read.grown.is_some() {
+        return Err(Error::source(
+            &s.name,
+            "schema evolution added columns while this command read it; run the command again \
+             (it then opens the source with them)",
+        ));
+    }
+    Ok((read.rows, read.dead_letters))
 }
 
 /// The key of row `row` of a source batch, as [`dead_letter_from_row`] would record it.

@@ -11,6 +11,7 @@ use url::Url;
 
 use crate::error::{Error, Result};
 use crate::event_time::EventTimeConfig;
+use crate::expectations::Expectation;
 use crate::sink::{OutputMode, Sink};
 use crate::source::Source;
 
@@ -96,7 +97,19 @@ pub struct Job {
     /// Running (non-windowed) aggregates: how long after its newest event (in watermark time) a
     /// group's state is kept.
     pub state_ttl: Option<Duration>,
+    /// Data-quality checks on the output rows.
+    pub expectations: Vec<Expectation>,
+    /// A batch whose dead letters exceed this share of the records it read (and number more
+    /// than [`DEAD_LETTER_BREAKER_MIN`]) fails instead of committing.
+    pub max_dead_letter_fraction: f64,
 }
+
+/// Dead letters a batch may always hold, whatever their share: the circuit breaker is for a
+/// misconfigured job, not a small batch with a few bad records.
+pub const DEAD_LETTER_BREAKER_MIN: u64 = 100;
+
+/// The default of `max_dead_letter_fraction`.
+pub const DEFAULT_MAX_DEAD_LETTER_FRACTION: f64 = 0.1;
 
 impl fmt::Debug for Job {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -128,6 +141,8 @@ impl Job {
             output_mode: OutputMode::Append,
             key: None,
             state_ttl: None,
+            expectations: Vec::new(),
+            max_dead_letter_fraction: DEFAULT_MAX_DEAD_LETTER_FRACTION,
         }
     }
 }
@@ -160,6 +175,8 @@ pub struct JobBuilder {
     output_mode: OutputMode,
     key: Option<Vec<String>>,
     state_ttl: Option<Duration>,
+    expectations: Vec<Expectation>,
+    max_dead_letter_fraction: f64,
 }
 
 impl JobBuilder {
@@ -236,11 +253,26 @@ impl JobBuilder {
         self
     }
 
+    /// Adds a data-quality check on the output rows (see [`crate::expectations`]).
+    pub fn with_expectation(mut self, expectation: Expectation) -> Self {
+        self.expectations.push(expectation);
+        self
+    }
+
+    /// The dead-letter circuit breaker: a batch whose dead letters exceed `fraction` of the
+    /// records it read (and number more than [`DEAD_LETTER_BREAKER_MIN`]) fails instead of
+    /// committing. Default [`DEFAULT_MAX_DEAD_LETTER_FRACTION`]; 1.0 turns it off.
+    pub fn with_max_dead_letter_fraction(mut self, fraction: f64) -> Self {
+        self.max_dead_letter_fraction = fraction;
+        self
+    }
+
     /// Checks and returns the job.
     ///
     /// # Errors
     /// If the id is empty or has characters other than letters, digits, `_`, `-`, `.`; if there
-    /// is no source, no query or no sink; or if two sources share a name.
+    /// is no source, no query or no sink; if two sources share a name; or if
+    /// `max_dead_letter_fraction` is not between 0 and 1.
     pub fn build(self) -> Result<Job> {
         let id_ok = !self.id.is_empty()
             && self
@@ -274,6 +306,12 @@ impl JobBuilder {
         let sink = self
             .sink
             .ok_or_else(|| Error::InvalidJob(format!("job '{}' has no sink", self.id)))?;
+        if !(0.0..=1.0).contains(&self.max_dead_letter_fraction) {
+            return Err(Error::InvalidJob(format!(
+                "max_dead_letter_fraction = {} must be between 0 and 1",
+                self.max_dead_letter_fraction
+            )));
+        }
         Ok(Job {
             id: self.id,
             sources: self.sources,
@@ -287,6 +325,8 @@ impl JobBuilder {
             output_mode: self.output_mode,
             key: self.key,
             state_ttl: self.state_ttl,
+            expectations: self.expectations,
+            max_dead_letter_fraction: self.max_dead_letter_fraction,
         })
     }
 }

@@ -30,6 +30,7 @@ pub mod dead_letter;
 pub mod driver;
 pub mod error;
 pub mod event_time;
+pub mod expectations;
 pub mod fault;
 pub mod input;
 pub mod job;
@@ -51,13 +52,16 @@ pub use checkpoint::{BatchCounters, BatchIntent, BatchManifest, CheckpointStore}
 pub use driver::{BatchStats, RunSummary, Validation};
 pub use error::{Error, Result};
 pub use event_time::{EventTimeConfig, EventTimeFormat};
+pub use expectations::{Expectation, OnFailure};
 pub use job::{Job, JobBuilder, SourceSpec, Trigger, parse_duration};
 pub use offsets::{BatchId, Offset, OffsetRange, PartitionId};
 pub use sink::{
     BatchCommit, CommitOutcome, OutputMode, OutputTables, ReplacedWindows, Replacement,
     SideTableBatch, Sink, TableScan,
 };
-pub use source::{AvailableRange, DeadLetter, Source, SourceContext, SourceRead};
+pub use source::{
+    AvailableRange, DeadLetter, InferredColumn, SchemaInference, Source, SourceContext, SourceRead,
+};
 
 /// Re-exported so connectors and sinks use the engine's exact versions.
 pub use arrow;

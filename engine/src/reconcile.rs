@@ -31,7 +31,8 @@ use crate::checkpoint::BatchManifest;
 use crate::driver::{checkpoint_location, query_settings};
 use crate::error::{Error, Result};
 use crate::event_time::rows_in_period;
-use crate::input::{FutureTimes, OpenSource, open_sources_and_query, read_source};
+use crate::expectations::Expectations;
+use crate::input::{FutureTimes, OpenSource, open_sources_and_query, read_source_as_opened};
 use crate::job::Job;
 use crate::late::WATERMARK;
 use crate::offsets::{BatchId, OffsetRange, PartitionId};
@@ -107,6 +108,9 @@ impl Job {
         let settings = query_settings(&self);
         let (sources, query) =
             open_sources_and_query(self.sources, &self.sql, &settings, &checkpoint, false).await?;
+        // The stream left out the rows its expectations dropped or quarantined; so does the
+        // recomputation.
+        let expectations = Expectations::plan(&self.expectations, &query.output_schema())?;
         let last_batch = self.sink.committed_batch(&self.id).await?.ok_or_else(|| {
             Error::InvalidJob(format!(
                 "reconcile: job '{}' has committed nothing to {} yet",
@@ -134,7 +138,15 @@ impl Job {
             future: &future,
         };
         if query.is_stateful() {
-            return reconcile_windows(self.sink.as_ref(), committed, query, from, to).await;
+            return reconcile_windows(
+                self.sink.as_ref(),
+                committed,
+                query,
+                &expectations,
+                from,
+                to,
+            )
+            .await;
         }
         let mut query = query;
         let mut columns = BTreeSet::new();
@@ -170,7 +182,8 @@ impl Job {
             inputs.insert(s.name.clone(), committed.read(s, from, to).await?);
         }
         let recomputed = query.execute_bounded(vec![(inputs, None)]).await?;
-        let expected = concat_batches(&output_schema, &recomputed.batches)?;
+        let recomputed = expectations.apply(recomputed.batches)?.kept;
+        let expected = concat_batches(&output_schema, &recomputed)?;
 
         // The streamed output of the same period, in the same column types.
         let table = conform(&output_schema, &self.sink.read_output().await?)?;
@@ -225,7 +238,7 @@ impl Committed<'_> {
             .future
             .get(&s.name)
             .ok_or_else(|| Error::source(&s.name, "no recorded judgement of its event times"))?;
-        let (rows, _dead_letters) = read_source(s, &ranges, future).await?;
+        let (rows, _dead_letters) = read_source_as_opened(s, &ranges, future).await?;
         rows_in_period(&rows, &time.column, from, to)
     }
 }
@@ -237,6 +250,7 @@ async fn reconcile_windows(
     sink: &dyn Sink,
     committed: Committed<'_>,
     mut query: StreamingQuery,
+    expectations: &Expectations,
     from: i64,
     to: i64,
 ) -> Result<Reconciliation> {
@@ -332,7 +346,8 @@ async fn reconcile_windows(
         parts.push((BTreeMap::from([(source.name.clone(), rows)]), Some(wm)));
     }
     let recomputed = query.execute_bounded(parts).await?;
-    let expected = concat_batches(&output_schema, &recomputed.batches)?;
+    let recomputed = expectations.apply(recomputed.batches)?.kept;
+    let expected = concat_batches(&output_schema, &recomputed)?;
     let mut expected = rows_in_period(&expected, column, from, to)?;
     if sessions {
         // Only sessions closed under the job's watermark are final (and in the table).

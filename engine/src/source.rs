@@ -74,10 +74,63 @@ pub struct DeadLetter {
     pub error: String,
 }
 
+/// How a source's schema was inferred from a sample of its data, for `sluice validate`, the
+/// first batch's log and error messages: per column, the type chosen and how many sampled values
+/// did not fit it (their records become dead letters when read).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SchemaInference {
+    /// Where the sample came from: the files, or the partitions.
+    pub sample: String,
+    /// Records sampled.
+    pub records: u64,
+    /// The inferred columns, in order.
+    pub columns: Vec<InferredColumn>,
+}
+
+/// One inferred column.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct InferredColumn {
+    /// The column.
+    pub name: String,
+    /// The type chosen, as Arrow writes it.
+    pub data_type: String,
+    /// Non-null values sampled.
+    pub values: u64,
+    /// Sampled values that do not fit the type.
+    pub misfits: u64,
+    /// Where the first value that does not fit is (`file.json:3`, `0@42`).
+    pub first_misfit: Option<String>,
+}
+
+impl SchemaInference {
+    /// The inferred column `name`, if any.
+    pub fn column(&self, name: &str) -> Option<&InferredColumn> {
+        self.columns.iter().find(|c| c.name == name)
+    }
+}
+
+impl std::fmt::Display for InferredColumn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}", self.name, self.data_type)?;
+        match (&self.first_misfit, self.misfits) {
+            (Some(first), n) if n > 0 => write!(
+                f,
+                " ({n} of {} sampled values do not fit; the first at {first})",
+                self.values
+            ),
+            _ => write!(f, " ({} values sampled, all fit)", self.values),
+        }
+    }
+}
+
 /// A partitioned, replayable input.
 ///
 /// # Contract
-/// - [`Source::open`] is called once, before anything else, and fixes the schema.
+/// - [`Source::open`] is called once, before anything else, and fixes the schema — which may
+///   only grow afterwards, by schema evolution: a read that meets new fields records them (so
+///   every later run and replay decodes with them) and returns its rows in the grown schema,
+///   reported by [`Source::current_schema`]. Columns are only ever added (new top-level columns
+///   at the end, new fields at the end of a struct), all nullable.
 /// - [`Source::read`] is deterministic: the same `(partition, range)` always gives the same rows
 ///   and dead letters, or an error naming what changed.
 /// - Offsets only grow: `available()` never reports a `latest` below one it reported before.
@@ -101,6 +154,17 @@ pub trait Source: Send + Sync {
     /// The most offsets one batch may read across all partitions (`max_files_per_batch`,
     /// `max_records_per_batch`); `None` for no limit.
     fn max_per_batch(&self) -> Option<u64>;
+
+    /// How the schema was inferred, when it was (`None`: declared, or not from the data).
+    fn schema_inference(&self) -> Option<SchemaInference> {
+        None
+    }
+
+    /// The schema of the batches [`Source::read`] returns now, if schema evolution has grown it
+    /// since [`Source::open`] (`None`: the schema `open` returned is still in force).
+    async fn current_schema(&self) -> Option<SchemaRef> {
+        None
+    }
 
     /// Called when `partition`'s latest offset is below `committed_end`, where the job's
     /// committed batches already read up to: the log went backwards (a Kafka topic deleted and

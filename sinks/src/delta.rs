@@ -20,17 +20,29 @@
 //!
 //! `delta.setTransactionRetentionDuration` must stay unset: an expired txn would make the job
 //! replay from scratch.
+//!
+//! ## Columns added
+//! A batch whose rows carry columns the table lacks (a source's schema evolved, a nested struct
+//! gained a field) is written with `SchemaMode::Merge`: the new columns join the table's schema
+//! in that batch's own commit, with its rows and its txn — never before, never after. Earlier
+//! rows read them as null. A batch without rows commits the schema change in its bare txn
+//! commit. The table's columns keep their order; new ones come last. A job may open a table
+//! whose columns are a subset of its own, by name (the batch that adds the rest crashed before
+//! its commit, or the query now selects more columns: its first batch adds them); a table with
+//! a column the job does not write is refused.
 
 use std::collections::BTreeMap;
 use std::num::NonZeroU64;
+use std::sync::Arc;
 
 use arrow::array::RecordBatch;
-use arrow::datatypes::SchemaRef;
+use arrow::datatypes::{DataType, Field, Fields, Schema, SchemaRef};
 use async_trait::async_trait;
 use deltalake::DeltaTable;
 use deltalake::kernel::engine::arrow_conversion::TryIntoKernel;
 use deltalake::kernel::transaction::{CommitBuilder, CommitProperties};
-use deltalake::kernel::{StructType, Transaction};
+use deltalake::kernel::{Action, MetadataExt, StructType, Transaction};
+use deltalake::operations::write::SchemaMode;
 use deltalake::protocol::{DeltaOperation, SaveMode};
 use serde::Deserialize;
 use sluice_engine::dead_letter::{SOURCE_NAME, dead_letter_schema};
@@ -42,7 +54,7 @@ use sluice_engine::{
     SideTableBatch, Sink, TableScan,
 };
 use tokio::sync::Mutex;
-use tracing::warn;
+use tracing::{info, warn};
 use url::Url;
 
 use crate::error::{Result, SinkError};
@@ -198,7 +210,9 @@ impl TableHandle {
         let existing = snapshot.schema();
         let existing: Vec<&str> = existing.fields().map(|f| f.name().as_str()).collect();
         let wanted: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
-        if existing != wanted {
+        // The job may bring columns the table lacks yet: its first batch carrying them adds
+        // them (see "Columns added").
+        if !existing.iter().all(|c| wanted.contains(c)) {
             return Err(SinkError::SchemaMismatch {
                 table: self.url.to_string(),
                 existing: existing.join(", "),
@@ -282,15 +296,38 @@ impl TableHandle {
         target_file_size: Option<NonZeroU64>,
     ) -> Result<(u64, u64, u64)> {
         let rows: u64 = batches.iter().map(|b| b.num_rows() as u64).sum();
+        let snapshot = table.snapshot().map_err(|e| self.err(e))?;
+        let table_schema = snapshot.snapshot().arrow_schema();
+        let added = batches
+            .first()
+            .map(|b| with_added_columns(&table_schema, &b.schema()))
+            .filter(|merged| merged.as_ref() != table_schema.as_ref());
+        if let Some(merged) = &added {
+            let columns = added_column_names(&table_schema, merged);
+            info!(table = %self.url, columns = %columns.join(", "), "columns added to the table in this commit");
+        }
         let table = if rows == 0 {
-            let snapshot = table.snapshot().map_err(|e| self.err(e))?;
             let operation = DeltaOperation::Write {
                 mode: SaveMode::Append,
                 partition_by: None,
                 predicate: None,
             };
+            let mut actions = vec![];
+            if let Some(merged) = &added {
+                let normalized = deltalake::kernel::schema::cast::normalize_for_delta(merged);
+                let schema: StructType = normalized
+                    .as_ref()
+                    .try_into_kernel()
+                    .map_err(|e| self.err(e.into()))?;
+                let metadata = snapshot
+                    .metadata()
+                    .clone()
+                    .with_schema(&schema)
+                    .map_err(|e| self.err(e.into()))?;
+                actions.push(Action::Metadata(metadata));
+            }
             CommitBuilder::from(properties)
-                .with_actions(vec![])
+                .with_actions(actions)
                 .build(Some(snapshot), table.log_store(), operation)
                 .await
                 .map_err(|e| self.err(e))?;
@@ -298,13 +335,15 @@ impl TableHandle {
             table.update_state().await.map_err(|e| self.err(e))?;
             table
         } else {
-            table
+            let mut write = table
                 .write(batches.into_iter().filter(|b| b.num_rows() > 0))
                 .with_save_mode(SaveMode::Append)
                 .with_target_file_size(target_file_size)
-                .with_commit_properties(properties)
-                .await
-                .map_err(|e| self.err(e))?
+                .with_commit_properties(properties);
+            if added.is_some() {
+                write = write.with_schema_mode(SchemaMode::Merge);
+            }
+            write.await.map_err(|e| self.err(e))?
         };
         let (files, bytes) = self.added_files(&table).await?;
         *self.table.lock().await = Some(table);
@@ -339,10 +378,18 @@ impl TableHandle {
             .collect::<Vec<_>>()
             .join(" AND ");
         let columns: Vec<String> = schema.fields().iter().map(|f| f.name().clone()).collect();
+        let table_schema = table
+            .snapshot()
+            .map_err(|e| self.err(e))?
+            .snapshot()
+            .arrow_schema();
+        let adds_columns =
+            with_added_columns(&table_schema, &schema).as_ref() != table_schema.as_ref();
         let (table, _metrics) = table
             .merge(source, predicate)
             .with_source_alias("source")
             .with_target_alias("target")
+            .with_merge_schema(adds_columns)
             .with_commit_properties(properties)
             .when_matched_update(|update| {
                 columns.iter().fold(update, |u, c| {
@@ -390,12 +437,25 @@ impl TableHandle {
                     .await
                     .map(|(table, _)| table)
             } else {
-                table
+                // Rows in columns the table lacks yet (a batch that added them crashed before
+                // its commit) add them, as an append would.
+                let table_schema = table
+                    .snapshot()
+                    .map_err(|e| self.err(e))?
+                    .snapshot()
+                    .arrow_schema();
+                let adds_columns = batches.first().is_some_and(|b| {
+                    with_added_columns(&table_schema, &b.schema()).as_ref() != table_schema.as_ref()
+                });
+                let mut write = table
                     .write(batches.iter().filter(|b| b.num_rows() > 0).cloned())
                     .with_save_mode(SaveMode::Overwrite)
                     .with_replace_where(predicate)
-                    .with_commit_properties(properties())
-                    .await
+                    .with_commit_properties(properties());
+                if adds_columns {
+                    write = write.with_schema_mode(SchemaMode::Merge);
+                }
+                write.await
             };
             match result {
                 Ok(mut table) => {
@@ -624,6 +684,58 @@ enum BatchWrite<'a> {
     },
     /// Merged on these key columns.
     Merge { key: &'a [String] },
+}
+
+/// The table's schema with what `batch` adds: columns the table lacks at the end, and fields
+/// a struct column lacks at the end of that struct (recursively). Columns the batch lacks are
+/// kept (they read as null).
+fn with_added_columns(table: &Schema, batch: &Schema) -> SchemaRef {
+    fn merge_fields(table: &Fields, batch: &Fields) -> Fields {
+        let mut fields: Vec<Field> = table
+            .iter()
+            .map(|t| match (batch.find(t.name()), t.data_type()) {
+                (Some((_, b)), DataType::Struct(inner)) => match b.data_type() {
+                    DataType::Struct(batch_inner) => t
+                        .as_ref()
+                        .clone()
+                        .with_data_type(DataType::Struct(merge_fields(inner, batch_inner))),
+                    _ => t.as_ref().clone(),
+                },
+                _ => t.as_ref().clone(),
+            })
+            .collect();
+        for b in batch {
+            if table.find(b.name()).is_none() {
+                fields.push(b.as_ref().clone().with_nullable(true));
+            }
+        }
+        Fields::from(fields)
+    }
+    Arc::new(Schema::new_with_metadata(
+        merge_fields(table.fields(), batch.fields()),
+        table.metadata().clone(),
+    ))
+}
+
+/// The columns (`a`, or `a.b` for a struct's field) in `merged` that `table` lacks.
+fn added_column_names(table: &Schema, merged: &Schema) -> Vec<String> {
+    fn walk(prefix: &str, table: &Fields, merged: &Fields, out: &mut Vec<String>) {
+        for m in merged {
+            let name = format!("{prefix}{}", m.name());
+            match (table.find(m.name()), m.data_type()) {
+                (None, _) => out.push(name),
+                (Some((_, t)), DataType::Struct(inner)) => {
+                    if let DataType::Struct(table_inner) = t.data_type() {
+                        walk(&format!("{name}."), table_inner, inner, out);
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk("", table.fields(), merged.fields(), &mut out);
+    out
 }
 
 fn quote(s: &str) -> String {

@@ -26,8 +26,10 @@
 //!
 //! ## Schema
 //! Declared in the job file (`schema = "id BIGINT, ts TIMESTAMP"`) or inferred from the first
-//! files (up to 1000 records) and then fixed in the checkpoint (`schema.json`), so a later file
-//! with an extra field does not change the table.
+//! files (10,000 records, across as many files as that takes) by the majority rule of
+//! `infer` module — a few bad values cannot make a numeric column text; their records become
+//! dead letters — and then fixed in the checkpoint (`schema.json`, with the inference report in
+//! `inference.json`), so a later file with an extra field does not change the table.
 
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -47,15 +49,17 @@ use serde::{Deserialize, Serialize};
 use sluice_engine::checkpoint::CheckpointStore;
 use sluice_engine::source::{attach_lineage, with_lineage_fields};
 use sluice_engine::{
-    AvailableRange, DeadLetter, OffsetRange, PartitionId, Source, SourceContext, SourceRead,
+    AvailableRange, DeadLetter, InferredColumn, OffsetRange, PartitionId, SchemaInference, Source,
+    SourceContext, SourceRead,
 };
 use tokio::sync::Mutex;
 use url::Url;
 
-use crate::decode::{
-    INFER_RECORDS, Line, decode_csv, decode_json, decode_lines, infer_csv, infer_json, split_lines,
-};
+use crate::decode::{Line, decode_csv, decode_json, decode_lines, split_lines};
 use crate::error::{ConnectorError, Result};
+use crate::evolve::{SchemaEvolution, new_fields, refuse_new_fields, rescue_lines};
+use crate::infer::{INFER_RECORDS, infer_csv, infer_json};
+use crate::schema_log::SchemaLog;
 
 pub(crate) mod file_log;
 
@@ -99,6 +103,10 @@ pub struct FilesSourceConfig {
     /// CSV: the field delimiter, one character (default `,`).
     #[serde(default = "default_delimiter")]
     pub delimiter: String,
+    /// JSON: what a field the schema lacks does (default `add_columns` when the schema is
+    /// inferred, `none` when declared); see [`crate::evolve`].
+    #[serde(default)]
+    pub schema_evolution: Option<SchemaEvolution>,
 }
 
 impl FilesSourceConfig {
@@ -112,6 +120,7 @@ impl FilesSourceConfig {
             max_files_per_batch: default_max_files(),
             header: true,
             delimiter: default_delimiter(),
+            schema_evolution: None,
         }
     }
 }
@@ -126,7 +135,11 @@ fn default_delimiter() -> String {
     ",".into()
 }
 
-const SCHEMA_FILE: &str = "schema.json";
+/// Schema evolutions one read may go through before it gives up (each adds columns).
+const MAX_EVOLUTIONS_PER_READ: usize = 16;
+
+/// The most files schema inference reads to find [`INFER_RECORDS`] records.
+const INFER_FILES: usize = 1000;
 
 /// A directory of files as a [`Source`]. See the module docs.
 pub struct FilesSource {
@@ -141,11 +154,20 @@ pub struct FilesSource {
 struct Opened {
     name: String,
     checkpoint: CheckpointStore,
-    data_schema: SchemaRef,
-    batch_schema: SchemaRef,
-    /// An inferred schema not yet fixed in the checkpoint.
-    schema_to_record: Mutex<Option<SchemaRef>>,
+    /// The schema as the checkpoint records it (an inferred one is fixed by the first
+    /// `available()`), grown by schema evolution.
+    schema_log: Mutex<SchemaLog>,
+    evolution: SchemaEvolution,
+    inference: Option<SchemaInference>,
     listing: Mutex<Listing>,
+}
+
+impl Opened {
+    /// The data schema in force (with `_rescued_data` under `rescue`).
+    async fn data_schema(&self) -> SchemaRef {
+        self.evolution
+            .data_schema(self.schema_log.lock().await.current())
+    }
 }
 
 /// The recorded file order and when the directory was last listed whole.
@@ -275,7 +297,9 @@ impl FilesSource {
         Ok(got.bytes().await?)
     }
 
-    async fn infer_schema(&self) -> Result<SchemaRef> {
+    /// Infers the schema from the first files (as many as hold [`INFER_RECORDS`] records, at
+    /// most [`INFER_FILES`]; one for Parquet, which declares its own).
+    async fn infer_schema(&self) -> Result<(SchemaRef, SchemaInference)> {
         let files = self.list(None).await?;
         if files.is_empty() {
             return Err(ConnectorError::Schema(format!(
@@ -285,7 +309,7 @@ impl FilesSource {
         }
         let mut samples = Vec::new();
         let mut lines = 0;
-        for (i, file) in files.iter().enumerate().take(10) {
+        for (i, file) in files.iter().enumerate().take(INFER_FILES) {
             let (bytes, _) = decompress(&file.name, self.fetch(file, i as i64).await?);
             lines += bytes.iter().filter(|b| **b == b'\n').count();
             samples.push((file.name.clone(), bytes));
@@ -293,13 +317,30 @@ impl FilesSource {
                 break;
             }
         }
-        let schema = match self.config.format {
+        let described = match samples.as_slice() {
+            [(only, _)] => only.clone(),
+            [(first, _), .., (last, _)] => {
+                format!("{} files, {first} to {last}", samples.len())
+            }
+            [] => String::new(),
+        };
+        let (schema, inference) = match self.config.format {
             FileFormat::Json => infer_json(
-                samples
-                    .iter()
-                    .flat_map(|(_, bytes)| bytes.split(|b| *b == b'\n')),
+                samples.iter().flat_map(|(name, bytes)| {
+                    bytes
+                        .split(|b| *b == b'\n')
+                        .enumerate()
+                        .map(move |(i, line)| (line, format!("{name}:{}", i + 1)))
+                }),
+                described,
             )?,
-            FileFormat::Csv => infer_csv(&samples[0].1, self.config.header, self.delimiter)?,
+            FileFormat::Csv => {
+                let texts: Vec<(String, &[u8])> = samples
+                    .iter()
+                    .map(|(name, bytes)| (name.clone(), bytes.as_ref()))
+                    .collect();
+                infer_csv(&texts, self.config.header, self.delimiter, described)?
+            }
             FileFormat::Parquet => {
                 let (name, bytes) = &samples[0];
                 let builder =
@@ -307,7 +348,21 @@ impl FilesSource {
                         bytes.clone(),
                     )
                     .map_err(|e| ConnectorError::Schema(format!("{name}: {e}")))?;
-                Schema::new(builder.schema().fields().clone())
+                let schema = Schema::new(builder.schema().fields().clone());
+                let inference = SchemaInference {
+                    sample: described,
+                    records: builder.metadata().file_metadata().num_rows().max(0) as u64,
+                    columns: schema
+                        .fields()
+                        .iter()
+                        .map(|f| InferredColumn {
+                            name: f.name().clone(),
+                            data_type: f.data_type().to_string(),
+                            ..InferredColumn::default()
+                        })
+                        .collect(),
+                };
+                (schema, inference)
             }
         };
         if schema.fields().is_empty() {
@@ -316,18 +371,18 @@ impl FilesSource {
                 self.url
             )));
         }
-        Ok(Arc::new(schema))
+        Ok((Arc::new(schema), inference))
     }
 
     /// Decodes one file into rows with lineage, and dead letters.
     fn decode(
         &self,
-        opened: &Opened,
+        schema: &SchemaRef,
+        evolution: SchemaEvolution,
         file: &RecordedFile,
         offset: i64,
         bytes: Bytes,
     ) -> Result<SourceRead> {
-        let schema = &opened.data_schema;
         let lines_of = |bytes: &Bytes, skip_header: bool| -> Vec<Line> {
             let mut lines = split_lines(bytes);
             if skip_header && !lines.is_empty() {
@@ -352,7 +407,16 @@ impl FilesSource {
         let (decoded, bad) = match self.config.format {
             FileFormat::Json => {
                 let lines = lines_of(&bytes, false);
-                decode_lines(&bytes, &lines, |chunk| decode_json(schema, &bytes, chunk))
+                let strict = evolution.strict();
+                let (good, bad) = decode_lines(&bytes, &lines, |chunk| {
+                    decode_json(schema, &bytes, chunk, strict)
+                });
+                if evolution == SchemaEvolution::Rescue {
+                    let (rescued, bad) = rescue_lines(schema, bad);
+                    (good.into_iter().chain(rescued).collect(), bad)
+                } else {
+                    (good, bad)
+                }
             }
             FileFormat::Csv => {
                 let lines = lines_of(&bytes, self.config.header);
@@ -408,23 +472,31 @@ impl Source for FilesSource {
     async fn open(&mut self, ctx: SourceContext) -> sluice_engine::Result<SchemaRef> {
         let name = ctx.name.clone();
         let wrap = |e: ConnectorError| sluice_engine::Error::source(&name, e);
-        let recorded: Option<Schema> = ctx.checkpoint.get_json(SCHEMA_FILE).await?;
-        let (data_schema, to_record) = match (&self.config.schema, recorded) {
-            (Some(ddl), _) => (sluice_engine::schema::parse_schema(ddl).await?, None),
-            (None, Some(schema)) => (Arc::new(schema), None),
-            (None, None) => {
-                let schema = self.infer_schema().await.map_err(wrap)?;
-                (Arc::clone(&schema), Some(schema))
-            }
+        let declared = match &self.config.schema {
+            Some(ddl) => Some(sluice_engine::schema::parse_schema(ddl).await?),
+            None => None,
         };
+        let schema_log = SchemaLog::open(ctx.checkpoint.clone(), &name, declared, || {
+            self.infer_schema()
+        })
+        .await
+        .map_err(wrap)?;
+        let evolution = SchemaEvolution::resolve(
+            self.config.schema_evolution,
+            self.config.schema.is_some(),
+            self.config.format == FileFormat::Json,
+            &format!("{:?}", self.config.format).to_lowercase(),
+        )
+        .map_err(wrap)?;
+        let batch_schema = with_lineage_fields(&evolution.data_schema(schema_log.current()), true);
+        let inference = schema_log.inference().cloned();
         let log = FileLog::load(&ctx.checkpoint).await.map_err(wrap)?;
-        let batch_schema = with_lineage_fields(&data_schema, true);
         self.opened = Some(Opened {
             name: ctx.name,
             checkpoint: ctx.checkpoint,
-            data_schema,
-            batch_schema: Arc::clone(&batch_schema),
-            schema_to_record: Mutex::new(to_record),
+            schema_log: Mutex::new(schema_log),
+            evolution,
+            inference,
             listing: Mutex::new(Listing { log, full_at: None }),
         });
         Ok(batch_schema)
@@ -435,20 +507,13 @@ impl Source for FilesSource {
             .opened()
             .map_err(|e| sluice_engine::Error::source("files", e))?;
         let wrap = |e: ConnectorError| sluice_engine::Error::source(&opened.name, e);
-        if let Some(schema) = opened.schema_to_record.lock().await.take() {
-            let bytes = opened.checkpoint.to_json(SCHEMA_FILE, schema.as_ref())?;
-            if !opened.checkpoint.put_if_absent(SCHEMA_FILE, bytes).await? {
-                // Another run fixed a schema first; this run must not write under another one.
-                let recorded: Option<Schema> = opened.checkpoint.get_json(SCHEMA_FILE).await?;
-                if recorded.as_ref() != Some(schema.as_ref()) {
-                    return Err(wrap(ConnectorError::Schema(format!(
-                        "another run fixed a different inferred schema in {}/{SCHEMA_FILE}; \
-                         restart the job to use it",
-                        opened.checkpoint.url()
-                    ))));
-                }
-            }
-        }
+        opened
+            .schema_log
+            .lock()
+            .await
+            .record_pending()
+            .await
+            .map_err(wrap)?;
         let mut listing = opened.listing.lock().await;
         let full = listing
             .full_at
@@ -513,23 +578,59 @@ impl Source for FilesSource {
         )
         .await
         .map_err(wrap)?;
-        let decoded: Vec<Result<SourceRead>> = files
-            .par_iter()
-            .zip(fetched.into_par_iter())
-            .map(|((offset, file), bytes)| self.decode(opened, file, *offset, bytes))
-            .collect();
-        let mut read = SourceRead::default();
-        for part in decoded {
-            let part = part.map_err(wrap)?;
-            read.batches.extend(part.batches);
-            read.dead_letters.extend(part.dead_letters);
+        // Decoded with the schema in force; under `add_columns`, fields it lacks grow it (the
+        // growth recorded first) and the files are decoded again with the grown schema.
+        for _ in 0..MAX_EVOLUTIONS_PER_READ {
+            let schema = opened.data_schema().await;
+            let decoded: Vec<Result<SourceRead>> = files
+                .par_iter()
+                .zip(fetched.par_iter())
+                .map(|((offset, file), bytes)| {
+                    self.decode(&schema, opened.evolution, file, *offset, bytes.clone())
+                })
+                .collect();
+            let mut read = SourceRead::default();
+            for part in decoded {
+                let part = part.map_err(wrap)?;
+                read.batches.extend(part.batches);
+                read.dead_letters.extend(part.dead_letters);
+            }
+            if !matches!(
+                opened.evolution,
+                SchemaEvolution::AddColumns | SchemaEvolution::Fail
+            ) {
+                return Ok(read);
+            }
+            let Some(new) = new_fields(&schema, &read.dead_letters).map_err(wrap)? else {
+                return Ok(read);
+            };
+            if opened.evolution == SchemaEvolution::Fail {
+                return Err(wrap(refuse_new_fields(&new)));
+            }
+            opened
+                .schema_log
+                .lock()
+                .await
+                .evolve(new.columns, new.first_seen, |_| Ok(()))
+                .await
+                .map_err(wrap)?;
         }
-        debug_assert!(
-            read.batches
-                .iter()
-                .all(|b| b.schema() == opened.batch_schema)
-        );
-        Ok(read)
+        Err(wrap(ConnectorError::Schema(format!(
+            "offsets {range} kept bringing new fields after {MAX_EVOLUTIONS_PER_READ} schema \
+             evolutions in one read"
+        ))))
+    }
+
+    async fn current_schema(&self) -> Option<SchemaRef> {
+        let opened = self.opened.as_ref()?;
+        Some(with_lineage_fields(
+            opened.data_schema().await.as_ref(),
+            true,
+        ))
+    }
+
+    fn schema_inference(&self) -> Option<SchemaInference> {
+        self.opened.as_ref()?.inference.clone()
     }
 
     fn max_per_batch(&self) -> Option<u64> {

@@ -114,6 +114,10 @@ pub struct KafkaSourceConfig {
     /// Stop with an error when records the job needs were deleted (default true).
     #[serde(default = "default_true")]
     pub fail_on_data_loss: bool,
+    /// JSON values: what a field the schema lacks does (default `add_columns` when the schema
+    /// is inferred, `none` when declared); see [`crate::evolve`].
+    #[serde(default)]
+    pub schema_evolution: Option<crate::evolve::SchemaEvolution>,
 }
 
 fn default_max_records() -> u64 {
@@ -144,6 +148,7 @@ impl KafkaSourceConfig {
             schema: None,
             delimiter: default_delimiter(),
             fail_on_data_loss: true,
+            schema_evolution: None,
         }
     }
 }

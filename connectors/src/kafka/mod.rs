@@ -56,7 +56,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use arrow::datatypes::{Schema, SchemaRef};
+use arrow::datatypes::SchemaRef;
 use async_trait::async_trait;
 use rskafka::BackoffConfig;
 use rskafka::client::error::{Error as KafkaError, ProtocolError};
@@ -66,13 +66,16 @@ use rskafka::record::RecordAndOffset;
 use serde::{Deserialize, Serialize};
 use sluice_engine::checkpoint::CheckpointStore;
 use sluice_engine::{
-    AvailableRange, DeadLetter, Offset, OffsetRange, PartitionId, Source, SourceContext, SourceRead,
+    AvailableRange, DeadLetter, Offset, OffsetRange, PartitionId, SchemaInference, Source,
+    SourceContext, SourceRead,
 };
 use tokio::sync::{Mutex, OnceCell};
 use tracing::{info, warn};
 
-use crate::decode::{INFER_RECORDS, infer_csv};
 use crate::error::{ConnectorError, Result};
+use crate::evolve::{SchemaEvolution, new_fields, refuse_new_fields};
+use crate::infer::{INFER_RECORDS, infer_csv, infer_json};
+use crate::schema_log::SchemaLog;
 mod config;
 mod fetch;
 mod records;
@@ -85,7 +88,8 @@ use fetch::{Batch, BatchFetcher, Transactions};
 use records::{RecordDecoder, raw_value_schema};
 
 const STARTING_OFFSETS_FILE: &str = "starting_offsets.json";
-const SCHEMA_FILE: &str = "schema.json";
+/// Schema evolutions one read may go through before it gives up (each adds columns).
+const MAX_EVOLUTIONS_PER_READ: usize = 16;
 /// Upper bound of one fetch response; a single larger record batch is still returned whole.
 const FETCH_MAX_BYTES: i32 = 16 * 1024 * 1024;
 /// How long the broker may wait to fill a fetch. Our ranges end at offsets the broker already
@@ -123,8 +127,6 @@ struct StartingOffsets {
 struct ToRecord {
     /// Starting offsets resolved by this run (none if a previous run recorded them).
     starts: Option<StartingOffsets>,
-    /// A schema inferred by this run.
-    schema: Option<Schema>,
 }
 
 /// Topics of a Kafka-protocol broker as a [`Source`]. See the module docs.
@@ -144,7 +146,9 @@ pub struct KafkaSource {
 struct Opened {
     name: String,
     checkpoint: CheckpointStore,
-    decoder: Arc<RecordDecoder>,
+    /// Decodes values with the schema in force; replaced when schema evolution grows it.
+    decoder: Mutex<Arc<RecordDecoder>>,
+    evolution: SchemaEvolution,
     /// The starting offsets in force: resolved by this run, or recorded by an earlier one.
     starts: Mutex<StartingOffsets>,
     /// Caps from `ending_offsets`, resolved at open.
@@ -152,6 +156,10 @@ struct Opened {
     /// What the first `available()` must still record in the checkpoint (`validate` writes
     /// nothing, so recording waits until the job really runs).
     to_record: Mutex<ToRecord>,
+    /// The value schema as the checkpoint records it (an inferred one is fixed by the first
+    /// `available()`); `None` for raw values.
+    schema_log: Option<Mutex<SchemaLog>>,
+    inference: Option<SchemaInference>,
     /// Partitions seen so far; one that disappears means the topic was deleted.
     known: Mutex<BTreeSet<PartitionId>>,
 }
@@ -451,7 +459,7 @@ impl KafkaSource {
         &self,
         partitions: &BTreeMap<PartitionId, TopicPartition>,
         starts: &StartingOffsets,
-    ) -> Result<Vec<Vec<u8>>> {
+    ) -> Result<Vec<(String, Vec<u8>)>> {
         let mut values = Vec::new();
         for (id, tp) in partitions {
             let from = starts.partitions.get(id).copied().unwrap_or(0);
@@ -460,7 +468,10 @@ impl KafkaSource {
             let (records, _) = self
                 .fetch(tp, OffsetRange::new(from, latest.min(from + wanted)))
                 .await?;
-            values.extend(records.into_iter().filter_map(|r| r.record.value));
+            values.extend(records.into_iter().filter_map(|r| {
+                let value = r.record.value?;
+                Some((format!("{id}@{}", r.offset), value))
+            }));
             if values.len() >= INFER_RECORDS {
                 break;
             }
@@ -647,23 +658,37 @@ impl Source for KafkaSource {
             Some(s) => (s, false),
             None => (self.resolve_starts(&partitions).await.map_err(wrap)?, true),
         };
-        let recorded_schema: Option<Schema> = ctx.checkpoint.get_json(SCHEMA_FILE).await?;
-        let (value_schema, record_schema) = match (&self.config.format, &self.config.schema) {
-            (ValueFormat::Raw, _) => (raw_value_schema(), None),
-            (_, Some(ddl)) => (sluice_engine::schema::parse_schema(ddl).await?, None),
-            (_, None) => match recorded_schema {
-                Some(s) => (Arc::new(s), None),
-                None => {
-                    let schema = self
-                        .infer_schema(&partitions, &starts)
-                        .await
-                        .map_err(wrap)?;
-                    (Arc::new(schema.clone()), Some(schema))
-                }
-            },
+        let (value_schema, schema_log) = match &self.config.format {
+            ValueFormat::Raw => (raw_value_schema(), None),
+            _ => {
+                let declared = match &self.config.schema {
+                    Some(ddl) => Some(sluice_engine::schema::parse_schema(ddl).await?),
+                    None => None,
+                };
+                let log = SchemaLog::open(ctx.checkpoint.clone(), &name, declared, || {
+                    self.infer_schema(&partitions, &starts)
+                })
+                .await
+                .map_err(wrap)?;
+                (log.current(), Some(log))
+            }
         };
-        let decoder =
-            RecordDecoder::new(value_schema, self.config.format, self.delimiter).map_err(wrap)?;
+        let inference = schema_log.as_ref().and_then(|l| l.inference().cloned());
+        let format = format!("{:?}", self.config.format).to_lowercase();
+        let evolution = SchemaEvolution::resolve(
+            self.config.schema_evolution,
+            self.config.schema.is_some(),
+            self.config.format == ValueFormat::Json,
+            &format,
+        )
+        .map_err(wrap)?;
+        let decoder = RecordDecoder::new(
+            evolution.data_schema(value_schema),
+            self.config.format,
+            self.delimiter,
+            evolution,
+        )
+        .map_err(wrap)?;
         let batch_schema = Arc::clone(&decoder.batch_schema);
         let ends = match &self.config.ending_offsets {
             None => None,
@@ -679,15 +704,17 @@ impl Source for KafkaSource {
         };
         let to_record = ToRecord {
             starts: record_starts.then(|| starts.clone()),
-            schema: record_schema,
         };
         self.opened = Some(Opened {
             name: ctx.name,
             checkpoint: ctx.checkpoint,
-            decoder: Arc::new(decoder),
+            decoder: Mutex::new(Arc::new(decoder)),
+            evolution,
             starts: Mutex::new(starts),
             ends,
             to_record: Mutex::new(to_record),
+            schema_log: schema_log.map(Mutex::new),
+            inference,
             known: Mutex::new(BTreeSet::new()),
         });
         Ok(batch_schema)
@@ -717,18 +744,8 @@ impl Source for KafkaSource {
             }
         }
         let starts = opened.starts.lock().await.clone();
-        if let Some(schema) = to_record.schema {
-            let bytes = opened.checkpoint.to_json(SCHEMA_FILE, &schema)?;
-            if !opened.checkpoint.put_if_absent(SCHEMA_FILE, bytes).await? {
-                let recorded: Option<Schema> = opened.checkpoint.get_json(SCHEMA_FILE).await?;
-                if recorded.as_ref() != Some(&schema) {
-                    return Err(wrap(ConnectorError::Schema(format!(
-                        "another run fixed a different inferred schema in \
-                         {}/{SCHEMA_FILE}; restart the job to use it",
-                        opened.checkpoint.url()
-                    ))));
-                }
-            }
+        if let Some(log) = &opened.schema_log {
+            log.lock().await.record_pending().await.map_err(wrap)?;
         }
         let partitions = self.partitions().await.map_err(wrap)?;
         let mut known = opened.known.lock().await;
@@ -780,14 +797,72 @@ impl Source for KafkaSource {
         let wrap = |e: ConnectorError| sluice_engine::Error::source(&opened.name, e);
         let tp = self.topic_partition(partition).map_err(wrap)?;
         let (records, gaps) = self.fetch(&tp, range).await.map_err(wrap)?;
-        let decoder = Arc::clone(&opened.decoder);
-        let id = partition.clone();
-        let mut read = tokio::task::spawn_blocking(move || decoder.decode(&id, &tp, &records))
-            .await
-            .map_err(|e| wrap(ConnectorError::Config(format!("decoding task failed: {e}"))))?
-            .map_err(wrap)?;
-        read.dead_letters.extend(gaps);
-        Ok(read)
+        let records = Arc::new(records);
+        // Decoded with the schema in force; under `add_columns`, fields it lacks grow it (the
+        // growth recorded first) and the records are decoded again with the grown schema.
+        for _ in 0..MAX_EVOLUTIONS_PER_READ {
+            let decoder = Arc::clone(&*opened.decoder.lock().await);
+            // New fields are judged against the schema this read decoded with: another
+            // partition's read may have grown the schema meanwhile.
+            let decoded_with = decoder.value_schema();
+            let (id, tp, records) = (partition.clone(), tp.clone(), Arc::clone(&records));
+            let mut read = tokio::task::spawn_blocking(move || decoder.decode(&id, &tp, &records))
+                .await
+                .map_err(|e| wrap(ConnectorError::Config(format!("decoding task failed: {e}"))))?
+                .map_err(wrap)?;
+            let new = match (opened.evolution, &opened.schema_log) {
+                (SchemaEvolution::AddColumns | SchemaEvolution::Fail, Some(_)) => {
+                    new_fields(&decoded_with, &read.dead_letters).map_err(wrap)?
+                }
+                _ => None,
+            };
+            let (Some(new), Some(log)) = (new, &opened.schema_log) else {
+                read.dead_letters.extend(gaps);
+                return Ok(read);
+            };
+            if opened.evolution == SchemaEvolution::Fail {
+                return Err(wrap(refuse_new_fields(&new)));
+            }
+            let (format, delimiter, evolution) =
+                (self.config.format, self.delimiter, opened.evolution);
+            // A grown schema the decoder refuses (a field named like a metadata column) is
+            // never recorded: the job stops here, naming it.
+            let accept = |schema: &SchemaRef| {
+                RecordDecoder::new(
+                    evolution.data_schema(Arc::clone(schema)),
+                    format,
+                    delimiter,
+                    evolution,
+                )
+                .map(|_| ())
+            };
+            let grown = log
+                .lock()
+                .await
+                .evolve(new.columns, new.first_seen, accept)
+                .await
+                .map_err(wrap)?;
+            let grown = evolution.data_schema(grown);
+            let mut decoder = opened.decoder.lock().await;
+            if decoder.value_schema() != grown {
+                *decoder = Arc::new(
+                    RecordDecoder::new(grown, format, delimiter, evolution).map_err(wrap)?,
+                );
+            }
+        }
+        Err(wrap(ConnectorError::Schema(format!(
+            "partition {partition} offsets {range} kept bringing new fields after \
+             {MAX_EVOLUTIONS_PER_READ} schema evolutions in one read"
+        ))))
+    }
+
+    async fn current_schema(&self) -> Option<SchemaRef> {
+        let opened = self.opened.as_ref()?;
+        Some(Arc::clone(&opened.decoder.lock().await.batch_schema))
+    }
+
+    fn schema_inference(&self) -> Option<SchemaInference> {
+        self.opened.as_ref()?.inference.clone()
     }
 
     fn max_per_batch(&self) -> Option<u64> {
@@ -829,26 +904,37 @@ impl KafkaSource {
         &self,
         partitions: &BTreeMap<PartitionId, TopicPartition>,
         starts: &StartingOffsets,
-    ) -> Result<Schema> {
+    ) -> Result<(SchemaRef, SchemaInference)> {
         let values = self.sample_values(partitions, starts).await?;
-        if values.is_empty() {
+        let Some(((first, _), (last, _))) = values.first().zip(values.last()) else {
             return Err(ConnectorError::Schema(format!(
                 "cannot infer the schema: {:?} holds no messages yet; produce some or declare \
                  `schema`",
                 self.selection
             )));
-        }
-        let schema = match self.config.format {
-            ValueFormat::Json => crate::decode::infer_json(values.iter().map(Vec::as_slice))?,
-            ValueFormat::Csv => infer_csv(&values.join(&b'\n'), false, self.delimiter)?,
-            ValueFormat::Raw => Schema::clone(&raw_value_schema()),
+        };
+        let sample = format!("{} messages, {first} to {last}", values.len());
+        let (schema, inference) = match self.config.format {
+            ValueFormat::Csv => {
+                let texts: Vec<(String, &[u8])> = values
+                    .iter()
+                    .map(|(position, value)| (position.clone(), value.as_slice()))
+                    .collect();
+                infer_csv(&texts, false, self.delimiter, sample)?
+            }
+            _ => infer_json(
+                values
+                    .iter()
+                    .map(|(position, value)| (value.as_slice(), position.clone())),
+                sample,
+            )?,
         };
         if schema.fields().is_empty() {
             return Err(ConnectorError::Schema(
                 "no columns could be inferred from the first messages; declare `schema`".into(),
             ));
         }
-        Ok(schema)
+        Ok((Arc::new(schema), inference))
     }
 }
 

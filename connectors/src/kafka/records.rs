@@ -16,6 +16,7 @@ use sluice_engine::{DeadLetter, PartitionId, SourceRead};
 use super::{TopicPartition, ValueFormat};
 use crate::decode::{Line, decode_csv, decode_json, decode_lines};
 use crate::error::{ConnectorError, Result};
+use crate::evolve::{SchemaEvolution, rescue_lines};
 
 /// Metadata column: the topic a record came from.
 pub const TOPIC: &str = "_topic";
@@ -74,10 +75,17 @@ pub(super) struct RecordDecoder {
     pub(super) batch_schema: SchemaRef,
     format: ValueFormat,
     delimiter: u8,
+    evolution: SchemaEvolution,
 }
 
 impl RecordDecoder {
-    pub(super) fn new(value_schema: SchemaRef, format: ValueFormat, delimiter: u8) -> Result<Self> {
+    /// A decoder of values into `value_schema` (`_rescued_data` included under `rescue`).
+    pub(super) fn new(
+        value_schema: SchemaRef,
+        format: ValueFormat,
+        delimiter: u8,
+        evolution: SchemaEvolution,
+    ) -> Result<Self> {
         let metadata = metadata_fields();
         for f in value_schema.fields() {
             let reserved = metadata.iter().any(|m| m.name() == f.name())
@@ -102,7 +110,13 @@ impl RecordDecoder {
             batch_schema,
             format,
             delimiter,
+            evolution,
         })
+    }
+
+    /// The value schema it decodes with.
+    pub(super) fn value_schema(&self) -> SchemaRef {
+        Arc::clone(&self.value_schema)
     }
 
     pub(super) fn decode(
@@ -153,7 +167,17 @@ impl RecordDecoder {
         }
         let schema = &self.value_schema;
         let (good, bad) = match self.format {
-            ValueFormat::Json => decode_lines(&buffer, &lines, |c| decode_json(schema, &buffer, c)),
+            ValueFormat::Json => {
+                let strict = self.evolution.strict();
+                let (good, bad) =
+                    decode_lines(&buffer, &lines, |c| decode_json(schema, &buffer, c, strict));
+                if self.evolution == SchemaEvolution::Rescue {
+                    let (rescued, bad) = rescue_lines(schema, bad);
+                    (good.into_iter().chain(rescued).collect(), bad)
+                } else {
+                    (good, bad)
+                }
+            }
             _ => decode_lines(&buffer, &lines, |c| {
                 decode_csv(schema, self.delimiter, &buffer, c)
             }),
@@ -263,7 +287,7 @@ mod tests {
             Field::new("id", DataType::Int64, true),
             Field::new("name", DataType::Utf8, true),
         ]));
-        RecordDecoder::new(schema, format, b',').unwrap()
+        RecordDecoder::new(schema, format, b',', SchemaEvolution::None).unwrap()
     }
 
     fn tp() -> TopicPartition {
@@ -318,10 +342,15 @@ mod tests {
     #[test]
     fn raw_values_keep_key_and_value_bytes() {
         let records = vec![record(0, Some("not json")), record(1, None)];
-        let read = RecordDecoder::new(raw_value_schema(), ValueFormat::Raw, b',')
-            .unwrap()
-            .decode(&"0".to_string(), &tp(), &records)
-            .unwrap();
+        let read = RecordDecoder::new(
+            raw_value_schema(),
+            ValueFormat::Raw,
+            b',',
+            SchemaEvolution::None,
+        )
+        .unwrap()
+        .decode(&"0".to_string(), &tp(), &records)
+        .unwrap();
         assert!(read.dead_letters.is_empty());
         let b = &read.batches[0];
         assert_eq!(b.num_rows(), 2);

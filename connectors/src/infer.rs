@@ -1,0 +1,390 @@
+//! Schema inference that a few bad records cannot hijack.
+//!
+//! Arrow's inference gives a field the type that fits *every* value it sees: one `"id": "x"`
+//! among ten thousand numeric ids makes `id` a string, and every numeric id then fails to decode
+//! against it; one `"amount": "abc"` makes `amount` a string, and `amount * 2` no longer plans.
+//! Here each top-level field gets the type that most of its sampled values fit — integers,
+//! floats, booleans, else text — and the values that do not fit are counted, with
+//! the first one's position, and left to become dead letters when their records are read. Only a
+//! real mix (no type fitting [`MAJORITY`] of the values) makes a field a string, which then takes
+//! numbers and booleans as text. Nested values (objects, arrays) are typed by Arrow's inference
+//! over the nested values alone. Timestamps stay text: the event-time column is parsed in the
+//! job's `event_time_format` (its bad values become dead letters naming the format), and any
+//! other column keeps the producer's text exactly.
+//!
+//! The sample is the first [`INFER_RECORDS`] records, across as many files (or partitions) as it
+//! takes.
+
+use std::collections::HashMap;
+
+use arrow::datatypes::{DataType, Field, Schema};
+use sluice_engine::source::{InferredColumn, SchemaInference};
+
+use crate::error::Result;
+
+/// How many records inference looks at.
+pub(crate) const INFER_RECORDS: usize = 10_000;
+
+/// The share of a field's sampled values a type must fit to be the field's type.
+pub(crate) const MAJORITY: f64 = 0.9;
+
+/// The kinds of value a field is tallied by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Kind {
+    Bool,
+    Int,
+    Float,
+    /// A JSON string holding an integer (`"42"`): Arrow decodes it into an integer column.
+    IntText,
+    /// A JSON string holding a number.
+    FloatText,
+    String,
+    Nested,
+}
+
+/// One field's sampled values, by kind, with the first position of each kind.
+#[derive(Debug, Default)]
+struct Tally {
+    counts: HashMap<Kind, (u64, usize, String)>,
+    /// The nested values, for Arrow's inference.
+    nested: Vec<serde_json::Value>,
+    values: u64,
+}
+
+impl Tally {
+    fn add(&mut self, kind: Kind, index: usize, position: &str) {
+        self.values += 1;
+        let entry = self
+            .counts
+            .entry(kind)
+            .or_insert_with(|| (0, index, position.to_string()));
+        entry.0 += 1;
+    }
+
+    fn count(&self, kinds: &[Kind]) -> u64 {
+        kinds
+            .iter()
+            .filter_map(|k| self.counts.get(k))
+            .map(|c| c.0)
+            .sum()
+    }
+
+    /// The type most values fit, and the kinds that fit it.
+    fn decide(&self) -> Result<(DataType, &'static [Kind])> {
+        const INTS: &[Kind] = &[Kind::Int, Kind::IntText];
+        const NUMBERS: &[Kind] = &[Kind::Int, Kind::Float, Kind::IntText, Kind::FloatText];
+        const TEXT: &[Kind] = &[
+            Kind::Bool,
+            Kind::Int,
+            Kind::Float,
+            Kind::IntText,
+            Kind::FloatText,
+            Kind::String,
+        ];
+        // A type is chosen when most values fit it and some are written as it (numbers written
+        // as text alone keep a field text: that is how its producer writes it).
+        let enough = |fits: &[Kind], written: &[Kind]| {
+            self.values > 0
+                && self.count(written) > 0
+                && self.count(fits) as f64 >= MAJORITY * self.values as f64
+        };
+        Ok(if self.values == 0 {
+            (DataType::Utf8, TEXT)
+        } else if enough(&[Kind::Nested], &[Kind::Nested]) {
+            let schema = arrow::json::reader::infer_json_schema_from_iterator(
+                self.nested
+                    .iter()
+                    .map(|v| serde_json::json!({ "v": v }))
+                    .map(Ok),
+            )?;
+            let data_type = schema
+                .field_with_name("v")
+                .map(|f| f.data_type().clone())
+                .unwrap_or(DataType::Utf8);
+            (data_type, &[Kind::Nested])
+        } else if enough(INTS, &[Kind::Int]) && self.count(&[Kind::Float, Kind::FloatText]) == 0 {
+            // Integers only: one fractional value makes the column a float, since an integer
+            // column would take `12.75` as 12.
+            (DataType::Int64, INTS)
+        } else if enough(NUMBERS, &[Kind::Int, Kind::Float]) {
+            (DataType::Float64, NUMBERS)
+        } else if enough(&[Kind::Bool], &[Kind::Bool]) {
+            (DataType::Boolean, &[Kind::Bool])
+        } else {
+            (DataType::Utf8, TEXT)
+        })
+    }
+
+    /// Values that do not fit `fits`, and the position of the first of them.
+    fn misfits(&self, fits: &[Kind]) -> (u64, Option<String>) {
+        let mut count = 0;
+        let mut first: Option<(usize, &String)> = None;
+        for (kind, (n, index, position)) in &self.counts {
+            if fits.contains(kind) {
+                continue;
+            }
+            count += n;
+            if first.is_none_or(|(i, _)| *index < i) {
+                first = Some((*index, position));
+            }
+        }
+        (count, first.map(|(_, p)| p.clone()))
+    }
+}
+
+/// The kind of a scalar written as text (a CSV cell); `None` for empty.
+fn text_kind(s: &str) -> Option<Kind> {
+    let s = s.trim();
+    if s.is_empty() {
+        None
+    } else if s.parse::<i64>().is_ok() {
+        Some(Kind::Int)
+    } else if s.parse::<f64>().is_ok() {
+        Some(Kind::Float)
+    } else if s.eq_ignore_ascii_case("true") || s.eq_ignore_ascii_case("false") {
+        Some(Kind::Bool)
+    } else {
+        Some(Kind::String)
+    }
+}
+
+/// Tallies fields in first-seen order.
+#[derive(Default)]
+struct Tallies {
+    order: Vec<String>,
+    fields: HashMap<String, Tally>,
+    records: u64,
+}
+
+impl Tallies {
+    fn field(&mut self, name: &str) -> &mut Tally {
+        if !self.fields.contains_key(name) {
+            self.order.push(name.to_string());
+        }
+        self.fields.entry(name.to_string()).or_default()
+    }
+
+    fn finish(self, sample: String) -> Result<(Schema, SchemaInference)> {
+        let mut fields = Vec::new();
+        let mut columns = Vec::new();
+        for name in &self.order {
+            let tally = &self.fields[name];
+            let (data_type, fits) = tally.decide()?;
+            let (misfits, first_misfit) = tally.misfits(fits);
+            columns.push(InferredColumn {
+                name: name.clone(),
+                data_type: data_type.to_string(),
+                values: tally.values,
+                misfits,
+                first_misfit,
+            });
+            fields.push(Field::new(name, data_type, true));
+        }
+        let inference = SchemaInference {
+            sample,
+            records: self.records,
+            columns,
+        };
+        Ok((Schema::new(fields), inference))
+    }
+}
+
+/// Infers a schema from JSON records (one object each; anything else is skipped), each with its
+/// position (`file.json:3`), fields in first-seen order. `sample` says where the records came
+/// from, for the report. Looks at no more than [`INFER_RECORDS`] records.
+pub(crate) fn infer_json<'a>(
+    records: impl IntoIterator<Item = (&'a [u8], String)>,
+    sample: String,
+) -> Result<(Schema, SchemaInference)> {
+    let mut tallies = Tallies::default();
+    for (index, (record, position)) in records.into_iter().take(INFER_RECORDS).enumerate() {
+        let Ok(serde_json::Value::Object(map)) = serde_json::from_slice(record) else {
+            continue;
+        };
+        tallies.records += 1;
+        for (key, value) in map {
+            let kind = match &value {
+                serde_json::Value::Null => {
+                    tallies.field(&key);
+                    continue;
+                }
+                serde_json::Value::Bool(_) => Kind::Bool,
+                serde_json::Value::Number(n) if n.is_i64() || n.is_u64() => Kind::Int,
+                serde_json::Value::Number(_) => Kind::Float,
+                serde_json::Value::String(s) => match text_kind(s) {
+                    Some(Kind::Int) => Kind::IntText,
+                    Some(Kind::Float) => Kind::FloatText,
+                    _ => Kind::String,
+                },
+                serde_json::Value::Array(_) | serde_json::Value::Object(_) => Kind::Nested,
+            };
+            let tally = tallies.field(&key);
+            tally.add(kind, index, &position);
+            if kind == Kind::Nested {
+                tally.nested.push(value);
+            }
+        }
+    }
+    tallies.finish(sample)
+}
+
+/// Infers a schema from CSV texts (`(name, text)`: records separated by newlines; the first of
+/// each is the header when `header`, else columns are `column_1`, …), each cell typed by the text
+/// it holds. Positions are `name:line`.
+pub(crate) fn infer_csv(
+    texts: &[(String, &[u8])],
+    header: bool,
+    delimiter: u8,
+    sample: String,
+) -> Result<(Schema, SchemaInference)> {
+    let mut tallies = Tallies::default();
+    let mut names: Vec<String> = Vec::new();
+    let mut index = 0;
+    for (text_name, text) in texts {
+        let mut reader = csv::ReaderBuilder::new()
+            .has_headers(header)
+            .delimiter(delimiter)
+            .flexible(true)
+            .from_reader(*text);
+        if header && names.is_empty() {
+            names = reader
+                .headers()
+                .map(|h| h.iter().map(str::to_string).collect())
+                .unwrap_or_default();
+            for name in &names {
+                tallies.field(name);
+            }
+        }
+        for record in reader.records() {
+            if index >= INFER_RECORDS {
+                break;
+            }
+            let Ok(record) = record else { continue };
+            let line = record.position().map_or(0, |p| p.line() as usize);
+            let position = format!("{text_name}:{line}");
+            tallies.records += 1;
+            for (i, cell) in record.iter().enumerate() {
+                let name = names
+                    .get(i)
+                    .cloned()
+                    .unwrap_or_else(|| format!("column_{}", i + 1));
+                let tally = tallies.field(&name);
+                if let Some(kind) = text_kind(cell) {
+                    tally.add(kind, index, &position);
+                }
+            }
+            index += 1;
+        }
+    }
+    tallies.finish(sample)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn lines(text: &str) -> Vec<(&[u8], String)> {
+        text.lines()
+            .enumerate()
+            .map(|(i, l)| (l.as_bytes(), format!("f.json:{}", i + 1)))
+            .collect()
+    }
+
+    /// One string id among numbers, one string amount among numbers: both stay numeric, and
+    /// the report names how many values did not fit and where the first was.
+    #[test]
+    fn a_minority_does_not_decide_the_type() {
+        let mut text = String::from(
+            r#"{"id":"x","amount":"abc","ok":true,"ts":"2026-11-01T10:00:00Z","tags":["a"]}"#,
+        );
+        text.push('\n');
+        for i in 0..99 {
+            text.push_str(&format!(
+                r#"{{"id":{i},"amount":{i}.5,"ok":false,"ts":"2026-11-01T10:00:{:02}Z","tags":[],"mixed":{}}}"#,
+                i % 60,
+                if i % 2 == 0 { "1".to_string() } else { "\"one\"".to_string() }
+            ));
+            text.push('\n');
+        }
+        let (schema, report) = infer_json(lines(&text), "f.json".into()).unwrap();
+        let types: Vec<(String, DataType)> = schema
+            .fields()
+            .iter()
+            .map(|f| (f.name().clone(), f.data_type().clone()))
+            .collect();
+        assert_eq!(
+            types,
+            vec![
+                ("id".into(), DataType::Int64),
+                ("amount".into(), DataType::Float64),
+                ("ok".into(), DataType::Boolean),
+                ("ts".into(), DataType::Utf8),
+                (
+                    "tags".into(),
+                    DataType::List(Arc::new(Field::new_list_field(DataType::Utf8, true)))
+                ),
+                ("mixed".into(), DataType::Utf8),
+            ]
+        );
+        let id = &report.columns[0];
+        assert_eq!((id.values, id.misfits), (100, 1));
+        assert_eq!(id.first_misfit.as_deref(), Some("f.json:1"));
+        assert_eq!(report.columns[5].misfits, 0, "a real mix is text");
+        assert_eq!(report.records, 100);
+    }
+
+    /// One fractional value among integers makes a float column (an integer column would
+    /// truncate it); numbers written as text count for the number types.
+    #[test]
+    fn a_single_fraction_makes_a_float_column() {
+        let mut text = String::new();
+        for i in 0..50 {
+            text.push_str(&format!(r#"{{"n":{i},"s":"{i}","m":{i}}}"#));
+            text.push('\n');
+        }
+        text.push_str(r#"{"n":12.75,"s":"7","m":"8"}"#);
+        let (schema, report) = infer_json(lines(&text), "f.json".into()).unwrap();
+        assert_eq!(schema.field(0).data_type(), &DataType::Float64);
+        assert_eq!(report.columns[0].misfits, 0);
+        assert_eq!(
+            schema.field(1).data_type(),
+            &DataType::Utf8,
+            "numbers written as text"
+        );
+        assert_eq!(schema.field(2).data_type(), &DataType::Int64);
+        assert_eq!(
+            report.columns[2].misfits, 0,
+            "\"8\" decodes into an integer column"
+        );
+    }
+
+    #[test]
+    fn csv_cells_are_typed_by_their_text() {
+        let text = b"id,amount,name\n1,1.5,a\nx,2.5,b\n3,abc,c\n4,4.5,d\n5,5.5,e\n6,6.5,f\n7,7,g\n8,8.5,h\n9,9.5,i\n10,10.5,j\n11,1,k\n";
+        let (schema, report) =
+            infer_csv(&[("f.csv".into(), text)], true, b',', "f.csv".into()).unwrap();
+        assert_eq!(schema.field(0).data_type(), &DataType::Int64);
+        assert_eq!(schema.field(1).data_type(), &DataType::Float64);
+        assert_eq!(schema.field(2).data_type(), &DataType::Utf8);
+        assert_eq!(report.columns[0].first_misfit.as_deref(), Some("f.csv:3"));
+    }
+
+    #[test]
+    fn json_inference_keeps_first_seen_order() {
+        let sample = b"{\"b\":1,\"a\":\"x\"}\nnot json\n{\"c\":1.5}\n";
+        let (schema, _) =
+            infer_json(lines(std::str::from_utf8(sample).unwrap()), String::new()).unwrap();
+        let names: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
+        assert_eq!(names, vec!["b", "a", "c"]);
+        let types: Vec<_> = schema
+            .fields()
+            .iter()
+            .map(|f| f.data_type().clone())
+            .collect();
+        assert_eq!(
+            types,
+            vec![DataType::Int64, DataType::Utf8, DataType::Float64]
+        );
+    }
+}
