@@ -18,8 +18,8 @@ const LINES_PER_FILE: usize = 300;
 const NEW_FIELD_FROM: usize = 40;
 const FILES_PER_BATCH: usize = 7;
 
-/// Click files; from file [`NEW_FIELD_FROM`] on, records carry a new top-level field `plan` and
-/// a new field `version` of the struct `device`.
+/// Click files; from file [`NEW_FIELD_FROM`] on, records carry a new top-level field `plan`, a
+/// new field `version` of the struct `device` and a new field `qty` of the structs in `items`.
 fn write_clicks(dir: &Path) {
     std::fs::create_dir_all(dir).unwrap();
     for f in 0..FILES {
@@ -34,14 +34,15 @@ fn write_clicks(dir: &Path) {
             );
             let line = if f < NEW_FIELD_FROM {
                 format!(
-                    r#"{{"id":{i},"user_id":{},"device":{{"os":"linux"}},"ts":"{ts}"}}"#,
+                    r#"{{"id":{i},"user_id":{},"device":{{"os":"linux"}},"items":[{{"sku":"a"}}],"ts":"{ts}"}}"#,
                     i % 17
                 )
             } else {
                 format!(
-                    r#"{{"id":{i},"user_id":{},"device":{{"os":"linux","version":{}}},"ts":"{ts}","plan":"p{}"}}"#,
+                    r#"{{"id":{i},"user_id":{},"device":{{"os":"linux","version":{}}},"items":[{{"sku":"a","qty":{}}}],"ts":"{ts}","plan":"p{}"}}"#,
                     i % 17,
                     i % 5,
+                    i % 4,
                     i % 3
                 )
             };
@@ -152,9 +153,10 @@ async fn a_new_field_becomes_a_column_in_the_commit_of_the_batch_that_first_read
         .iter()
         .find(|(txn, _)| *txn == Some(first_batch))
         .unwrap();
+    let schema = schema.as_ref().unwrap();
     assert!(
-        schema.as_ref().unwrap().contains("\"version\""),
-        "{schema:?}"
+        schema.contains("\"version\"") && schema.contains("\"qty\""),
+        "{schema}"
     );
     let batches: Vec<i64> = changes.iter().filter_map(|(txn, _)| *txn).collect();
     let distinct: BTreeSet<i64> = batches.iter().copied().collect();
@@ -171,10 +173,13 @@ async fn a_new_field_becomes_a_column_in_the_commit_of_the_batch_that_first_read
         if i / LINES_PER_FILE < NEW_FIELD_FROM {
             assert!(r["plan"].is_null(), "{r}");
             assert!(r["device"]["version"].is_null(), "{r}");
+            assert!(r["items"][0]["qty"].is_null(), "{r}");
         } else {
             assert_eq!(r["plan"], format!("p{}", i % 3), "{r}");
             assert_eq!(r["device"]["version"], (i % 5) as i64, "{r}");
+            assert_eq!(r["items"][0]["qty"], (i % 4) as i64, "{r}");
         }
+        assert_eq!(r["items"][0]["sku"], "a");
         assert_eq!(r["device"]["os"], "linux");
     }
 
@@ -204,6 +209,34 @@ async fn a_new_field_becomes_a_column_in_the_commit_of_the_batch_that_first_read
     assert_ok(&run_sluice(&["run", rerun.to_str().unwrap()], &[]));
     let streamed = table_rows(&out).await;
     assert_eq!(table_rows(&again).await, streamed, "rerun differs");
+
+    // A windowed job over the same files: its late table (no late rows here) gains the new
+    // columns in the commit of the batch that first reads them, and the state carries on.
+    let windowed_out = ws.path().join("windowed");
+    let windowed = write_job(&ws.path().join("windowed.toml"), &input, &windowed_out, "");
+    let text = std::fs::read_to_string(&windowed).unwrap().replace(
+        "SELECT * FROM clicks",
+        "SELECT window_start, count(*) AS n FROM tumble(clicks, ts, INTERVAL '1' MINUTE) \
+         GROUP BY window_start",
+    );
+    std::fs::write(&windowed, text).unwrap();
+    assert_ok(&run_sluice(&["run", windowed.to_str().unwrap()], &[]));
+    let late_changes = schema_changes(&late_table(&windowed_out), "evolving");
+    let late_with_plan: Vec<Option<i64>> = late_changes
+        .iter()
+        .filter(|(_, schema)| schema.as_ref().is_some_and(|s| s.contains("\"plan\"")))
+        .map(|(txn, _)| *txn)
+        .collect();
+    assert_eq!(late_with_plan, vec![Some(first_batch)], "{late_changes:?}");
+    let counted: i64 = python_read(&windowed_out)["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["n"].as_i64().unwrap())
+        .sum();
+    // Every window but the last (still open, at most 60 rows) is emitted, each row once.
+    let total = (FILES * LINES_PER_FILE) as i64;
+    assert!(counted > 0 && total - counted <= 60, "{counted} of {total}");
 
     // A backfill across the boundary replaces those files' rows with identical ones.
     let from = format!("0:{}", NEW_FIELD_FROM - 3);

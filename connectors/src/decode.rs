@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use arrow::array::{ArrayRef, AsArray, PrimitiveArray, RecordBatch, StringArray};
+use arrow::array::{Array, ArrayRef, AsArray, PrimitiveArray, RecordBatch, StringArray};
 use arrow::datatypes::{ArrowPrimitiveType, DataType, Field, Schema, SchemaRef};
 
 /// A line of a file: 1-based number and byte span (without the newline).
@@ -172,59 +172,106 @@ pub(crate) fn decode_json(
     exact_integers(batch, schema)
 }
 
-/// `schema` with its top-level integer columns as text, for [`exact_integers`].
+/// `schema` with its integer columns as text, nested ones (in structs, lists) too, for
+/// [`exact_integers`].
 fn integers_as_text(schema: &SchemaRef) -> SchemaRef {
-    if !schema.fields().iter().any(|f| f.data_type().is_integer()) {
+    if !schema.fields().iter().any(|f| has_integers(f.data_type())) {
         return Arc::clone(schema);
     }
-    let fields: Vec<Field> = schema
-        .fields()
-        .iter()
-        .map(|f| match f.data_type().is_integer() {
-            true => f.as_ref().clone().with_data_type(DataType::Utf8),
-            false => f.as_ref().clone(),
-        })
-        .collect();
+    let fields: Vec<Field> = schema.fields().iter().map(|f| as_text_field(f)).collect();
     Arc::new(Schema::new_with_metadata(fields, schema.metadata().clone()))
 }
 
-/// `batch` (decoded with [`integers_as_text`]) in `schema`: each integer column's text parsed
-/// as a whole number that fits the column (`7`, `"7"`, `7.0`, `7e2`), or the batch fails naming
-/// the value.
+fn has_integers(t: &DataType) -> bool {
+    match t {
+        t if t.is_integer() => true,
+        DataType::Struct(fields) => fields.iter().any(|f| has_integers(f.data_type())),
+        DataType::List(item) => has_integers(item.data_type()),
+        _ => false,
+    }
+}
+
+fn as_text_field(f: &Field) -> Field {
+    let t = match f.data_type() {
+        t if t.is_integer() => DataType::Utf8,
+        DataType::Struct(fields) => {
+            DataType::Struct(fields.iter().map(|f| as_text_field(f)).collect())
+        }
+        DataType::List(item) => DataType::List(Arc::new(as_text_field(item))),
+        t => t.clone(),
+    };
+    f.clone().with_data_type(t)
+}
+
+/// `batch` (decoded with [`integers_as_text`]) in `schema`: each integer's text parsed as a
+/// whole number that fits its column (`7`, `"7"`, `7.0`, `7e2`), or the batch fails naming the
+/// value.
 fn exact_integers(
     batch: RecordBatch,
     schema: &SchemaRef,
 ) -> std::result::Result<RecordBatch, String> {
-    use arrow::datatypes::{
-        Int8Type, Int16Type, Int32Type, Int64Type, UInt8Type, UInt16Type, UInt32Type, UInt64Type,
-    };
     if batch.schema() == *schema {
         return Ok(batch);
     }
-    let mut columns = batch.columns().to_vec();
-    for (i, field) in schema.fields().iter().enumerate() {
-        if !field.data_type().is_integer() {
-            continue;
-        }
-        let text = columns[i].as_string::<i32>();
-        columns[i] = match field.data_type() {
-            DataType::Int8 => whole_numbers::<Int8Type>(text, field)?,
-            DataType::Int16 => whole_numbers::<Int16Type>(text, field)?,
-            DataType::Int32 => whole_numbers::<Int32Type>(text, field)?,
-            DataType::Int64 => whole_numbers::<Int64Type>(text, field)?,
-            DataType::UInt8 => whole_numbers::<UInt8Type>(text, field)?,
-            DataType::UInt16 => whole_numbers::<UInt16Type>(text, field)?,
-            DataType::UInt32 => whole_numbers::<UInt32Type>(text, field)?,
-            DataType::UInt64 => whole_numbers::<UInt64Type>(text, field)?,
-            _ => continue,
-        };
-    }
+    let columns = schema
+        .fields()
+        .iter()
+        .zip(batch.columns())
+        .map(|(field, column)| as_integers(column, field))
+        .collect::<std::result::Result<Vec<_>, String>>()?;
     RecordBatch::try_new_with_options(
         Arc::clone(schema),
         columns,
         &arrow::array::RecordBatchOptions::new().with_row_count(Some(batch.num_rows())),
     )
     .map_err(|e| e.to_string())
+}
+
+/// `array` (decoded with [`as_text_field`]) as `field`'s type.
+fn as_integers(array: &ArrayRef, field: &Field) -> std::result::Result<ArrayRef, String> {
+    use arrow::array::{ListArray, StructArray};
+    use arrow::datatypes::{
+        Int8Type, Int16Type, Int32Type, Int64Type, UInt8Type, UInt16Type, UInt32Type, UInt64Type,
+    };
+    if !has_integers(field.data_type()) {
+        return Ok(Arc::clone(array));
+    }
+    Ok(match field.data_type() {
+        DataType::Int8 => whole_numbers::<Int8Type>(array.as_string(), field)?,
+        DataType::Int16 => whole_numbers::<Int16Type>(array.as_string(), field)?,
+        DataType::Int32 => whole_numbers::<Int32Type>(array.as_string(), field)?,
+        DataType::Int64 => whole_numbers::<Int64Type>(array.as_string(), field)?,
+        DataType::UInt8 => whole_numbers::<UInt8Type>(array.as_string(), field)?,
+        DataType::UInt16 => whole_numbers::<UInt16Type>(array.as_string(), field)?,
+        DataType::UInt32 => whole_numbers::<UInt32Type>(array.as_string(), field)?,
+        DataType::UInt64 => whole_numbers::<UInt64Type>(array.as_string(), field)?,
+        DataType::Struct(fields) => {
+            let array = array.as_struct();
+            let children = fields
+                .iter()
+                .zip(array.columns())
+                .map(|(f, c)| as_integers(c, f))
+                .collect::<std::result::Result<Vec<_>, String>>()?;
+            Arc::new(
+                StructArray::try_new(fields.clone(), children, array.nulls().cloned())
+                    .map_err(|e| e.to_string())?,
+            )
+        }
+        DataType::List(item) => {
+            let array = array.as_list::<i32>();
+            let values = as_integers(array.values(), item)?;
+            Arc::new(
+                ListArray::try_new(
+                    Arc::clone(item),
+                    array.offsets().clone(),
+                    values,
+                    array.nulls().cloned(),
+                )
+                .map_err(|e| e.to_string())?,
+            )
+        }
+        _ => Arc::clone(array),
+    })
 }
 
 /// An integer column from the text of its values.
@@ -236,14 +283,7 @@ where
     T::Native: TryFrom<i128>,
 {
     let parse = |value: &str| -> std::result::Result<T::Native, String> {
-        let v = value.trim();
-        let whole = v.parse::<i128>().ok().or_else(|| {
-            v.parse::<f64>()
-                .ok()
-                .filter(|f| f.is_finite() && f.fract() == 0.0 && f.abs() < 1e30)
-                .map(|f| f as i128)
-        });
-        whole
+        parse_whole(value)
             .and_then(|n| T::Native::try_from(n).ok())
             .ok_or_else(|| {
                 format!(
@@ -258,6 +298,47 @@ where
         .map(|v| v.map(parse).transpose())
         .collect::<std::result::Result<_, String>>()?;
     Ok(Arc::new(array))
+}
+
+/// The whole number a JSON number's text denotes, exactly: `-12`, `7.0`, `7e2`, `1.5e1`;
+/// `None` for a fraction (`12.75`, `1e-400`), or beyond ±10^38.
+fn parse_whole(text: &str) -> Option<i128> {
+    let text = text.trim();
+    if let Ok(n) = text.parse::<i128>() {
+        return Some(n);
+    }
+    let (negative, rest) = match text.as_bytes().first()? {
+        b'-' => (true, &text[1..]),
+        b'+' => (false, &text[1..]),
+        _ => (false, text),
+    };
+    let (mantissa, exponent) = match rest.find(['e', 'E']) {
+        Some(at) => (&rest[..at], rest[at + 1..].parse::<i64>().ok()?),
+        None => (rest, 0),
+    };
+    let (whole, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let all_digits = |s: &str| s.bytes().all(|b| b.is_ascii_digit());
+    if whole.is_empty() && fraction.is_empty() || !all_digits(whole) || !all_digits(fraction) {
+        return None;
+    }
+    // digits × 10^scale, trailing zeros moved into the scale.
+    let digits = format!("{whole}{fraction}");
+    let digits = digits.trim_start_matches('0');
+    let trimmed = digits.trim_end_matches('0');
+    let scale = exponent
+        .checked_sub(fraction.len() as i64)?
+        .checked_add((digits.len() - trimmed.len()) as i64)?;
+    if trimmed.is_empty() {
+        return Some(0);
+    }
+    if scale < 0 || trimmed.len() as i64 + scale > 38 {
+        return None;
+    }
+    let n = trimmed
+        .parse::<i128>()
+        .ok()?
+        .checked_mul(10i128.checked_pow(scale as u32)?)?;
+    Some(if negative { -n } else { n })
 }
 
 pub(crate) fn feed(
@@ -407,6 +488,31 @@ mod tests {
             .map(|(i, l)| (l, format!("f:{i}")));
         let _ = crate::infer::infer_json(positions, String::new());
         let _ = crate::infer::infer_csv(&[("f".into(), bytes)], true, b',', String::new());
+    }
+
+    #[test]
+    fn whole_numbers_are_parsed_exactly() {
+        for (text, want) in [
+            ("7", Some(7)),
+            ("-7", Some(-7)),
+            ("7.0", Some(7)),
+            ("7e2", Some(700)),
+            ("1.5e1", Some(15)),
+            ("-0", Some(0)),
+            ("0.0e5", Some(0)),
+            ("1200e-2", Some(12)),
+            ("12.75", None),
+            ("12.0000000000000001", None),
+            ("1e-400", None),
+            ("123456789012345678.9", None),
+            ("1e39", None),
+            ("", None),
+            (".", None),
+            ("1e", None),
+            ("abc", None),
+        ] {
+            assert_eq!(parse_whole(text), want, "{text:?}");
+        }
     }
 
     /// An integer column takes whole numbers however written, and refuses a fraction (Arrow

@@ -19,8 +19,8 @@
 //!   the wrong type dead-letters its record.
 //!
 //! All but `none` decode in Arrow's strict mode, which refuses a record with an unknown field;
-//! those records are then looked at here. Fields of structs inside lists are not evolved: a
-//! record with a new one is a dead letter (kept whole in `_rescued_data` under `rescue`).
+//! those records are then looked at here. A field named like a column the source adds itself
+//! (lineage, Kafka metadata, `_rescued_data`) is never added: its records stay dead letters.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -115,11 +115,17 @@ pub(crate) struct NewFields {
 }
 
 /// The fields that `records` (JSON objects that failed to decode against `schema`) carry and
-/// `schema` lacks, each typed by the majority of its values; `None` if there are none.
+/// `schema` lacks — top-level, in structs, in the structs of lists — each typed by the majority
+/// of its values; `None` if there are none. Top-level names in `reserved` (lineage and metadata
+/// columns the source adds) are never added: their records stay dead letters.
 ///
 /// # Errors
 /// If inference of the new fields' types fails.
-pub(crate) fn new_fields(schema: &Schema, records: &[DeadLetter]) -> Result<Option<NewFields>> {
+pub(crate) fn new_fields(
+    schema: &Schema,
+    records: &[DeadLetter],
+    reserved: &[&str],
+) -> Result<Option<NewFields>> {
     // Values of each unknown path, in record order, with the record's position.
     let mut found: BTreeMap<Vec<String>, Vec<(Box<RawValue>, String)>> = BTreeMap::new();
     let mut order: Vec<Vec<String>> = Vec::new();
@@ -130,6 +136,8 @@ pub(crate) fn new_fields(schema: &Schema, records: &[DeadLetter]) -> Result<Opti
         };
         let mut unknown = Vec::new();
         unknown_fields(schema.fields(), &map, &mut Vec::new(), &mut unknown);
+        unknown
+            .retain(|(path, _)| !reserved.contains(&path[0].as_str()) && path[0] != RESCUED_DATA);
         if !unknown.is_empty() && first_seen.is_none() {
             first_seen = Some(format!("{} (offset {})", record.position, record.offset));
         }
@@ -195,7 +203,8 @@ pub(crate) fn new_fields(schema: &Schema, records: &[DeadLetter]) -> Result<Opti
     }))
 }
 
-/// The paths of `map`'s fields that `fields` lacks, recursing into struct columns.
+/// The paths of `map`'s fields that `fields` lacks, recursing into struct columns and the
+/// structs of list columns (a path goes through a list by its name).
 fn unknown_fields<'a>(
     fields: &Fields,
     map: &'a serde_json::Map<String, serde_json::Value>,
@@ -206,13 +215,21 @@ fn unknown_fields<'a>(
         prefix.push(key.clone());
         match fields.find(key) {
             None => out.push((prefix.clone(), value)),
-            Some((_, field)) => {
-                if let (DataType::Struct(inner), serde_json::Value::Object(m)) =
-                    (field.data_type(), value)
-                {
+            Some((_, field)) => match (field.data_type(), value) {
+                (DataType::Struct(inner), serde_json::Value::Object(m)) => {
                     unknown_fields(inner, m, prefix, out);
                 }
-            }
+                (DataType::List(item), serde_json::Value::Array(elements)) => {
+                    if let DataType::Struct(inner) = item.data_type() {
+                        for element in elements {
+                            if let serde_json::Value::Object(m) = element {
+                                unknown_fields(inner, m, prefix, out);
+                            }
+                        }
+                    }
+                }
+                _ => {}
+            },
         }
         prefix.pop();
     }
@@ -235,6 +252,19 @@ fn add_field(fields: &Fields, path: &[String], field: Field) -> Fields {
                         .as_ref()
                         .clone()
                         .with_data_type(DataType::Struct(add_field(inner, rest, field.clone()))),
+                    DataType::List(item) if f.name() == head => {
+                        match item.data_type() {
+                            DataType::Struct(inner) => {
+                                let item = item.as_ref().clone().with_data_type(DataType::Struct(
+                                    add_field(inner, rest, field.clone()),
+                                ));
+                                f.as_ref()
+                                    .clone()
+                                    .with_data_type(DataType::List(Arc::new(item)))
+                            }
+                            _ => f.as_ref().clone(),
+                        }
+                    }
                     _ => f.as_ref().clone(),
                 })
                 .collect::<Vec<_>>(),
@@ -344,6 +374,40 @@ mod tests {
         ])
     }
 
+    fn item(fields: Vec<Field>) -> Field {
+        Field::new_list(
+            "items",
+            Field::new_list_field(DataType::Struct(Fields::from(fields)), true),
+            true,
+        )
+    }
+
+    /// A new field of the structs in a list, and a field named like a lineage column (never
+    /// added).
+    #[test]
+    fn fields_of_structs_in_lists_are_added_and_reserved_names_are_not() {
+        let sku = Field::new("sku", DataType::Utf8, true);
+        let schema = Schema::new(vec![item(vec![sku.clone()])]);
+        let records = [letter(
+            r#"{"items":[{"sku":"a","qty":2},{"sku":"b"}],"_source_offset":3}"#,
+            "f.json:1",
+            0,
+        )];
+        let new = new_fields(&schema, &records, &["_source_offset"])
+            .unwrap()
+            .unwrap();
+        assert_eq!(new.names, vec!["items.qty"]);
+        assert_eq!(
+            new.columns,
+            vec![item(vec![sku, Field::new("qty", DataType::Int64, true)])]
+        );
+        let only_reserved = [letter(r#"{"_source_offset":3}"#, "f.json:2", 0)];
+        assert_eq!(
+            new_fields(&schema, &only_reserved, &["_source_offset"]).unwrap(),
+            None
+        );
+    }
+
     fn letter(raw: &str, position: &str, offset: i64) -> DeadLetter {
         DeadLetter {
             partition: "0".into(),
@@ -367,7 +431,7 @@ mod tests {
             letter(r#"{"id":4,"score":3.5,"user":{"age":31}}"#, "f.json:6", 7),
             letter("not json", "f.json:7", 7),
         ];
-        let new = new_fields(&schema(), &records).unwrap().unwrap();
+        let new = new_fields(&schema(), &records, &[]).unwrap().unwrap();
         assert_eq!(new.names, vec!["plan", "user.age", "score"]);
         assert_eq!(new.first_seen, "f.json:3 (offset 7)");
         let columns: Vec<(String, DataType)> = new
@@ -389,7 +453,7 @@ mod tests {
                 ("score".into(), DataType::Float64),
             ]
         );
-        let none = new_fields(&schema(), &[letter(r#"{"id":"x"}"#, "f:1", 0)]).unwrap();
+        let none = new_fields(&schema(), &[letter(r#"{"id":"x"}"#, "f:1", 0)], &[]).unwrap();
         assert_eq!(none, None, "a misfit value is not a new field");
     }
 

@@ -38,9 +38,15 @@ enum Kind {
     IntText,
     /// A JSON string holding a number.
     FloatText,
+    /// An integer beyond the 64-bit range: fits only text (a float would round it).
+    BigInt,
     String,
     Nested,
 }
+
+/// The largest integer a 64-bit float holds exactly: a column of larger integers is never
+/// made a float.
+const EXACT_IN_FLOAT: u64 = 1 << 53;
 
 /// One field's sampled values, by kind, with the first position of each kind.
 #[derive(Debug, Default)]
@@ -49,6 +55,8 @@ struct Tally {
     /// The nested values, for Arrow's inference.
     nested: Vec<serde_json::Value>,
     values: u64,
+    /// Integers beyond ±2^53, which a float column would round.
+    large_ints: u64,
 }
 
 impl Tally {
@@ -79,6 +87,7 @@ impl Tally {
             Kind::Float,
             Kind::IntText,
             Kind::FloatText,
+            Kind::BigInt,
             Kind::String,
         ];
         // A type is chosen when most values fit it and some are written as it (numbers written
@@ -88,6 +97,7 @@ impl Tally {
                 && self.count(written) > 0
                 && self.count(fits) as f64 >= MAJORITY * self.values as f64
         };
+        let fractions = self.count(&[Kind::Float, Kind::FloatText]);
         Ok(if self.values == 0 {
             (DataType::Utf8, TEXT)
         } else if enough(&[Kind::Nested], &[Kind::Nested]) {
@@ -99,14 +109,15 @@ impl Tally {
             )?;
             let data_type = schema
                 .field_with_name("v")
-                .map(|f| f.data_type().clone())
+                .map(|f| without_null_types(f.data_type()))
                 .unwrap_or(DataType::Utf8);
             (data_type, &[Kind::Nested])
-        } else if enough(INTS, &[Kind::Int]) && self.count(&[Kind::Float, Kind::FloatText]) == 0 {
-            // Integers only: one fractional value makes the column a float, since an integer
-            // column would take `12.75` as 12.
+        } else if enough(INTS, &[Kind::Int]) && (fractions == 0 || self.large_ints > 0) {
+            // Integers: one float makes the column a float, since an integer column refuses
+            // `12.75` — unless a float would round some of the integers (beyond 2^53), which
+            // then keep the column, and the floats are the misfits.
             (DataType::Int64, INTS)
-        } else if enough(NUMBERS, &[Kind::Int, Kind::Float]) {
+        } else if enough(NUMBERS, &[Kind::Int, Kind::Float]) && self.large_ints == 0 {
             (DataType::Float64, NUMBERS)
         } else if enough(&[Kind::Bool], &[Kind::Bool]) {
             (DataType::Boolean, &[Kind::Bool])
@@ -139,12 +150,66 @@ fn text_kind(s: &str) -> Option<Kind> {
         None
     } else if s.parse::<i64>().is_ok() {
         Some(Kind::Int)
+    } else if s
+        .strip_prefix('-')
+        .unwrap_or(s)
+        .bytes()
+        .all(|b| b.is_ascii_digit())
+    {
+        Some(Kind::BigInt)
     } else if s.parse::<f64>().is_ok() {
         Some(Kind::Float)
     } else if s.eq_ignore_ascii_case("true") || s.eq_ignore_ascii_case("false") {
         Some(Kind::Bool)
     } else {
         Some(Kind::String)
+    }
+}
+
+/// The kind of a JSON number: an integer, an integer beyond 64 bits, or a float (as written:
+/// `10.0` says the producer writes a float).
+fn number_kind(n: &serde_json::Number) -> Kind {
+    if n.is_i64() {
+        Kind::Int
+    } else if n.is_u64() {
+        Kind::BigInt
+    } else {
+        Kind::Float
+    }
+}
+
+/// Whether `n` is an integer a 64-bit float cannot hold exactly (beyond ±2^53; also one
+/// written beyond 64 bits, which the JSON parser reads as a float).
+fn is_large_integer(n: &serde_json::Number) -> bool {
+    match (n.as_i64(), n.as_u64(), n.as_f64()) {
+        (Some(i), _, _) => i.unsigned_abs() > EXACT_IN_FLOAT,
+        (None, Some(_), _) => true,
+        (None, None, Some(f)) => f.fract() == 0.0 && f.abs() > EXACT_IN_FLOAT as f64,
+        _ => false,
+    }
+}
+
+/// `t` with Arrow's `Null` type (a field only ever seen empty: `[]`, `null`) as text, so a
+/// later value has a type to decode into.
+fn without_null_types(t: &DataType) -> DataType {
+    match t {
+        DataType::Null => DataType::Utf8,
+        DataType::List(item) => DataType::List(std::sync::Arc::new(
+            item.as_ref()
+                .clone()
+                .with_data_type(without_null_types(item.data_type())),
+        )),
+        DataType::Struct(fields) => DataType::Struct(
+            fields
+                .iter()
+                .map(|f| {
+                    f.as_ref()
+                        .clone()
+                        .with_data_type(without_null_types(f.data_type()))
+                })
+                .collect(),
+        ),
+        t => t.clone(),
     }
 }
 
@@ -209,8 +274,7 @@ pub(crate) fn infer_json<'a>(
                     continue;
                 }
                 serde_json::Value::Bool(_) => Kind::Bool,
-                serde_json::Value::Number(n) if n.is_i64() || n.is_u64() => Kind::Int,
-                serde_json::Value::Number(_) => Kind::Float,
+                serde_json::Value::Number(n) => number_kind(n),
                 serde_json::Value::String(s) => match text_kind(s) {
                     Some(Kind::Int) => Kind::IntText,
                     Some(Kind::Float) => Kind::FloatText,
@@ -220,6 +284,11 @@ pub(crate) fn infer_json<'a>(
             };
             let tally = tallies.field(&key);
             tally.add(kind, index, &position);
+            if let serde_json::Value::Number(n) = &value
+                && is_large_integer(n)
+            {
+                tally.large_ints += 1;
+            }
             if kind == Kind::Nested {
                 tally.nested.push(value);
             }
@@ -270,6 +339,15 @@ pub(crate) fn infer_csv(
                     .unwrap_or_else(|| format!("column_{}", i + 1));
                 let tally = tallies.field(&name);
                 if let Some(kind) = text_kind(cell) {
+                    if kind == Kind::BigInt
+                        || kind == Kind::Int
+                            && cell
+                                .trim()
+                                .parse::<i64>()
+                                .is_ok_and(|i| i.unsigned_abs() > EXACT_IN_FLOAT)
+                    {
+                        tally.large_ints += 1;
+                    }
                     tally.add(kind, index, &position);
                 }
             }
@@ -356,6 +434,30 @@ mod tests {
         assert_eq!(
             report.columns[2].misfits, 0,
             "\"8\" decodes into an integer column"
+        );
+    }
+
+    /// Integers a float would round keep their column integer (the floats are the misfits);
+    /// integers beyond 64 bits make text; a field only ever seen empty is typed to take values.
+    #[test]
+    fn large_integers_are_never_rounded() {
+        let mut text = String::new();
+        for i in 0..50 {
+            let id = 9_007_199_254_740_993_i64 + i;
+            text.push_str(&format!(
+                r#"{{"id":{id},"hash":1844674407370955161{},"tags":[]}}"#,
+                i % 10
+            ));
+            text.push('\n');
+        }
+        text.push_str(r#"{"id":1.5,"hash":18446744073709551615,"tags":[]}"#);
+        let (schema, report) = infer_json(lines(&text), "f.json".into()).unwrap();
+        assert_eq!(schema.field(0).data_type(), &DataType::Int64);
+        assert_eq!(report.columns[0].misfits, 1);
+        assert_eq!(schema.field(1).data_type(), &DataType::Utf8);
+        assert_eq!(
+            schema.field(2).data_type(),
+            &DataType::List(Arc::new(Field::new_list_field(DataType::Utf8, true)))
         );
     }
 

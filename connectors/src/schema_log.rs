@@ -218,7 +218,8 @@ impl SchemaLog {
 const MAX_RECORD_TRIES: usize = 8;
 
 /// `schema` with `columns` added: a new column at the end (nullable), a struct column's new
-/// fields at the end of the struct (recursively); a column `schema` has keeps its type.
+/// fields at the end of the struct (recursively, also in lists); a column `schema` has keeps
+/// its type.
 fn evolved(schema: &Schema, columns: &[Field]) -> Result<Schema> {
     fn merge(existing: &Field, added: &Field) -> Field {
         match (existing.data_type(), added.data_type()) {
@@ -234,6 +235,9 @@ fn evolved(schema: &Schema, columns: &[Field]) -> Result<Schema> {
                     .clone()
                     .with_data_type(DataType::Struct(Fields::from(fields)))
             }
+            (DataType::List(old), DataType::List(new)) => existing
+                .clone()
+                .with_data_type(DataType::List(Arc::new(merge(old, new)))),
             _ => existing.clone(),
         }
     }

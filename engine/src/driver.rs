@@ -589,6 +589,15 @@ impl Pipeline {
         if !grown.is_empty() {
             self.schemas_grew(grown).await?;
         }
+        // The late table learns the window source's columns with every batch, so columns
+        // schema evolution added join it in this batch's commit even without late rows.
+        if let Some((window, _)) = self.query.window()
+            && let Some(s) = self.sources.iter().find(|s| s.name == window.source)
+        {
+            batch
+                .late
+                .push(RecordBatch::new_empty(crate::late::late_schema(&s.schema)));
+        }
         for s in &self.sources {
             if let Some(rows) = inputs.get_mut(&s.name)
                 && rows.schema() != s.planned

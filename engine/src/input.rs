@@ -165,7 +165,7 @@ fn explain_plan_error(error: Error, sql: &str, sources: &[OpenSource]) -> Error 
 }
 
 /// `rows` in `schema`, a schema it extends: columns picked by name, struct columns' fields too
-/// (recursively); what `schema` lacks is dropped.
+/// (recursively, also in lists); what `schema` lacks is dropped.
 ///
 /// # Errors
 /// If a column of `schema` is missing from `rows` or has another type.
@@ -187,6 +187,16 @@ pub(crate) fn conform(rows: &RecordBatch, schema: &SchemaRef) -> Result<RecordBa
                 Ok(Arc::new(arrow::array::StructArray::try_new(
                     fields.clone(),
                     children,
+                    array.nulls().cloned(),
+                )?))
+            }
+            (DataType::List(_), DataType::List(item)) => {
+                let array = array.as_list::<i32>();
+                let values = conform_array(array.values(), item.data_type())?;
+                Ok(Arc::new(arrow::array::ListArray::try_new(
+                    Arc::clone(item),
+                    array.offsets().clone(),
+                    values,
                     array.nulls().cloned(),
                 )?))
             }

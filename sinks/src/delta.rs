@@ -267,6 +267,19 @@ impl TableHandle {
         df.collect().await.map_err(df_err)
     }
 
+    /// Whether `batches` carry columns the table (as last loaded) lacks.
+    async fn lacks_columns_of(&self, batches: &[RecordBatch]) -> bool {
+        let Some(batch) = batches.first() else {
+            return false;
+        };
+        let guard = self.table.lock().await;
+        let Some(Ok(snapshot)) = guard.as_ref().map(DeltaTable::snapshot) else {
+            return false;
+        };
+        let table_schema = snapshot.snapshot().arrow_schema();
+        with_added_columns(&table_schema, &batch.schema()).as_ref() != table_schema.as_ref()
+    }
+
     /// The table at its latest version.
     async fn latest(&self) -> Result<DeltaTable> {
         let mut guard = self.table.lock().await;
@@ -687,21 +700,18 @@ enum BatchWrite<'a> {
 }
 
 /// The table's schema with what `batch` adds: columns the table lacks at the end, and fields
-/// a struct column lacks at the end of that struct (recursively). Columns the batch lacks are
+/// a struct column lacks at the end of that struct (recursively, also the structs of lists). Columns the batch lacks are
 /// kept (they read as null).
 fn with_added_columns(table: &Schema, batch: &Schema) -> SchemaRef {
     fn merge_fields(table: &Fields, batch: &Fields) -> Fields {
         let mut fields: Vec<Field> = table
             .iter()
-            .map(|t| match (batch.find(t.name()), t.data_type()) {
-                (Some((_, b)), DataType::Struct(inner)) => match b.data_type() {
-                    DataType::Struct(batch_inner) => t
-                        .as_ref()
-                        .clone()
-                        .with_data_type(DataType::Struct(merge_fields(inner, batch_inner))),
-                    _ => t.as_ref().clone(),
-                },
-                _ => t.as_ref().clone(),
+            .map(|t| match batch.find(t.name()) {
+                Some((_, b)) => t
+                    .as_ref()
+                    .clone()
+                    .with_data_type(merge_types(t.data_type(), b.data_type())),
+                None => t.as_ref().clone(),
             })
             .collect();
         for b in batch {
@@ -710,6 +720,19 @@ fn with_added_columns(table: &Schema, batch: &Schema) -> SchemaRef {
             }
         }
         Fields::from(fields)
+    }
+    /// The table's type with the struct fields (in structs, in the structs of lists) the
+    /// batch's adds.
+    fn merge_types(table: &DataType, batch: &DataType) -> DataType {
+        match (table, batch) {
+            (DataType::Struct(t), DataType::Struct(b)) => DataType::Struct(merge_fields(t, b)),
+            (DataType::List(t), DataType::List(b)) => DataType::List(Arc::new(
+                t.as_ref()
+                    .clone()
+                    .with_data_type(merge_types(t.data_type(), b.data_type())),
+            )),
+            _ => table.clone(),
+        }
     }
     Arc::new(Schema::new_with_metadata(
         merge_fields(table.fields(), batch.fields()),
@@ -722,14 +745,16 @@ fn added_column_names(table: &Schema, merged: &Schema) -> Vec<String> {
     fn walk(prefix: &str, table: &Fields, merged: &Fields, out: &mut Vec<String>) {
         for m in merged {
             let name = format!("{prefix}{}", m.name());
-            match (table.find(m.name()), m.data_type()) {
-                (None, _) => out.push(name),
-                (Some((_, t)), DataType::Struct(inner)) => {
-                    if let DataType::Struct(table_inner) = t.data_type() {
-                        walk(&format!("{name}."), table_inner, inner, out);
-                    }
-                }
-                _ => {}
+            let Some((_, t)) = table.find(m.name()) else {
+                out.push(name);
+                continue;
+            };
+            let (mut t_type, mut m_type) = (t.data_type(), m.data_type());
+            while let (DataType::List(ti), DataType::List(mi)) = (t_type, m_type) {
+                (t_type, m_type) = (ti.data_type(), mi.data_type());
+            }
+            if let (DataType::Struct(table_inner), DataType::Struct(inner)) = (t_type, m_type) {
+                walk(&format!("{name}."), table_inner, inner, out);
             }
         }
     }
@@ -887,7 +912,9 @@ impl Sink for DeltaSink {
             (&self.dead_letters, &batch.dead_letters),
             (&self.late, &batch.late),
         ] {
-            if rows.iter().any(|b| b.num_rows() > 0) {
+            // A batch without rows for a side table still commits there when its (empty)
+            // batches bring columns the table lacks: the columns join in this batch's commit.
+            if rows.iter().any(|b| b.num_rows() > 0) || table.lacks_columns_of(rows).await {
                 let write = BatchWrite::Append {
                     target_file_size: self.target_file_size,
                 };

@@ -47,7 +47,9 @@ use object_store::{ObjectStore, ObjectStoreExt};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use sluice_engine::checkpoint::CheckpointStore;
-use sluice_engine::source::{attach_lineage, with_lineage_fields};
+use sluice_engine::source::{
+    SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_POSITION, attach_lineage, with_lineage_fields,
+};
 use sluice_engine::{
     AvailableRange, DeadLetter, InferredColumn, OffsetRange, PartitionId, SchemaInference, Source,
     SourceContext, SourceRead,
@@ -601,7 +603,9 @@ impl Source for FilesSource {
             ) {
                 return Ok(read);
             }
-            let Some(new) = new_fields(&schema, &read.dead_letters).map_err(wrap)? else {
+            let reserved = [SOURCE_PARTITION, SOURCE_OFFSET, SOURCE_POSITION];
+            let Some(new) = new_fields(&schema, &read.dead_letters, &reserved).map_err(wrap)?
+            else {
                 return Ok(read);
             };
             if opened.evolution == SchemaEvolution::Fail {

@@ -90,6 +90,18 @@ use records::{RecordDecoder, raw_value_schema};
 const STARTING_OFFSETS_FILE: &str = "starting_offsets.json";
 /// Schema evolutions one read may go through before it gives up (each adds columns).
 const MAX_EVOLUTIONS_PER_READ: usize = 16;
+/// The columns the source adds to the value's: a value field of one of these names is never
+/// added by schema evolution.
+const RESERVED_COLUMNS: [&str; 8] = [
+    records::TOPIC,
+    records::PARTITION,
+    records::OFFSET,
+    records::KAFKA_TIMESTAMP,
+    records::KEY,
+    records::HEADERS,
+    sluice_engine::source::SOURCE_PARTITION,
+    sluice_engine::source::SOURCE_OFFSET,
+];
 /// Upper bound of one fetch response; a single larger record batch is still returned whole.
 const FETCH_MAX_BYTES: i32 = 16 * 1024 * 1024;
 /// How long the broker may wait to fill a fetch. Our ranges end at offsets the broker already
@@ -812,7 +824,8 @@ impl Source for KafkaSource {
                 .map_err(wrap)?;
             let new = match (opened.evolution, &opened.schema_log) {
                 (SchemaEvolution::AddColumns | SchemaEvolution::Fail, Some(_)) => {
-                    new_fields(&decoded_with, &read.dead_letters).map_err(wrap)?
+                    new_fields(&decoded_with, &read.dead_letters, &RESERVED_COLUMNS)
+                        .map_err(wrap)?
                 }
                 _ => None,
             };
@@ -836,9 +849,9 @@ impl Source for KafkaSource {
                 )
                 .map(|_| ())
             };
+            // The decoder is replaced under the log's lock, so it only ever moves forward.
+            let mut log = log.lock().await;
             let grown = log
-                .lock()
-                .await
                 .evolve(new.columns, new.first_seen, accept)
                 .await
                 .map_err(wrap)?;
