@@ -129,8 +129,8 @@ fn check_depth(record: &[u8]) -> std::result::Result<(), String> {
 
 /// Decodes JSON `lines` of `bytes` into `schema`. `strict`: a record with a field the schema
 /// lacks fails (schema evolution looks at it); else such fields are ignored. A text column
-/// takes numbers and booleans as their JSON text. A top-level integer column takes only whole
-/// numbers: Arrow alone would read `12.75` as 12.
+/// takes numbers and booleans as their JSON text. An integer column (also in a struct or a
+/// list) takes only whole numbers: Arrow alone would read `12.75` as 12.
 pub(crate) fn decode_json(
     schema: &SchemaRef,
     bytes: &[u8],

@@ -19,8 +19,10 @@
 //!   the wrong type dead-letters its record.
 //!
 //! All but `none` decode in Arrow's strict mode, which refuses a record with an unknown field;
-//! those records are then looked at here. A field named like a column the source adds itself
-//! (lineage, Kafka metadata, `_rescued_data`) is never added: its records stay dead letters.
+//! those records are then looked at here. A field named like a column Sluice adds itself
+//! (lineage, Kafka metadata, the late table's, `_rescued_data`) is never added: its records stay
+//! dead letters. Fields of structs nested deeper than a list of structs (a list of lists) are not
+//! evolved either.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

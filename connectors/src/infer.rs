@@ -38,7 +38,8 @@ enum Kind {
     IntText,
     /// A JSON string holding a number.
     FloatText,
-    /// An integer beyond the 64-bit range: fits only text (a float would round it).
+    /// An integer beyond the signed 64-bit range (a JSON number above `i64::MAX`, or such a
+    /// CSV cell): fits only text (a float would round it).
     BigInt,
     String,
     Nested,
@@ -155,6 +156,7 @@ fn text_kind(s: &str) -> Option<Kind> {
         .unwrap_or(s)
         .bytes()
         .all(|b| b.is_ascii_digit())
+        && s.bytes().any(|b| b.is_ascii_digit())
     {
         Some(Kind::BigInt)
     } else if s.parse::<f64>().is_ok() {
@@ -178,13 +180,13 @@ fn number_kind(n: &serde_json::Number) -> Kind {
     }
 }
 
-/// Whether `n` is an integer a 64-bit float cannot hold exactly (beyond ±2^53; also one
-/// written beyond 64 bits, which the JSON parser reads as a float).
+/// Whether `n` is an integer a 64-bit float cannot hold exactly (beyond ±2^53). A number
+/// written with a fraction or an exponent is a float, however large (`6.02e23`); one written
+/// as an integer beyond 64 bits is read as a float by the JSON parser and counted as one.
 fn is_large_integer(n: &serde_json::Number) -> bool {
-    match (n.as_i64(), n.as_u64(), n.as_f64()) {
-        (Some(i), _, _) => i.unsigned_abs() > EXACT_IN_FLOAT,
-        (None, Some(_), _) => true,
-        (None, None, Some(f)) => f.fract() == 0.0 && f.abs() > EXACT_IN_FLOAT as f64,
+    match (n.as_i64(), n.as_u64()) {
+        (Some(i), _) => i.unsigned_abs() > EXACT_IN_FLOAT,
+        (None, Some(_)) => true,
         _ => false,
     }
 }
@@ -459,6 +461,21 @@ mod tests {
             schema.field(2).data_type(),
             &DataType::List(Arc::new(Field::new_list_field(DataType::Utf8, true)))
         );
+
+        // Large numbers written as floats are floats; `-` in a CSV is not a number.
+        let mut text = String::new();
+        for i in 0..50 {
+            text.push_str(&format!(r#"{{"x":{i}.5}}"#));
+            text.push('\n');
+        }
+        text.push_str(r#"{"x":6.02e23}"#);
+        let (schema, _) = infer_json(lines(&text), "f.json".into()).unwrap();
+        assert_eq!(schema.field(0).data_type(), &DataType::Float64);
+        let csv = b"x\n1.5\n-\n2.5\n3.5\n4.5\n5.5\n6.5\n7.5\n8.5\n9.5\n10.5\n";
+        let (schema, report) =
+            infer_csv(&[("f.csv".into(), csv)], true, b',', String::new()).unwrap();
+        assert_eq!(schema.field(0).data_type(), &DataType::Float64);
+        assert_eq!(report.columns[0].misfits, 1);
     }
 
     #[test]

@@ -72,7 +72,10 @@ pub struct BatchCommit {
     pub output: Vec<RecordBatch>,
     /// Dead-letter rows, in [`crate::dead_letter::dead_letter_schema`].
     pub dead_letters: Vec<RecordBatch>,
-    /// Late rows, in the late schema given to [`Sink::open`] (windowed jobs only).
+    /// Late rows (windowed jobs only), in the late schema given to [`Sink::open`] — or that
+    /// schema grown by columns schema evolution added: then the table gains them in this
+    /// commit. The driver always passes an empty batch of the late schema in force, so the
+    /// columns join even in a batch without late rows.
     pub late: Vec<RecordBatch>,
     /// A copy of the batch manifest, stored in the commit's metadata for humans.
     pub manifest: serde_json::Value,

@@ -47,6 +47,7 @@ use object_store::{ObjectStore, ObjectStoreExt};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use sluice_engine::checkpoint::CheckpointStore;
+use sluice_engine::late;
 use sluice_engine::source::{
     SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_POSITION, attach_lineage, with_lineage_fields,
 };
@@ -603,7 +604,14 @@ impl Source for FilesSource {
             ) {
                 return Ok(read);
             }
-            let reserved = [SOURCE_PARTITION, SOURCE_OFFSET, SOURCE_POSITION];
+            let reserved = [
+                SOURCE_PARTITION,
+                SOURCE_OFFSET,
+                SOURCE_POSITION,
+                late::WATERMARK,
+                late::WINDOWS_MISSED,
+                late::BATCH_ID,
+            ];
             let Some(new) = new_fields(&schema, &read.dead_letters, &reserved).map_err(wrap)?
             else {
                 return Ok(read);

@@ -90,9 +90,9 @@ use records::{RecordDecoder, raw_value_schema};
 const STARTING_OFFSETS_FILE: &str = "starting_offsets.json";
 /// Schema evolutions one read may go through before it gives up (each adds columns).
 const MAX_EVOLUTIONS_PER_READ: usize = 16;
-/// The columns the source adds to the value's: a value field of one of these names is never
-/// added by schema evolution.
-const RESERVED_COLUMNS: [&str; 8] = [
+/// The columns the source (and the late table) adds to the value's: a value field of one of
+/// these names is never added by schema evolution.
+const RESERVED_COLUMNS: [&str; 11] = [
     records::TOPIC,
     records::PARTITION,
     records::OFFSET,
@@ -101,6 +101,9 @@ const RESERVED_COLUMNS: [&str; 8] = [
     records::HEADERS,
     sluice_engine::source::SOURCE_PARTITION,
     sluice_engine::source::SOURCE_OFFSET,
+    sluice_engine::late::WATERMARK,
+    sluice_engine::late::WINDOWS_MISSED,
+    sluice_engine::late::BATCH_ID,
 ];
 /// Upper bound of one fetch response; a single larger record batch is still returned whole.
 const FETCH_MAX_BYTES: i32 = 16 * 1024 * 1024;
