@@ -177,17 +177,15 @@ async fn a_real_mix_is_text_and_the_plan_error_says_it_was_inferred() {
         "",
         "",
     );
-    let out = run_sluice(&["validate", job.to_str().unwrap()], &[]);
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    for wanted in [
-        "Column 'amount' of source 'clicks' was not declared",
-        "inferred from mixed.json as: amount Utf8",
-        "schema = \"amount DOUBLE",
-        "CAST(amount AS DOUBLE)",
-    ] {
-        assert!(err.contains(wanted), "missing {wanted:?} in: {err}");
-    }
+    let err = assert_fails_saying(
+        &run_sluice(&["validate", job.to_str().unwrap()], &[]),
+        &[
+            "Column 'amount' of source 'clicks' was not declared",
+            "inferred from mixed.json as: amount Utf8",
+            "schema = \"amount DOUBLE",
+            "CAST(amount AS DOUBLE)",
+        ],
+    );
     assert!(!err.contains("bug in DataFusion"), "{err}");
     assert!(
         !err.contains("'ts'"),
@@ -222,16 +220,14 @@ async fn a_batch_of_mostly_dead_letters_trips_the_circuit_breaker() {
     let job = ws.path().join("job.toml");
     let sql = "SELECT id, amount FROM clicks";
     inferred_job(&job, &input, &out, sql, "", "");
-    let run = run_sluice(&["run", job.to_str().unwrap()], &[]);
-    assert!(!run.status.success(), "the breaker must stop the job");
-    let err = String::from_utf8_lossy(&run.stderr);
-    for wanted in [
-        "batch 0 was not committed: 503 of the 600 records it read",
-        "max_dead_letter_fraction = 0.1",
-        "500 × \"Json error: Encountered unexpected 'g'",
-    ] {
-        assert!(err.contains(wanted), "missing {wanted:?} in: {err}");
-    }
+    assert_fails_saying(
+        &run_sluice(&["run", job.to_str().unwrap()], &[]),
+        &[
+            "batch 0 was not committed: 503 of the 600 records it read",
+            "max_dead_letter_fraction = 0.1",
+            "500 × \"Json error: Encountered unexpected 'g'",
+        ],
+    );
     assert!(
         txn_versions(&out, "contracts").is_empty(),
         "nothing committed"
@@ -410,8 +406,6 @@ on_failure = "fail"
     );
     std::fs::write(&job, text).unwrap();
     let run = run_sluice(&["run", job.to_str().unwrap()], &[]);
-    assert!(!run.status.success());
-    let err = String::from_utf8_lossy(&run.stderr);
     // The failing rows: good output lines with user 5 (line i has user i % 17, id i + 1); the
     // batch of the first file holding one fails, naming one of that file's rows by its lineage
     // (partition 0, the file's offset).
@@ -422,13 +416,14 @@ on_failure = "fail"
         .collect();
     let file = (failing[0] - 1) / 20;
     let in_file = failing.iter().filter(|id| (*id - 1) / 20 == file).count();
-    for wanted in [
-        "expectation 'no_user_5' (check = \"user_id <> 5\") failed".to_string(),
-        format!("failed on {in_file} row(s) of the batch; the first, from 0@{file}: "),
-        "\"user_id\":5,".to_string(),
-    ] {
-        assert!(err.contains(&wanted), "missing {wanted:?} in: {err}");
-    }
+    assert_fails_saying(
+        &run,
+        &[
+            "expectation 'no_user_5' (check = \"user_id <> 5\") failed".to_string(),
+            format!("failed on {in_file} row(s) of the batch; the first, from 0@{file}: "),
+            "\"user_id\":5,".to_string(),
+        ],
+    );
     // Batches before it committed; the failing one did not.
     let committed = txn_versions(&out, "expect_fail");
     assert_eq!(committed, (0..file).collect::<Vec<_>>());
@@ -437,11 +432,8 @@ on_failure = "fail"
     let mut text = std::fs::read_to_string(&job).unwrap();
     text = text.replace("user_id <> 5", "usr <> 5");
     std::fs::write(&job, text).unwrap();
-    let validated = run_sluice(&["validate", job.to_str().unwrap()], &[]);
-    assert!(!validated.status.success());
-    let err = String::from_utf8_lossy(&validated.stderr);
-    assert!(
-        err.contains("expectation 'no_user_5'") && err.contains("usr"),
-        "{err}"
+    assert_fails_saying(
+        &run_sluice(&["validate", job.to_str().unwrap()], &[]),
+        &["expectation 'no_user_5'", "usr"],
     );
 }

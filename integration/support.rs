@@ -52,6 +52,20 @@ pub fn assert_ok(out: &Output) {
     );
 }
 
+/// Asserts a run failed and its stderr says each of `wanted`; returns the stderr.
+pub fn assert_fails_saying<S: AsRef<str>>(out: &Output, wanted: &[S]) -> String {
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!out.status.success(), "expected a failure; stderr:\n{err}");
+    for w in wanted {
+        assert!(
+            err.contains(w.as_ref()),
+            "missing {:?} in: {err}",
+            w.as_ref()
+        );
+    }
+    err
+}
+
 /// One generated input line and what the job should make of it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LineKind {
