@@ -34,11 +34,7 @@ fn args() -> Args {
         events: 10_000_000,
         batch_size: 1_000_000,
         partitions: 4,
-        results: std::path::PathBuf::from(
-            std::env::var_os("CARGO_MANIFEST_DIR")
-                .unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into()),
-        )
-        .join("benches/results/nexmark.jsonl"),
+        results: repo_root().join("benches/results/nexmark.jsonl"),
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
@@ -64,9 +60,7 @@ fn args() -> Args {
 
 /// The example job with the benchmark's stream size, batch size and output.
 fn job_file(args: &Args, dir: &Path) -> PathBuf {
-    let root = std::path::PathBuf::from(
-        std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into()),
-    );
+    let root = repo_root();
     let example = root.join(format!("examples/nexmark/{}.toml", args.query));
     let text =
         std::fs::read_to_string(&example).unwrap_or_else(|e| panic!("{}: {e}", example.display()));
@@ -143,10 +137,7 @@ fn dir_size(path: &Path) -> u64 {
 fn git_commit() -> String {
     std::process::Command::new("git")
         .args(["rev-parse", "--short", "HEAD"])
-        .current_dir(std::path::PathBuf::from(
-            std::env::var_os("CARGO_MANIFEST_DIR")
-                .unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into()),
-        ))
+        .current_dir(repo_root())
         .output()
         .ok()
         .filter(|o| o.status.success())
@@ -235,4 +226,12 @@ fn main() {
         .unwrap();
     writeln!(file, "{record}").unwrap();
     println!("  appended to {}", args.results.display());
+}
+
+/// The repository's root folder, looked up at run time: a bench binary cached from a clone at
+/// another path must not write there.
+fn repo_root() -> std::path::PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into())
+        .into()
 }

@@ -28,10 +28,7 @@ use sluice::engine::checkpoint::CheckpointStore;
 use sluice::engine::{Source, SourceContext};
 
 fn results() -> PathBuf {
-    std::path::PathBuf::from(
-        std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into()),
-    )
-    .join("benches/results/scale.jsonl")
+    repo_root().join("benches/results/scale.jsonl")
 }
 
 fn record(line: serde_json::Value) {
@@ -46,10 +43,7 @@ fn record(line: serde_json::Value) {
 fn git_commit() -> String {
     std::process::Command::new("git")
         .args(["rev-parse", "--short", "HEAD"])
-        .current_dir(std::path::PathBuf::from(
-            std::env::var_os("CARGO_MANIFEST_DIR")
-                .unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into()),
-        ))
+        .current_dir(repo_root())
         .output()
         .ok()
         .filter(|o| o.status.success())
@@ -371,4 +365,12 @@ async fn hour_as_arrow(input: &Path) -> u64 {
         }
     }
     bytes
+}
+
+/// The repository's root folder, looked up at run time: a bench binary cached from a clone at
+/// another path must not write there.
+fn repo_root() -> std::path::PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into())
+        .into()
 }

@@ -3,7 +3,7 @@
 //! expectations (warn, drop, quarantine, fail) with exact counts across crashes.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde_json::Value;
 
@@ -249,28 +249,19 @@ async fn a_batch_of_mostly_dead_letters_trips_the_circuit_breaker() {
 /// Sums `counters.<name>` (and the per-expectation counts) over the output table's commits
 /// of the job, from the manifests the commits carry.
 fn committed_counters(table: &Path) -> (BTreeMap<String, u64>, BTreeMap<String, u64>, Vec<i64>) {
-    let mut commits: Vec<PathBuf> = std::fs::read_dir(table.join("_delta_log"))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "json"))
-        .collect();
-    commits.sort();
     let (mut totals, mut expectations, mut batches) = (BTreeMap::new(), BTreeMap::new(), vec![]);
-    for c in commits {
-        for line in std::fs::read_to_string(c).unwrap().lines() {
-            let v: Value = serde_json::from_str(line).unwrap();
-            let Some(manifest) = v.pointer("/commitInfo/sluice/manifest") else {
-                continue;
-            };
-            batches.push(manifest["batch_id"].as_i64().unwrap());
-            let counters = &manifest["counters"];
-            for key in ["rows_out", "rows_dropped", "rows_quarantined"] {
-                *totals.entry(key.to_string()).or_default() += counters[key].as_u64().unwrap();
-            }
-            if let Some(map) = counters["expectations"].as_object() {
-                for (name, n) in map {
-                    *expectations.entry(name.clone()).or_default() += n.as_u64().unwrap();
-                }
+    for action in delta_commits(table).iter().flatten() {
+        let Some(manifest) = action.pointer("/commitInfo/sluice/manifest") else {
+            continue;
+        };
+        batches.push(manifest["batch_id"].as_i64().unwrap());
+        let counters = &manifest["counters"];
+        for key in ["rows_out", "rows_dropped", "rows_quarantined"] {
+            *totals.entry(key.to_string()).or_default() += counters[key].as_u64().unwrap();
+        }
+        if let Some(map) = counters["expectations"].as_object() {
+            for (name, n) in map {
+                *expectations.entry(name.clone()).or_default() += n.as_u64().unwrap();
             }
         }
     }

@@ -84,18 +84,11 @@ sql = "SELECT * FROM clicks"
 /// Per commit of the table's log (in order): the txn version of `app_id` it carries, and the
 /// columns of the schema it sets (a `metaData` action), if it sets one.
 fn schema_changes(table: &Path, app_id: &str) -> Vec<(Option<i64>, Option<String>)> {
-    let mut commits: Vec<PathBuf> = std::fs::read_dir(table.join("_delta_log"))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "json"))
-        .collect();
-    commits.sort();
-    commits
+    delta_commits(table)
         .iter()
-        .map(|c| {
+        .map(|actions| {
             let (mut txn, mut schema) = (None, None);
-            for line in std::fs::read_to_string(c).unwrap().lines() {
-                let v: Value = serde_json::from_str(line).unwrap();
+            for v in actions {
                 if v["txn"]["appId"] == app_id {
                     txn = v["txn"]["version"].as_i64();
                 }

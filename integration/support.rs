@@ -303,25 +303,32 @@ pub fn dead_letter_table(table: &Path) -> PathBuf {
 
 /// The txn versions of `app_id` in the table's commits, in commit order.
 pub fn txn_versions(table: &Path, app_id: &str) -> Vec<i64> {
-    let log = table.join("_delta_log");
-    let mut commits: Vec<PathBuf> = std::fs::read_dir(&log)
+    delta_commits(table)
+        .iter()
+        .flatten()
+        .filter(|action| action["txn"]["appId"] == app_id)
+        .map(|action| action["txn"]["version"].as_i64().unwrap())
+        .collect()
+}
+
+/// The actions of each commit in the table's Delta log (`_delta_log/*.json`), in commit order.
+pub fn delta_commits(table: &Path) -> Vec<Vec<Value>> {
+    let mut commits: Vec<PathBuf> = std::fs::read_dir(table.join("_delta_log"))
         .unwrap()
         .map(|e| e.unwrap().path())
         .filter(|p| p.extension().is_some_and(|e| e == "json"))
         .collect();
     commits.sort();
-    let mut versions = Vec::new();
-    for c in commits {
-        for line in std::fs::read_to_string(c).unwrap().lines() {
-            let v: Value = serde_json::from_str(line).unwrap();
-            if let Some(txn) = v.get("txn")
-                && txn["appId"] == app_id
-            {
-                versions.push(txn["version"].as_i64().unwrap());
-            }
-        }
-    }
-    versions
+    commits
+        .iter()
+        .map(|c| {
+            std::fs::read_to_string(c)
+                .unwrap()
+                .lines()
+                .map(|line| serde_json::from_str(line).unwrap())
+                .collect()
+        })
+        .collect()
 }
 
 /// The repository's root folder.

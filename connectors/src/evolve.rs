@@ -31,6 +31,8 @@ use arrow::datatypes::{DataType, Field, Fields, Schema, SchemaRef};
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use sluice_engine::DeadLetter;
+use sluice_engine::late;
+use sluice_engine::source::{SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_POSITION};
 
 use crate::decode::{Line, decode_json};
 use crate::error::{ConnectorError, Result};
@@ -116,14 +118,48 @@ pub(crate) struct NewFields {
     pub(crate) first_seen: String,
 }
 
+/// Columns Sluice adds to every source's rows or to the late table: a field of one of these
+/// names is never added, its records stay dead letters.
+const SLUICE_COLUMNS: [&str; 7] = [
+    SOURCE_PARTITION,
+    SOURCE_OFFSET,
+    SOURCE_POSITION,
+    late::WATERMARK,
+    late::WINDOWS_MISSED,
+    late::BATCH_ID,
+    RESCUED_DATA,
+];
+
+/// What `mode` makes of a read's dead letters (decoded against `schema`): under `add_columns`,
+/// the fields to add (`None`: nothing new); under `fail`, the error naming the first new field;
+/// under the other modes, nothing. `reserved`: the names of columns the source adds besides
+/// Sluice's own.
+///
+/// # Errors
+/// New fields under `fail`, or a failed inference of their types.
+pub(crate) fn fields_to_add(
+    mode: SchemaEvolution,
+    schema: &Schema,
+    dead_letters: &[DeadLetter],
+    reserved: &[&str],
+) -> Result<Option<NewFields>> {
+    if !matches!(mode, SchemaEvolution::AddColumns | SchemaEvolution::Fail) {
+        return Ok(None);
+    }
+    match new_fields(schema, dead_letters, reserved)? {
+        Some(new) if mode == SchemaEvolution::Fail => Err(refuse_new_fields(&new)),
+        new => Ok(new),
+    }
+}
+
 /// The fields that `records` (JSON objects that failed to decode against `schema`) carry and
 /// `schema` lacks — top-level, in structs, in the structs of lists — each typed by the majority
-/// of its values; `None` if there are none. Top-level names in `reserved` (lineage and metadata
-/// columns the source adds) are never added: their records stay dead letters.
+/// of its values; `None` if there are none. Top-level names of [`SLUICE_COLUMNS`] and
+/// `reserved` are never added: their records stay dead letters.
 ///
 /// # Errors
 /// If inference of the new fields' types fails.
-pub(crate) fn new_fields(
+fn new_fields(
     schema: &Schema,
     records: &[DeadLetter],
     reserved: &[&str],
@@ -138,8 +174,10 @@ pub(crate) fn new_fields(
         };
         let mut unknown = Vec::new();
         unknown_fields(schema.fields(), &map, &mut Vec::new(), &mut unknown);
-        unknown
-            .retain(|(path, _)| !reserved.contains(&path[0].as_str()) && path[0] != RESCUED_DATA);
+        unknown.retain(|(path, _)| {
+            let name = path[0].as_str();
+            !reserved.contains(&name) && !SLUICE_COLUMNS.contains(&name)
+        });
         if !unknown.is_empty() && first_seen.is_none() {
             first_seen = Some(format!("{} (offset {})", record.position, record.offset));
         }
@@ -275,7 +313,7 @@ fn add_field(fields: &Fields, path: &[String], field: Field) -> Fields {
 }
 
 /// The error of `fail` for new fields.
-pub(crate) fn refuse_new_fields(new: &NewFields) -> ConnectorError {
+fn refuse_new_fields(new: &NewFields) -> ConnectorError {
     ConnectorError::Schema(format!(
         "field{} {} first appear{} at {}, and the schema lacks {}; schema_evolution = \"fail\" \
          stops the job here. Set schema_evolution = \"add_columns\" to add new fields as columns, \

@@ -276,8 +276,16 @@ impl TableHandle {
         let Some(Ok(snapshot)) = guard.as_ref().map(DeltaTable::snapshot) else {
             return false;
         };
-        let table_schema = snapshot.snapshot().arrow_schema();
-        with_added_columns(&table_schema, &batch.schema()).as_ref() != table_schema.as_ref()
+        grown_by(&snapshot.snapshot().arrow_schema(), &batch.schema()).is_some()
+    }
+
+    /// The table's schema at the version `table` holds.
+    fn arrow_schema(&self, table: &DeltaTable) -> Result<SchemaRef> {
+        Ok(table
+            .snapshot()
+            .map_err(|e| self.err(e))?
+            .snapshot()
+            .arrow_schema())
     }
 
     /// The table at its latest version.
@@ -309,17 +317,16 @@ impl TableHandle {
         target_file_size: Option<NonZeroU64>,
     ) -> Result<(u64, u64, u64)> {
         let rows: u64 = batches.iter().map(|b| b.num_rows() as u64).sum();
-        let snapshot = table.snapshot().map_err(|e| self.err(e))?;
-        let table_schema = snapshot.snapshot().arrow_schema();
+        let table_schema = self.arrow_schema(&table)?;
         let added = batches
             .first()
-            .map(|b| with_added_columns(&table_schema, &b.schema()))
-            .filter(|merged| merged.as_ref() != table_schema.as_ref());
+            .and_then(|b| grown_by(&table_schema, &b.schema()));
         if let Some(merged) = &added {
             let columns = added_column_names(&table_schema, merged);
             info!(table = %self.url, columns = %columns.join(", "), "columns added to the table in this commit");
         }
         let table = if rows == 0 {
+            let snapshot = table.snapshot().map_err(|e| self.err(e))?;
             let operation = DeltaOperation::Write {
                 mode: SaveMode::Append,
                 partition_by: None,
@@ -391,13 +398,7 @@ impl TableHandle {
             .collect::<Vec<_>>()
             .join(" AND ");
         let columns: Vec<String> = schema.fields().iter().map(|f| f.name().clone()).collect();
-        let table_schema = table
-            .snapshot()
-            .map_err(|e| self.err(e))?
-            .snapshot()
-            .arrow_schema();
-        let adds_columns =
-            with_added_columns(&table_schema, &schema).as_ref() != table_schema.as_ref();
+        let adds_columns = grown_by(&self.arrow_schema(&table)?, &schema).is_some();
         let (table, _metrics) = table
             .merge(source, predicate)
             .with_source_alias("source")
@@ -452,14 +453,10 @@ impl TableHandle {
             } else {
                 // Rows in columns the table lacks yet (a batch that added them crashed before
                 // its commit) add them, as an append would.
-                let table_schema = table
-                    .snapshot()
-                    .map_err(|e| self.err(e))?
-                    .snapshot()
-                    .arrow_schema();
-                let adds_columns = batches.first().is_some_and(|b| {
-                    with_added_columns(&table_schema, &b.schema()).as_ref() != table_schema.as_ref()
-                });
+                let table_schema = self.arrow_schema(&table)?;
+                let adds_columns = batches
+                    .first()
+                    .is_some_and(|b| grown_by(&table_schema, &b.schema()).is_some());
                 let mut write = table
                     .write(batches.iter().filter(|b| b.num_rows() > 0).cloned())
                     .with_save_mode(SaveMode::Overwrite)
@@ -697,6 +694,13 @@ enum BatchWrite<'a> {
     },
     /// Merged on these key columns.
     Merge { key: &'a [String] },
+}
+
+/// The table's schema grown by what `batch` adds (see [`with_added_columns`]), if it adds
+/// anything.
+fn grown_by(table: &SchemaRef, batch: &Schema) -> Option<SchemaRef> {
+    let merged = with_added_columns(table, batch);
+    (merged != *table).then_some(merged)
 }
 
 /// The table's schema with what `batch` adds: columns the table lacks at the end, and fields

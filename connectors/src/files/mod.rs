@@ -47,10 +47,7 @@ use object_store::{ObjectStore, ObjectStoreExt};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use sluice_engine::checkpoint::CheckpointStore;
-use sluice_engine::late;
-use sluice_engine::source::{
-    SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_POSITION, attach_lineage, with_lineage_fields,
-};
+use sluice_engine::source::{attach_lineage, with_lineage_fields};
 use sluice_engine::{
     AvailableRange, DeadLetter, InferredColumn, OffsetRange, PartitionId, SchemaInference, Source,
     SourceContext, SourceRead,
@@ -60,7 +57,7 @@ use url::Url;
 
 use crate::decode::{Line, decode_csv, decode_json, decode_lines, split_lines};
 use crate::error::{ConnectorError, Result};
-use crate::evolve::{SchemaEvolution, new_fields, refuse_new_fields, rescue_lines};
+use crate::evolve::{SchemaEvolution, fields_to_add, rescue_lines};
 use crate::infer::{INFER_RECORDS, infer_csv, infer_json};
 use crate::schema_log::SchemaLog;
 
@@ -598,27 +595,10 @@ impl Source for FilesSource {
                 read.batches.extend(part.batches);
                 read.dead_letters.extend(part.dead_letters);
             }
-            if !matches!(
-                opened.evolution,
-                SchemaEvolution::AddColumns | SchemaEvolution::Fail
-            ) {
-                return Ok(read);
-            }
-            let reserved = [
-                SOURCE_PARTITION,
-                SOURCE_OFFSET,
-                SOURCE_POSITION,
-                late::WATERMARK,
-                late::WINDOWS_MISSED,
-                late::BATCH_ID,
-            ];
-            let Some(new) = new_fields(&schema, &read.dead_letters, &reserved).map_err(wrap)?
-            else {
+            let new = fields_to_add(opened.evolution, &schema, &read.dead_letters, &[]);
+            let Some(new) = new.map_err(wrap)? else {
                 return Ok(read);
             };
-            if opened.evolution == SchemaEvolution::Fail {
-                return Err(wrap(refuse_new_fields(&new)));
-            }
             opened
                 .schema_log
                 .lock()

@@ -73,7 +73,7 @@ use tokio::sync::{Mutex, OnceCell};
 use tracing::{info, warn};
 
 use crate::error::{ConnectorError, Result};
-use crate::evolve::{SchemaEvolution, new_fields, refuse_new_fields};
+use crate::evolve::{SchemaEvolution, fields_to_add};
 use crate::infer::{INFER_RECORDS, infer_csv, infer_json};
 use crate::schema_log::SchemaLog;
 mod config;
@@ -90,20 +90,15 @@ use records::{RecordDecoder, raw_value_schema};
 const STARTING_OFFSETS_FILE: &str = "starting_offsets.json";
 /// Schema evolutions one read may go through before it gives up (each adds columns).
 const MAX_EVOLUTIONS_PER_READ: usize = 16;
-/// The columns the source (and the late table) adds to the value's: a value field of one of
-/// these names is never added by schema evolution.
-const RESERVED_COLUMNS: [&str; 11] = [
+/// The metadata columns the source adds to the value's: a value field of one of these names is
+/// never added by schema evolution.
+const METADATA_COLUMNS: [&str; 6] = [
     records::TOPIC,
     records::PARTITION,
     records::OFFSET,
     records::KAFKA_TIMESTAMP,
     records::KEY,
     records::HEADERS,
-    sluice_engine::source::SOURCE_PARTITION,
-    sluice_engine::source::SOURCE_OFFSET,
-    sluice_engine::late::WATERMARK,
-    sluice_engine::late::WINDOWS_MISSED,
-    sluice_engine::late::BATCH_ID,
 ];
 /// Upper bound of one fetch response; a single larger record batch is still returned whole.
 const FETCH_MAX_BYTES: i32 = 16 * 1024 * 1024;
@@ -825,20 +820,17 @@ impl Source for KafkaSource {
                 .await
                 .map_err(|e| wrap(ConnectorError::Config(format!("decoding task failed: {e}"))))?
                 .map_err(wrap)?;
-            let new = match (opened.evolution, &opened.schema_log) {
-                (SchemaEvolution::AddColumns | SchemaEvolution::Fail, Some(_)) => {
-                    new_fields(&decoded_with, &read.dead_letters, &RESERVED_COLUMNS)
-                        .map_err(wrap)?
-                }
-                _ => None,
-            };
+            let new = fields_to_add(
+                opened.evolution,
+                &decoded_with,
+                &read.dead_letters,
+                &METADATA_COLUMNS,
+            )
+            .map_err(wrap)?;
             let (Some(new), Some(log)) = (new, &opened.schema_log) else {
                 read.dead_letters.extend(gaps);
                 return Ok(read);
             };
-            if opened.evolution == SchemaEvolution::Fail {
-                return Err(wrap(refuse_new_fields(&new)));
-            }
             let (format, delimiter, evolution) =
                 (self.config.format, self.delimiter, opened.evolution);
             // A grown schema the decoder refuses (a field named like a metadata column) is
