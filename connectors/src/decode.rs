@@ -19,7 +19,7 @@ pub(crate) struct Line {
 }
 
 pub(crate) fn split_lines(bytes: &[u8]) -> Vec<Line> {
-    let mut lines = Vec::new();
+    let mut lines = Vec::with_capacity(bytes.iter().filter(|b| **b == b'\n').count() + 1);
     let mut start = 0;
     for (number, chunk) in bytes.split(|b| *b == b'\n').enumerate() {
         let mut end = start + chunk.len();

@@ -2,16 +2,18 @@
 //!
 //! The same job definition as the stream — same sources, same SQL, same sink — run over
 //! `[from, to)` per partition. The rows are read and processed in chunks of the source's
-//! per-batch budget (so each chunk behaves exactly like a streamed batch), then the sink replaces
-//! every row those offsets produced, **in one commit per table** (dead letters, then output),
+//! per-batch budget (so each chunk behaves exactly like a streamed batch) while the sink writes
+//! them, and the sink replaces every row those offsets produced with them, **in one commit per
+//! table** (output, then dead letters),
 //! each carrying `txn(<job_id>/backfill/<n>, 0)`. Rerunning a range therefore leaves the tables
 //! as they were; a backfill that crashed is simply run again. The live job may run meanwhile:
 //! its appends and the replacement resolve through Delta's conflict checker, and the sink retries
 //! a replacement that lost the race.
 //!
 //! Reading streams: the source is read in chunks of its per-batch budget, and nothing is held
-//! beyond what the result needs — a stateless backfill holds its recomputed rows until the
-//! replacement commits (split a very large range into several backfills); a windowed one holds
+//! beyond what the result needs — a stateless backfill streams its recomputed rows into the
+//! sink's writer chunk by chunk (the sink runs the recomputation again if its commit loses a
+//! race, see [`RecomputedRows`]), so it holds one chunk; a windowed one holds
 //! the state of the windows it recomputes, reading every committed offset but keeping only the
 //! rows of those windows; resolving an event-time range keeps nothing but offsets; of the side
 //! tables only the columns and rows needed are read. Memory is independent of how much data the
@@ -42,10 +44,16 @@
 //! ranges (`spec.json`), written before anything else, for the record.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arrow::array::{Array, AsArray, RecordBatch};
-use arrow::datatypes::{DataType, Int64Type};
+use arrow::datatypes::{DataType, Int64Type, SchemaRef};
+use async_trait::async_trait;
+use datafusion::error::DataFusionError;
+use datafusion::execution::SendableRecordBatchStream;
+use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
+use futures::{StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 
 use crate::dead_letter::{dead_letter_batch, dead_letter_from_row};
@@ -62,8 +70,8 @@ use crate::late::{Lateness, WINDOWS_MISSED};
 use crate::offsets::{BatchId, Offset, OffsetRange, PartitionId, plan_ranges};
 use crate::query::BatchWatermark;
 use crate::query::StreamingQuery;
-use crate::sink::{CommitOutcome, ReplacedWindows, Replacement, Sink, TableScan};
-use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION};
+use crate::sink::{CommitOutcome, RecomputedRows, ReplacedWindows, Replacement, Sink, TableScan};
+use crate::source::{DeadLetter, SOURCE_OFFSET, SOURCE_PARTITION};
 use crate::watermark::display_watermark;
 use crate::window::{WINDOW_END, WINDOW_START, WindowKind, WindowUse};
 
@@ -190,7 +198,7 @@ impl Job {
         let started = Instant::now();
         let checkpoint = checkpoint_location(&self)?;
         let settings = query_settings(&self);
-        let (sources, mut query) =
+        let (sources, query) =
             open_sources_and_query(self.sources, &self.sql, &settings, &checkpoint, false).await?;
         if self.output_mode == crate::sink::OutputMode::Update {
             return Err(Error::UnsupportedQuery(
@@ -354,80 +362,64 @@ impl Job {
 
         let mut sink = self.sink;
         sink.open(&self.id, query.output_tables()).await?;
+        let [source]: [OpenSource; 1] = sources
+            .try_into()
+            .map_err(|_| Error::InvalidJob("backfill handles jobs with one source".into()))?;
         if let Some(windows) = windows {
-            let (report, replaced, output, dead_letters) =
-                recompute_windows(source, query, report, windows, &future).await?;
+            let (report, replaced, rows) =
+                recompute_windows(&source, query, report, windows, &future, &expectations).await?;
             return replace(
                 sink.as_ref(),
                 report,
                 Some(replaced),
-                output,
-                dead_letters,
-                &expectations,
+                Arc::new(rows),
                 started,
             )
             .await;
         }
 
-        // Read and process in chunks of the per-batch budget, as the stream would.
-        let mut output = Vec::new();
-        let mut dead_letters = Vec::new();
-        let mut chunks = ChunkedRead::new(source, &report.spec.ranges);
-        while let Some((rows, mut letters)) = chunks.next(&future).await? {
-            report.rows_in += rows.num_rows() as u64;
-            let inputs = BTreeMap::from([(source.name.clone(), rows)]);
-            let result = query
-                .execute_isolating(&inputs, BatchWatermark::default())
-                .await?;
-            for failed in &result.failed {
-                letters.push(dead_letter_from_row(&failed.row, &failed.error)?);
-            }
-            report.rows_dead_lettered += letters.len() as u64;
-            report.rows_out += result
-                .batches
-                .iter()
-                .map(|b| b.num_rows() as u64)
-                .sum::<u64>();
-            output.extend(result.batches);
-            if !letters.is_empty() {
-                dead_letters.push(dead_letter_batch(&source.name, BatchId(0), &letters)?);
-            }
-        }
-        replace(
+        // Read and processed chunk by chunk while the sink writes the rows.
+        let rows = Arc::new(StatelessRows {
+            schema: output_schema,
+            source,
+            query: tokio::sync::Mutex::new(query),
+            expectations,
+            ranges: report.spec.ranges.clone(),
+            future,
+            finished: std::sync::Mutex::new(None),
+            failure: std::sync::Mutex::new(None),
+        });
+        let replaced = replace(
             sink.as_ref(),
             report,
             None,
-            output,
-            dead_letters,
-            &expectations,
+            Arc::clone(&rows) as Arc<dyn RecomputedRows>,
             started,
         )
-        .await
+        .await;
+        // An error of the recomputation reaches the sink wrapped in its write: report it as is.
+        let mut report = match replaced {
+            Ok(report) => report,
+            Err(e) => return Err(rows.take_failure().unwrap_or(e)),
+        };
+        if let Some(tally) = rows.tally() {
+            report.rows_in = tally.rows_in;
+            report.rows_out = tally.rows_out;
+            report.rows_dead_lettered = tally.dead_letters.len() as u64;
+        }
+        Ok(report)
     }
 }
 
-/// Checks the recomputed rows against the job's expectations (as the stream did), hands them to
-/// the sink, which replaces what the backfill covers, and completes the report.
+/// Hands the recomputation to the sink, which replaces what the backfill covers with its rows,
+/// and completes the report.
 async fn replace(
     sink: &dyn Sink,
     mut report: BackfillReport,
     windows: Option<ReplacedWindows>,
-    output: Vec<RecordBatch>,
-    mut dead_letters: Vec<RecordBatch>,
-    expectations: &Expectations,
+    rows: Arc<dyn RecomputedRows>,
     started: Instant,
 ) -> Result<BackfillReport> {
-    let checked = expectations.apply(output)?;
-    let output = checked.kept;
-    report.rows_out = output.iter().map(|b| b.num_rows() as u64).sum();
-    if !checked.quarantined.is_empty() {
-        report.rows_dead_lettered += checked.quarantined.len() as u64;
-        dead_letters.push(dead_letter_batch(
-            &report.spec.source,
-            BatchId(0),
-            &checked.quarantined,
-        )?);
-    }
     pause_point("before_replacement", BatchId(0)).await;
     let outcome = sink
         .replace(Replacement {
@@ -435,8 +427,7 @@ async fn replace(
             source: report.spec.source.clone(),
             ranges: report.spec.ranges.clone(),
             windows,
-            output,
-            dead_letters,
+            rows,
             summary: serde_json::to_value(&report.spec).unwrap_or_default(),
         })
         .await?;
@@ -451,18 +442,167 @@ async fn replace(
     Ok(report)
 }
 
+/// A stateless backfill's rows: its range read chunk by chunk (the source's per-batch budget),
+/// each chunk run through the query and the expectations as a streamed batch is, and handed to
+/// the sink's writer before the next is read — one chunk is in memory at a time, however long
+/// the range.
+struct StatelessRows {
+    schema: SchemaRef,
+    source: OpenSource,
+    query: tokio::sync::Mutex<StreamingQuery>,
+    expectations: Expectations,
+    ranges: BTreeMap<PartitionId, OffsetRange>,
+    future: FutureTimes,
+    /// What the last run read to its end counted and dead-lettered.
+    finished: std::sync::Mutex<Option<Tally>>,
+    /// The error that ended the last run that failed (the sink sees it only as text).
+    failure: std::sync::Mutex<Option<Error>>,
+}
+
+/// What one run of a [`StatelessRows`] read and produced.
+#[derive(Default, Clone)]
+struct Tally {
+    rows_in: u64,
+    rows_out: u64,
+    dead_letters: Vec<DeadLetter>,
+}
+
+impl StatelessRows {
+    /// Reads, runs and checks the next chunk: the rows to write (`None` once the range is read).
+    async fn next_chunk(
+        &self,
+        chunks: &mut ChunkedRead,
+        tally: &mut Tally,
+    ) -> Result<Option<Vec<RecordBatch>>> {
+        let Some((rows, letters)) = chunks.next(&self.source, &self.future).await? else {
+            return Ok(None);
+        };
+        tally.rows_in += rows.num_rows() as u64;
+        tally.dead_letters.extend(letters);
+        let inputs = BTreeMap::from([(self.source.name.clone(), rows)]);
+        let result = self
+            .query
+            .lock()
+            .await
+            .execute_isolating(&inputs, BatchWatermark::default())
+            .await?;
+        for failed in &result.failed {
+            tally
+                .dead_letters
+                .push(dead_letter_from_row(&failed.row, &failed.error)?);
+        }
+        let checked = self.expectations.apply(result.batches)?;
+        tally.dead_letters.extend(checked.quarantined);
+        tally.rows_out += checked
+            .kept
+            .iter()
+            .map(|b| b.num_rows() as u64)
+            .sum::<u64>();
+        Ok(Some(checked.kept))
+    }
+
+    fn tally(&self) -> Option<Tally> {
+        self.finished.lock().ok().and_then(|t| t.clone())
+    }
+
+    fn take_failure(&self) -> Option<Error> {
+        self.failure.lock().ok().and_then(|mut f| f.take())
+    }
+}
+
+#[async_trait]
+impl RecomputedRows for StatelessRows {
+    fn schema(&self) -> SchemaRef {
+        Arc::clone(&self.schema)
+    }
+
+    fn output(self: Arc<Self>) -> SendableRecordBatchStream {
+        let schema = Arc::clone(&self.schema);
+        let chunks = ChunkedRead::new(&self.ranges);
+        let state = (self, chunks, Tally::default());
+        let batches =
+            futures::stream::try_unfold(state, |(this, mut chunks, mut tally)| async move {
+                match this.next_chunk(&mut chunks, &mut tally).await {
+                    Ok(Some(batches)) => Ok(Some((batches, (this, chunks, tally)))),
+                    Ok(None) => {
+                        if let Ok(mut finished) = this.finished.lock() {
+                            *finished = Some(tally);
+                        }
+                        Ok(None)
+                    }
+                    Err(e) => {
+                        let message = e.to_string();
+                        if let Ok(mut failure) = this.failure.lock() {
+                            *failure = Some(e);
+                        }
+                        Err(DataFusionError::Execution(message))
+                    }
+                }
+            })
+            .map_ok(|batches| futures::stream::iter(batches.into_iter().map(Ok)))
+            .try_flatten();
+        Box::pin(RecordBatchStreamAdapter::new(schema, batches))
+    }
+
+    async fn dead_letters(self: Arc<Self>) -> Result<Vec<RecordBatch>> {
+        if self.tally().is_none() {
+            // The output table already held the replacement: run once more for the letters.
+            let mut output = Arc::clone(&self).output();
+            while let Some(batch) = output.next().await {
+                if let Err(e) = batch {
+                    return Err(self.take_failure().unwrap_or(e.into()));
+                }
+            }
+        }
+        let letters = self.tally().map(|t| t.dead_letters).unwrap_or_default();
+        if letters.is_empty() {
+            return Ok(Vec::new());
+        }
+        Ok(vec![dead_letter_batch(
+            &self.source.name,
+            BatchId(0),
+            &letters,
+        )?])
+    }
+}
+
+/// Rows recomputed before the replacement (a windowed backfill's windows, emitted at the end
+/// from their state), handed to the sink from memory.
+struct ComputedRows {
+    schema: SchemaRef,
+    output: Vec<RecordBatch>,
+    dead_letters: Vec<RecordBatch>,
+}
+
+#[async_trait]
+impl RecomputedRows for ComputedRows {
+    fn schema(&self) -> SchemaRef {
+        Arc::clone(&self.schema)
+    }
+
+    fn output(self: Arc<Self>) -> SendableRecordBatchStream {
+        let batches = self.output.clone().into_iter().map(Ok);
+        Box::pin(RecordBatchStreamAdapter::new(
+            Arc::clone(&self.schema),
+            futures::stream::iter(batches),
+        ))
+    }
+
+    async fn dead_letters(self: Arc<Self>) -> Result<Vec<RecordBatch>> {
+        Ok(self.dead_letters.clone())
+    }
+}
+
 /// A range of one source read chunk by chunk, each chunk at most the source's per-batch budget
 /// (as the stream reads it), so a long range never sits in memory at once.
-struct ChunkedRead<'a> {
-    source: &'a OpenSource,
+struct ChunkedRead {
     next: BTreeMap<PartitionId, Offset>,
     ends: BTreeMap<PartitionId, Offset>,
 }
 
-impl<'a> ChunkedRead<'a> {
-    fn new(source: &'a OpenSource, ranges: &BTreeMap<PartitionId, OffsetRange>) -> Self {
+impl ChunkedRead {
+    fn new(ranges: &BTreeMap<PartitionId, OffsetRange>) -> Self {
         ChunkedRead {
-            source,
             next: ranges.iter().map(|(p, r)| (p.clone(), r.start)).collect(),
             ends: ranges.iter().map(|(p, r)| (p.clone(), r.end)).collect(),
         }
@@ -471,13 +611,14 @@ impl<'a> ChunkedRead<'a> {
     /// The next chunk's rows and dead letters; `None` once the ranges are read.
     async fn next(
         &mut self,
+        source: &OpenSource,
         future: &FutureTimes,
-    ) -> Result<Option<(RecordBatch, Vec<crate::source::DeadLetter>)>> {
-        let chunk = plan_ranges(&self.next, &self.ends, self.source.source.max_per_batch());
+    ) -> Result<Option<(RecordBatch, Vec<DeadLetter>)>> {
+        let chunk = plan_ranges(&self.next, &self.ends, source.source.max_per_batch());
         if chunk.values().all(OffsetRange::is_empty) {
             return Ok(None);
         }
-        let read = read_source_as_opened(self.source, &chunk, future).await?;
+        let read = read_source_as_opened(source, &chunk, future).await?;
         for (p, r) in chunk {
             self.next.insert(p, r.end);
         }
@@ -523,8 +664,8 @@ async fn covered_windows(
             )
         })?;
     let mut starts: BTreeSet<i64> = BTreeSet::new();
-    let mut chunks = ChunkedRead::new(source, ranges);
-    while let Some((rows, _)) = chunks.next(future).await? {
+    let mut chunks = ChunkedRead::new(ranges);
+    while let Some((rows, _)) = chunks.next(source, future).await? {
         let times = event_times(&rows, &window.time_column)?;
         starts.extend(times.iter().flat_map(|t| window.kind.starts(*t)));
     }
@@ -628,8 +769,8 @@ fn event_times(rows: &RecordBatch, column: &str) -> Result<Vec<i64>> {
 }
 
 /// Recomputes the covered windows in one bounded run over every committed event of their span
-/// (watermark +∞ at the end: every window finished): their rows, and the dead letters of the
-/// range's own offsets, for [`replace`]. The committed offsets are read chunk by chunk and only
+/// (watermark +∞ at the end: every window finished): their rows, checked against the
+/// expectations, and the dead letters of the range's own offsets, for [`replace`]. The committed offsets are read chunk by chunk and only
 /// the rows of the span are fed to the query, so memory holds the windows' state, not the
 /// job's history.
 async fn recompute_windows(
@@ -638,12 +779,8 @@ async fn recompute_windows(
     mut report: BackfillReport,
     windows: CoveredWindows,
     future: &FutureTimes,
-) -> Result<(
-    BackfillReport,
-    ReplacedWindows,
-    Vec<RecordBatch>,
-    Vec<RecordBatch>,
-)> {
+    expectations: &Expectations,
+) -> Result<(BackfillReport, ReplacedWindows, ComputedRows)> {
     let in_range = |partition: &str, offset: i64| {
         report
             .spec
@@ -658,8 +795,8 @@ async fn recompute_windows(
         .column;
     let mut letters = Vec::new();
     let mut rows_in = 0;
-    let mut chunks = ChunkedRead::new(source, &windows.committed);
-    while let Some((rows, chunk_letters)) = chunks.next(future).await? {
+    let mut chunks = ChunkedRead::new(&windows.committed);
+    while let Some((rows, chunk_letters)) = chunks.next(source, future).await? {
         letters.extend(
             chunk_letters
                 .into_iter()
@@ -688,14 +825,21 @@ async fn recompute_windows(
             values.iter().map(|v| Some(wanted.contains(v))).collect();
         output.push(arrow::compute::filter_record_batch(&b, &keep)?);
     }
-    report.rows_out = output.iter().map(|b| b.num_rows() as u64).sum();
+    let checked = expectations.apply(output)?;
+    letters.extend(checked.quarantined);
+    report.rows_out = checked.kept.iter().map(|b| b.num_rows() as u64).sum();
     report.rows_dead_lettered = letters.len() as u64;
     let dead_letters = if letters.is_empty() {
         vec![]
     } else {
         vec![dead_letter_batch(&source.name, BatchId(0), &letters)?]
     };
-    Ok((report, windows.replaced, output, dead_letters))
+    let rows = ComputedRows {
+        schema: query.output_schema(),
+        output: checked.kept,
+        dead_letters,
+    };
+    Ok((report, windows.replaced, rows))
 }
 
 /// `[from, to)` per partition from the two bounds, checked against what may be replaced:
@@ -773,8 +917,8 @@ async fn offsets_in_period(
 ) -> Result<BTreeMap<PartitionId, OffsetRange>> {
     let missing = |c: &str| Error::InvalidJob(format!("backfill: rows lack the column {c}"));
     let mut found: BTreeMap<PartitionId, OffsetRange> = BTreeMap::new();
-    let mut chunks = ChunkedRead::new(source, ranges);
-    while let Some((rows, _)) = chunks.next(future).await? {
+    let mut chunks = ChunkedRead::new(ranges);
+    while let Some((rows, _)) = chunks.next(source, future).await? {
         let rows = rows_in_period(&rows, column, from, to)?;
         let partitions = rows
             .column_by_name(SOURCE_PARTITION)

@@ -393,7 +393,7 @@ pub(crate) async fn read_source(
             batches.push(filter_record_batch(&parsed, &keep.into())?);
         }
     }
-    let rows = concat_batches(&query_schema, &batches)
+    let rows = concat_consuming(&query_schema, batches)
         .map_err(|e| Error::source(&s.name, format!("its reads disagree on the schema: {e}")))?;
     let grown = (query_schema != s.schema).then_some(query_schema);
     Ok(SourceRows {
@@ -401,6 +401,46 @@ pub(crate) async fn read_source(
         dead_letters: letters,
         grown,
     })
+}
+
+/// `batches` as one batch, built column by column, each column of the inputs released once
+/// it is copied: the read's rows are in memory about once during the copy, not twice.
+fn concat_consuming(
+    schema: &SchemaRef,
+    batches: Vec<RecordBatch>,
+) -> std::result::Result<RecordBatch, arrow::error::ArrowError> {
+    if let [only] = batches.as_slice()
+        && only.schema() == *schema
+    {
+        return Ok(only.clone());
+    }
+    if batches
+        .iter()
+        .any(|b| b.schema().fields() != schema.fields())
+    {
+        // Let Arrow name the difference.
+        return concat_batches(schema, &batches);
+    }
+    let rows = batches.iter().map(RecordBatch::num_rows).sum();
+    let mut columns: Vec<Vec<ArrayRef>> = (0..schema.fields().len())
+        .map(|i| batches.iter().map(|b| Arc::clone(b.column(i))).collect())
+        .collect();
+    drop(batches);
+    let mut out = Vec::with_capacity(columns.len());
+    for parts in &mut columns {
+        let refs: Vec<&dyn Array> = parts.iter().map(AsRef::as_ref).collect();
+        out.push(if refs.is_empty() {
+            arrow::array::new_empty_array(schema.field(out.len()).data_type())
+        } else {
+            arrow::compute::concat(&refs)?
+        });
+        parts.clear();
+    }
+    RecordBatch::try_new_with_options(
+        Arc::clone(schema),
+        out,
+        &arrow::array::RecordBatchOptions::new().with_row_count(Some(rows)),
+    )
 }
 
 /// How many times a read is repeated because another partition's read grew the schema.

@@ -7,10 +7,12 @@
 //! ([`Sink::committed_batch`]) and can refuse to commit a batch twice.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use async_trait::async_trait;
+use datafusion::execution::SendableRecordBatchStream;
 use url::Url;
 
 use crate::error::Result;
@@ -97,7 +99,6 @@ pub struct ReplacedWindows {
 }
 
 /// What a backfill hands to the sink: rows that replace everything its offset ranges produced.
-#[derive(Debug)]
 pub struct Replacement {
     /// The backfill's own app id (`<job_id>/backfill/<n>`), committed as `txn(app_id, 0)` on
     /// every table it changes, so a rerun after a crash skips tables already done.
@@ -111,12 +112,30 @@ pub struct Replacement {
     /// A windowed job: the windows whose output rows (and late rows) are replaced instead of
     /// lineage ranges.
     pub windows: Option<ReplacedWindows>,
-    /// The recomputed output rows of those offsets.
-    pub output: Vec<RecordBatch>,
-    /// The recomputed dead letters of those offsets.
-    pub dead_letters: Vec<RecordBatch>,
+    /// The recomputation of those offsets: its output rows, streamed while the sink writes
+    /// them, and its dead letters.
+    pub rows: Arc<dyn RecomputedRows>,
     /// What the backfill did, stored in the commits' metadata for humans.
     pub summary: serde_json::Value,
+}
+
+/// A backfill's recomputed rows, produced while the sink writes them: the output of a long range
+/// flows from the source through the query into the table's files and never sits whole in
+/// memory.
+#[async_trait]
+pub trait RecomputedRows: Send + Sync {
+    /// The schema of the output rows.
+    fn schema(&self) -> SchemaRef;
+
+    /// Runs the recomputation from its start and streams its output rows. The sink reads it to
+    /// its end once per commit attempt: a replacement that lost a race to a concurrent commit is
+    /// recomputed (the same offsets give the same rows).
+    fn output(self: Arc<Self>) -> SendableRecordBatchStream;
+
+    /// The recomputed dead letters: those of the last run of [`RecomputedRows::output`] read to
+    /// its end, or of a run made now if none was (the output table already held the
+    /// replacement when a crashed backfill ran again).
+    async fn dead_letters(self: Arc<Self>) -> Result<Vec<RecordBatch>>;
 }
 
 /// What a commit did.
@@ -184,9 +203,10 @@ pub trait Sink: Send + Sync {
     async fn commit(&self, batch: BatchCommit) -> Result<CommitOutcome>;
 
     /// Replaces, in one commit per table, every row the replacement's ranges produced with its
-    /// recomputed rows (dead-letter table first, output last). Retries when a concurrent writer
-    /// (the live job) committed in between; returns [`CommitOutcome::AlreadyCommitted`] if the
-    /// output table already holds `txn(app_id, 0)`.
+    /// recomputed rows (output first — the dead letters are known once its rows have been read
+    /// — then the dead-letter and late tables). Retries when a concurrent writer (the live job)
+    /// committed in between; returns [`CommitOutcome::AlreadyCommitted`] if the output table
+    /// already holds `txn(app_id, 0)`.
     async fn replace(&self, replacement: Replacement) -> Result<CommitOutcome>;
 
     /// The last batch `job_id` committed, read from the output table without writing or

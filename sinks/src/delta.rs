@@ -34,24 +34,33 @@
 use std::collections::BTreeMap;
 use std::num::NonZeroU64;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 
 use arrow::array::RecordBatch;
 use arrow::datatypes::{DataType, Field, Fields, Schema, SchemaRef};
 use async_trait::async_trait;
-use deltalake::DeltaTable;
+use deltalake::datafusion::catalog::streaming::StreamingTable;
+use deltalake::datafusion::datasource::provider_as_source;
+use deltalake::datafusion::error::DataFusionError;
+use deltalake::datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use deltalake::datafusion::logical_expr::{LogicalPlan, LogicalPlanBuilder};
+use deltalake::datafusion::physical_plan::stream::RecordBatchStreamAdapter;
+use deltalake::datafusion::physical_plan::streaming::PartitionStream;
 use deltalake::kernel::engine::arrow_conversion::TryIntoKernel;
 use deltalake::kernel::transaction::{CommitBuilder, CommitProperties};
 use deltalake::kernel::{Action, MetadataExt, StructType, Transaction};
 use deltalake::operations::write::SchemaMode;
 use deltalake::protocol::{DeltaOperation, SaveMode};
+use deltalake::{DeltaTable, DeltaTableError};
+use futures::TryStreamExt;
 use serde::Deserialize;
 use sluice_engine::dead_letter::{SOURCE_NAME, dead_letter_schema};
 use sluice_engine::fault::{crash_point, pause_point};
 use sluice_engine::late::WINDOWS_MISSED;
 use sluice_engine::source::{SOURCE_OFFSET, SOURCE_PARTITION};
 use sluice_engine::{
-    BatchCommit, BatchId, CommitOutcome, OffsetRange, OutputTables, PartitionId, Replacement,
-    SideTableBatch, Sink, TableScan,
+    BatchCommit, BatchId, CommitOutcome, OffsetRange, OutputTables, PartitionId, RecomputedRows,
+    Replacement, SideTableBatch, Sink, TableScan,
 };
 use tokio::sync::Mutex;
 use tracing::{info, warn};
@@ -425,24 +434,42 @@ impl TableHandle {
         Ok((rows, files, bytes))
     }
 
-    /// Replaces the rows matching `predicate` with `batches` in one commit carrying
+    /// Replaces the rows matching `predicate` with `rows` in one commit carrying
     /// `txn(app_id, 0)`, unless the table already holds that txn. A commit that conflicts with
-    /// a concurrent writer is retried on the new table version, with backoff.
+    /// a concurrent writer is retried on the new table version, with backoff (a recomputation
+    /// runs again for each attempt).
     async fn replace_where(
         &self,
         app_id: &str,
-        batches: Vec<RecordBatch>,
+        rows: NewRows<'_>,
         predicate: &str,
         properties: impl Fn() -> CommitProperties,
     ) -> Result<CommitOutcome> {
-        let rows: u64 = batches.iter().map(|b| b.num_rows() as u64).sum();
         let mut retry = ConflictRetry::new(&self.url, format!("replacement {app_id}"));
         loop {
             let table = self.latest().await?;
             if self.txn_version(&table, app_id).await? == Some(0) {
                 return Ok(CommitOutcome::AlreadyCommitted);
             }
-            let result = if rows == 0 {
+            let table_schema = self.arrow_schema(&table)?;
+            let letters;
+            let rows = match &rows {
+                NewRows::DeadLettersOf(recomputed) => {
+                    let batches = Arc::clone(recomputed)
+                        .dead_letters()
+                        .await
+                        .map_err(SinkError::Engine)?;
+                    letters = NewRows::Batches(batches);
+                    &letters
+                }
+                rows => rows,
+            };
+            let written = Arc::new(AtomicU64::new(0));
+            let empty = match rows {
+                NewRows::Batches(batches) => batches.iter().all(|b| b.num_rows() == 0),
+                _ => false,
+            };
+            let result = if empty {
                 // `write` refuses empty input: delete what the ranges produced, with the txn.
                 table
                     .delete()
@@ -451,18 +478,33 @@ impl TableHandle {
                     .await
                     .map(|(table, _)| table)
             } else {
-                // Rows in columns the table lacks yet (a batch that added them crashed before
-                // its commit) add them, as an append would.
-                let table_schema = self.arrow_schema(&table)?;
-                let adds_columns = batches
-                    .first()
-                    .is_some_and(|b| grown_by(&table_schema, &b.schema()).is_some());
-                let mut write = table
-                    .write(batches.iter().filter(|b| b.num_rows() > 0).cloned())
+                let (write, schema) = match rows {
+                    NewRows::Batches(batches) => {
+                        written.store(batches.iter().map(|b| b.num_rows() as u64).sum(), SeqCst);
+                        let rows = batches.iter().filter(|b| b.num_rows() > 0).cloned();
+                        (table.write(rows), batches[0].schema())
+                    }
+                    NewRows::Recomputed(recomputed) => {
+                        let counted = Arc::clone(&written);
+                        let output = Arc::clone(recomputed).output();
+                        let schema = output.schema();
+                        let counting = output.inspect_ok(move |b| {
+                            counted.fetch_add(b.num_rows() as u64, SeqCst);
+                        });
+                        let output =
+                            Box::pin(RecordBatchStreamAdapter::new(Arc::clone(&schema), counting));
+                        let plan = plan_reading_once(output).map_err(|e| self.err(e))?;
+                        (table.write(Vec::new()).with_input_plan(plan), schema)
+                    }
+                    NewRows::DeadLettersOf(_) => unreachable!("resolved above"),
+                };
+                let mut write = write
                     .with_save_mode(SaveMode::Overwrite)
                     .with_replace_where(predicate)
                     .with_commit_properties(properties());
-                if adds_columns {
+                // Rows in columns the table lacks yet (a batch that added them crashed before
+                // its commit) add them, as an append would.
+                if grown_by(&table_schema, &schema).is_some() {
                     write = write.with_schema_mode(SchemaMode::Merge);
                 }
                 write.await
@@ -488,6 +530,7 @@ impl TableHandle {
                     }
                     let (files, bytes) = self.added_files(&table).await?;
                     *self.table.lock().await = Some(table);
+                    let rows = written.load(SeqCst);
                     return Ok(CommitOutcome::Committed { rows, files, bytes });
                 }
                 Err(e) => {
@@ -658,6 +701,64 @@ fn timestamp(micros: i64) -> String {
 }
 
 /// `(_source_partition = '0' AND _source_offset >= 10 AND _source_offset < 20) OR …`; `false`
+/// The rows a replacement writes.
+enum NewRows<'a> {
+    /// Rows in memory.
+    Batches(Vec<RecordBatch>),
+    /// A backfill's output, recomputed and streamed for each commit attempt.
+    Recomputed(&'a Arc<dyn RecomputedRows>),
+    /// A backfill's dead letters, asked for once the table is known to need them.
+    DeadLettersOf(&'a Arc<dyn RecomputedRows>),
+}
+
+/// A plan whose one scan reads `stream`: rows produced while they are written (a write runs its
+/// input plan once).
+fn plan_reading_once(
+    stream: SendableRecordBatchStream,
+) -> std::result::Result<LogicalPlan, DeltaTableError> {
+    let schema = stream.schema();
+    let table = StreamingTable::try_new(
+        Arc::clone(&schema),
+        vec![Arc::new(ReadOnce {
+            schema,
+            stream: std::sync::Mutex::new(Some(stream)),
+        })],
+    )?;
+    Ok(
+        LogicalPlanBuilder::scan("recomputed", provider_as_source(Arc::new(table)), None)?
+            .build()?,
+    )
+}
+
+/// The one partition of [`plan_reading_once`].
+struct ReadOnce {
+    schema: SchemaRef,
+    stream: std::sync::Mutex<Option<SendableRecordBatchStream>>,
+}
+
+impl std::fmt::Debug for ReadOnce {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReadOnce").finish_non_exhaustive()
+    }
+}
+
+impl PartitionStream for ReadOnce {
+    fn schema(&self) -> &SchemaRef {
+        &self.schema
+    }
+
+    fn execute(&self, _ctx: Arc<TaskContext>) -> SendableRecordBatchStream {
+        let stream = self.stream.lock().ok().and_then(|mut s| s.take());
+        stream.unwrap_or_else(|| {
+            let error = DataFusionError::Internal("a recomputation's rows were read twice".into());
+            Box::pin(RecordBatchStreamAdapter::new(
+                Arc::clone(&self.schema),
+                futures::stream::once(async move { Err(error) }),
+            ))
+        })
+    }
+}
+
 /// when every range is empty.
 fn lineage_predicate(ranges: &BTreeMap<PartitionId, OffsetRange>) -> String {
     let parts: Vec<String> = ranges
@@ -813,49 +914,59 @@ impl Sink for DeltaSink {
                     serde_json::json!({ "job_id": r.app_id, "backfill": r.summary }),
                 )])
         };
-        let dead_letter_predicate = format!("{SOURCE_NAME} = {} AND ({lineage})", quote(&r.source));
-        self.dead_letters
-            .replace_where(&r.app_id, r.dead_letters, &dead_letter_predicate, props)
-            .await?;
         let output_predicate = match &r.windows {
-            None => lineage,
+            None => lineage.clone(),
+            Some(w) if w.values.is_empty() => "false".to_string(),
             Some(w) => {
-                // The recomputation counted every row of these windows: late rows that missed
-                // one of them leave the late table.
-                if self.late.open_existing().await?.is_some() {
-                    let missed = w
-                        .starts
-                        .iter()
-                        .map(|s| format!("array_has({WINDOWS_MISSED}, {})", timestamp(*s)))
-                        .collect::<Vec<_>>();
-                    // Only late rows among the offsets the recomputation read: those the live
-                    // job committed since were not counted and stay late.
-                    let missed = if missed.is_empty() {
-                        "false".to_string()
-                    } else {
-                        format!(
-                            "({}) AND ({})",
-                            missed.join(" OR "),
-                            lineage_predicate(&w.read)
-                        )
-                    };
-                    self.late
-                        .replace_where(&r.app_id, Vec::new(), &missed, props)
-                        .await?;
-                }
-                if w.values.is_empty() {
-                    "false".to_string()
-                } else {
-                    let values: Vec<String> = w.values.iter().map(|v| timestamp(*v)).collect();
-                    format!("{} IN ({})", ident(&w.column), values.join(", "))
-                }
+                let values: Vec<String> = w.values.iter().map(|v| timestamp(*v)).collect();
+                format!("{} IN ({})", ident(&w.column), values.join(", "))
             }
         };
-        crash_point("after_side_tables", BatchId(0));
-        Ok(self
+        // The output first: the recomputation runs while its rows are written, and its dead
+        // letters are known once they all have been.
+        let outcome = self
             .output
-            .replace_where(&r.app_id, r.output, &output_predicate, props)
-            .await?)
+            .replace_where(
+                &r.app_id,
+                NewRows::Recomputed(&r.rows),
+                &output_predicate,
+                props,
+            )
+            .await?;
+        let dead_letter_predicate = format!("{SOURCE_NAME} = {} AND ({lineage})", quote(&r.source));
+        self.dead_letters
+            .replace_where(
+                &r.app_id,
+                NewRows::DeadLettersOf(&r.rows),
+                &dead_letter_predicate,
+                props,
+            )
+            .await?;
+        // A windowed job: the recomputation counted every row of its windows, so late rows
+        // that missed one of them leave the late table — only those among the offsets it
+        // read: those the live job committed since were not counted and stay late.
+        if let Some(w) = &r.windows
+            && self.late.open_existing().await?.is_some()
+        {
+            let missed = w
+                .starts
+                .iter()
+                .map(|s| format!("array_has({WINDOWS_MISSED}, {})", timestamp(*s)))
+                .collect::<Vec<_>>();
+            let missed = if missed.is_empty() {
+                "false".to_string()
+            } else {
+                format!(
+                    "({}) AND ({})",
+                    missed.join(" OR "),
+                    lineage_predicate(&w.read)
+                )
+            };
+            self.late
+                .replace_where(&r.app_id, NewRows::Batches(Vec::new()), &missed, props)
+                .await?;
+        }
+        Ok(outcome)
     }
 
     async fn committed_batch(&self, job_id: &str) -> sluice_engine::Result<Option<BatchId>> {
