@@ -26,6 +26,9 @@ struct Args {
     batch_size: u64,
     partitions: u32,
     results: PathBuf,
+    /// Serve the status endpoints and scrape `/metrics` and `/api/progress` every second, as a
+    /// monitored job is (their cost, side by side with a run without).
+    metrics: bool,
 }
 
 fn args() -> Args {
@@ -35,6 +38,7 @@ fn args() -> Args {
         batch_size: 1_000_000,
         partitions: 4,
         results: repo_root().join("benches/results/nexmark.jsonl"),
+        metrics: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
@@ -47,11 +51,12 @@ fn args() -> Args {
             }
             "--partitions" => args.partitions = value().parse().expect("--partitions N"),
             "--results" => args.results = PathBuf::from(value()),
+            "--metrics" => args.metrics = true,
             // cargo bench passes --bench; criterion-style filters are not used here.
             "--bench" => {}
             other => panic!(
                 "unknown argument {other}; use --query qN --events N --batch-size N \
-                 --partitions N --results FILE"
+                 --partitions N --results FILE [--metrics]"
             ),
         }
     }
@@ -155,6 +160,22 @@ fn main() {
         let (job, _) = sluice::job_file::load(&path, Some(Trigger::AvailableNow))
             .await
             .unwrap();
+        if args.metrics {
+            let addr = sluice::status_server::serve(
+                "127.0.0.1:0".parse().unwrap(),
+                std::sync::Arc::clone(&job.progress),
+            )
+            .await
+            .unwrap();
+            std::thread::spawn(move || {
+                loop {
+                    for path in ["/metrics", "/api/progress"] {
+                        scrape(&addr.to_string(), path);
+                    }
+                    std::thread::sleep(std::time::Duration::from_secs(1));
+                }
+            });
+        }
         let started = Instant::now();
         let summary = job.run().await.unwrap();
         (summary, started.elapsed())
@@ -176,8 +197,18 @@ fn main() {
     let n = summary.batches.len();
     let (start, middle, end) = (state_at(0), state_at(n / 2), state_at(n.saturating_sub(1)));
     println!(
-        "nexmark {}: {} events in {:.2} s over {} batch(es) of up to {} events, {} partitions",
-        args.query, args.events, secs, n, args.batch_size, args.partitions
+        "nexmark {}: {} events in {:.2} s over {} batch(es) of up to {} events, {} partitions{}",
+        args.query,
+        args.events,
+        secs,
+        n,
+        args.batch_size,
+        args.partitions,
+        if args.metrics {
+            " (status server on, scraped every second)"
+        } else {
+            ""
+        }
     );
     println!(
         "  {:.0} events/s, {:.0} events/s per core ({cores} cores)",
@@ -214,6 +245,7 @@ fn main() {
         "rows_out": summary.rows_out,
         "state_rows": [start.0, middle.0, end.0],
         "state_bytes": [start.1, middle.1, end.1],
+        "metrics": args.metrics,
     });
     if let Some(parent) = args.results.parent() {
         std::fs::create_dir_all(parent).unwrap();
@@ -226,6 +258,18 @@ fn main() {
         .unwrap();
     writeln!(file, "{record}").unwrap();
     println!("  appended to {}", args.results.display());
+}
+
+/// `GET path` on `addr`, the body read and dropped (a scrape).
+fn scrape(addr: &str, path: &str) {
+    use std::io::{Read, Write};
+    if let Ok(mut stream) = std::net::TcpStream::connect(addr) {
+        let _ = write!(
+            stream,
+            "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        );
+        let _ = stream.read_to_end(&mut Vec::new());
+    }
 }
 
 /// The repository's root folder, looked up at run time: a bench binary cached from a clone at

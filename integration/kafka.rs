@@ -359,6 +359,26 @@ impl LiveJob {
         }
     }
 
+    /// [`LiveJob::start`] serving its metrics and `/healthz` on a free port (see
+    /// `served_address_in`).
+    fn start_watched(dir: &Path, broker: &Broker, topic: &str) -> LiveJob {
+        let job = write_kafka_job(dir, broker, topic, "", EVERY_200MS);
+        let text = std::fs::read_to_string(&job).unwrap().replacen(
+            "\n\n[sources.clicks]",
+            "\nmetrics_addr = \"127.0.0.1:0\"\n\n[sources.clicks]",
+            1,
+        );
+        std::fs::write(&job, text).unwrap();
+        let log = dir.join("job.log");
+        let child = spawn_job(&job, &log);
+        LiveJob {
+            job,
+            log,
+            child,
+            out: dir.join("out"),
+        }
+    }
+
     /// Waits until its output table holds `rows` rows.
     async fn wait_for_rows(&mut self, rows: usize) {
         wait_for_rows(&self.out, rows, &mut self.child, &self.log).await;
@@ -509,19 +529,37 @@ async fn a_broker_outage_mid_run_is_waited_out_and_nothing_is_lost() {
     let partitions = [0, 1, 2, 3];
     let mut produced = Produced::default();
     produce(&broker, "payments", &partitions, 0, 600, &mut produced).await;
-    let mut live = LiveJob::start(ws.path(), &broker, "payments", "");
+    let mut live = LiveJob::start_watched(ws.path(), &broker, "payments");
     live.wait_for_rows(40).await;
+    let addr = served_address_in(&live.log_text()).expect("the job serves /healthz");
+    assert_eq!(http_get(&addr, "/healthz").0, 200);
 
     broker.stop();
+    // The driver waits for the broker: no batch is planned or committed, and /healthz says so
+    // within three trigger intervals.
+    let stopped = std::time::Instant::now();
+    while http_get(&addr, "/healthz").0 != 503 {
+        assert!(
+            stopped.elapsed() < Duration::from_secs(10),
+            "/healthz still 200 with the broker down"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     tokio::time::sleep(Duration::from_secs(10)).await;
     assert!(
         live.child.try_wait().unwrap().is_none(),
         "the job gave up while the broker was down"
     );
+    assert_eq!(http_get(&addr, "/healthz").0, 503);
     broker.restart();
     produce(&broker, "payments", &partitions, 600, 200, &mut produced).await;
 
     live.wait_for_rows(produced.good.len()).await;
+    assert_eq!(
+        http_get(&addr, "/healthz").0,
+        200,
+        "the job commits again: healthy"
+    );
     let log_text = live.log_text();
     let status = terminate(&mut live.child);
     assert!(status.success(), "{status}:\n{log_text}");

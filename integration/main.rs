@@ -19,4 +19,5 @@ mod kafka;
 mod nexmark;
 mod reconcile;
 mod side_tables;
+mod status;
 mod windows;

@@ -3,9 +3,12 @@
 #![allow(dead_code)]
 
 use std::collections::BTreeSet;
+use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::Arc;
+use std::time::Duration;
 
 use arrow::array::RecordBatch;
 use datafusion::prelude::SessionContext;
@@ -478,4 +481,48 @@ impl Background {
         let status = self.child.wait().unwrap();
         (status, self.log_text())
     }
+}
+
+/// `GET path` on `addr`: the status code and the body.
+pub fn http_get(addr: &str, path: &str) -> (u16, String) {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap();
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    // Chunked bodies: keep the chunks' data only.
+    let body = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        let mut data = String::new();
+        let mut rest = body;
+        while let Some((size, tail)) = rest.split_once("\r\n") {
+            let size = usize::from_str_radix(size.trim(), 16).unwrap();
+            if size == 0 {
+                break;
+            }
+            data.push_str(&tail[..size]);
+            rest = &tail[size + 2..];
+        }
+        data
+    } else {
+        body.to_string()
+    };
+    (status, body)
+}
+
+/// The address a `sluice run --metrics-addr` logged it serves on, once it has.
+pub fn served_address_in(log: &str) -> Option<String> {
+    let marker = "serving metrics on http://";
+    let at = log.find(marker)? + marker.len();
+    Some(log[at..].split('/').next()?.to_string())
 }

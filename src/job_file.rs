@@ -49,6 +49,9 @@ struct JobSection {
     id: String,
     #[serde(default)]
     checkpoint: Option<String>,
+    /// Where `sluice run` serves metrics and the status page (`127.0.0.1:9898`).
+    #[serde(default)]
+    metrics_addr: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -135,6 +138,8 @@ pub struct JobFileInfo {
     pub path: PathBuf,
     /// The job id.
     pub job_id: String,
+    /// `[job] metrics_addr`: where `sluice run` serves metrics and the status page.
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
 /// Splits `table` into the keys in `common` and the rest.
@@ -301,9 +306,20 @@ pub fn parse(text: &str, path: &Path, trigger: Option<Trigger>) -> Result<(Job, 
         .with_lineage(common.lineage)
         .build()
         .with_context(|| format!("job file {}", path.display()))?;
+    let metrics_addr = match &file.job.metrics_addr {
+        None => None,
+        Some(text) => Some(text.parse().map_err(|e| {
+            anyhow::anyhow!(
+                "job file {}: [job] metrics_addr = \"{text}\" is not an address like \
+                 127.0.0.1:9898: {e}",
+                path.display()
+            )
+        })?),
+    };
     let info = JobFileInfo {
         path: path.to_path_buf(),
         job_id: file.job.id,
+        metrics_addr,
     };
     Ok((job, info))
 }

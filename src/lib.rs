@@ -11,6 +11,8 @@
 //! command line over it.
 
 pub mod job_file;
+pub mod progress_display;
+pub mod status_server;
 
 pub use sluice_connectors as connectors;
 pub use sluice_engine as engine;

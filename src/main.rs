@@ -10,6 +10,7 @@ use clap::{Parser, Subcommand};
 use sluice::engine::Trigger;
 use sluice::engine::backfill::BackfillRange;
 use sluice::job_file;
+use sluice::progress_display::ProgressDisplay;
 
 /// Sluice: exactly-once micro-batch stream processing from files and Kafka to Delta tables.
 ///
@@ -38,6 +39,12 @@ enum Command {
         /// Override the job file's trigger: once | available-now | interval:<duration> (e.g. interval:5s).
         #[arg(long, value_parser = parse_trigger)]
         trigger: Option<Trigger>,
+        /// Serve, while the job runs, Prometheus metrics (/metrics), the last 100 batches'
+        /// progress (/api/progress), a health check (/healthz: 503 when no batch was planned or
+        /// committed within three trigger intervals) and a live status page (/) on this address,
+        /// e.g. 127.0.0.1:9898 (overrides `[job] metrics_addr`).
+        #[arg(long)]
+        metrics_addr: Option<std::net::SocketAddr>,
     },
     /// Show what a Delta table written by Sluice says: its version and rows, and for each job
     /// writing it the last committed batch, its end offsets, watermark, counters and consumer lag.
@@ -47,6 +54,10 @@ enum Command {
         /// How many recent commits to search for Sluice jobs.
         #[arg(long, default_value_t = 100)]
         history: usize,
+        /// Print one JSON object (version, rows, and per job its last batch and manifest) for
+        /// scripts instead of the text form.
+        #[arg(long)]
+        json: bool,
     },
     /// Rerun an offset range of a job as one bounded batch that replaces what the range covers.
     ///
@@ -168,7 +179,8 @@ const MALLOC_ARENAS: i32 = 2;
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[allow(unsafe_code)]
 fn limit_malloc_arenas() {
-    if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
+    let tuned = std::env::var("GLIBC_TUNABLES").is_ok_and(|t| t.contains("arena_max"));
+    if std::env::var_os("MALLOC_ARENA_MAX").is_none() && !tuned {
         // SAFETY: `mallopt` only sets an allocator parameter; it is called once, before the
         // runtime starts any other thread.
         unsafe {
@@ -186,7 +198,7 @@ async fn cli_main() -> ExitCode {
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| DEFAULT_LOG_FILTER.into()),
         )
-        .with_writer(std::io::stderr)
+        .with_writer(sluice::progress_display::LogWriter)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
     let cli = Cli::parse();
@@ -201,7 +213,11 @@ async fn cli_main() -> ExitCode {
 
 async fn dispatch(command: Command) -> Result<()> {
     match command {
-        Command::Run { job, trigger } => run(job, trigger).await,
+        Command::Run {
+            job,
+            trigger,
+            metrics_addr,
+        } => run(job, trigger, metrics_addr).await,
         Command::Validate { job } => validate(job).await,
         Command::Reconcile {
             job,
@@ -228,13 +244,33 @@ async fn dispatch(command: Command) -> Result<()> {
             };
             backfill(job, range, dry_run).await
         }
-        Command::Status { table, history } => status(&table, history).await,
+        Command::Status {
+            table,
+            history,
+            json,
+        } => status(&table, history, json).await,
     }
 }
 
-async fn run(path: PathBuf, trigger: Option<Trigger>) -> Result<()> {
+async fn run(
+    path: PathBuf,
+    trigger: Option<Trigger>,
+    metrics_addr: Option<std::net::SocketAddr>,
+) -> Result<()> {
     let (job, info) = job_file::load(&path, trigger).await?;
-    let summary = job.run_until(shutdown_signal()).await?;
+    if let Some(addr) = metrics_addr.or(info.metrics_addr) {
+        let bound = sluice::status_server::serve(addr, std::sync::Arc::clone(&job.progress))
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot serve metrics on {addr}: {e}"))?;
+        tracing::info!(address = %bound, "serving metrics on http://{bound}/metrics and the status page on http://{bound}/");
+    }
+    let display = matches!(job.trigger, Trigger::AvailableNow)
+        .then(|| ProgressDisplay::start(std::sync::Arc::clone(&job.progress), "available-now run"));
+    let summary = job.run_until(shutdown_signal()).await;
+    if let Some(display) = display {
+        display.finish();
+    }
+    let summary = summary?;
     let location = summary
         .location
         .clone()
@@ -310,7 +346,10 @@ fn summarize(items: &[String]) -> String {
 async fn backfill(path: PathBuf, range: BackfillRange, dry_run: bool) -> Result<()> {
     use sluice::engine::watermark::display_watermark;
     let (job, info) = job_file::load(&path, None).await?;
-    let r = job.backfill(range, dry_run).await?;
+    let display = ProgressDisplay::start(std::sync::Arc::clone(&job.progress), "backfill");
+    let r = job.backfill(range, dry_run).await;
+    display.finish();
+    let r = r?;
     let ranges: Vec<String> = r
         .spec
         .ranges
@@ -445,9 +484,13 @@ async fn reconcile(path: PathBuf, from: i64, to: i64) -> Result<()> {
     Ok(())
 }
 
-async fn status(table: &str, history: usize) -> Result<()> {
+async fn status(table: &str, history: usize, json: bool) -> Result<()> {
     let url = sluice::sinks::delta::table_url(table)?;
     let status = sluice::sinks::delta::table_status(&url, history).await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&status)?);
+        return Ok(());
+    }
     let version = status
         .version
         .map(|v| v.to_string())

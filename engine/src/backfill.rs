@@ -68,6 +68,7 @@ use crate::input::{
 use crate::job::Job;
 use crate::late::{Lateness, WINDOWS_MISSED};
 use crate::offsets::{BatchId, Offset, OffsetRange, PartitionId, plan_ranges};
+use crate::progress::Progress;
 use crate::query::BatchWatermark;
 use crate::query::StreamingQuery;
 use crate::sink::{CommitOutcome, RecomputedRows, ReplacedWindows, Replacement, Sink, TableScan};
@@ -295,7 +296,16 @@ impl Job {
                     .iter()
                     .map(|(p, a)| (p.clone(), OffsetRange::new(a.initial, a.latest)))
                     .collect();
-                offsets_in_period(source, &all, &future, &time.column, *from, *to).await?
+                offsets_in_period(
+                    source,
+                    &all,
+                    &future,
+                    &time.column,
+                    *from,
+                    *to,
+                    &self.progress,
+                )
+                .await?
             }
         };
         let backfills = checkpoint.child("backfill");
@@ -312,6 +322,7 @@ impl Job {
             ranges,
         };
         let offsets = spec.ranges.values().map(OffsetRange::len).sum();
+        self.progress.bounded_run(offsets as i64);
         // A windowed job replaces whole windows: those the range's events fall into (and those
         // its late rows missed alongside), recomputed from every committed event they hold.
         let windows = match &window {
@@ -327,6 +338,7 @@ impl Job {
                     live.then_some(live_watermark),
                     &output_schema,
                     self.sink.as_ref(),
+                    &self.progress,
                 )
                 .await?,
             ),
@@ -366,8 +378,16 @@ impl Job {
             .try_into()
             .map_err(|_| Error::InvalidJob("backfill handles jobs with one source".into()))?;
         if let Some(windows) = windows {
-            let (report, replaced, rows) =
-                recompute_windows(&source, query, report, windows, &future, &expectations).await?;
+            let (report, replaced, rows) = recompute_windows(
+                &source,
+                query,
+                report,
+                windows,
+                &future,
+                &expectations,
+                &self.progress,
+            )
+            .await?;
             return replace(
                 sink.as_ref(),
                 report,
@@ -386,6 +406,7 @@ impl Job {
             expectations,
             ranges: report.spec.ranges.clone(),
             future,
+            progress: Arc::clone(&self.progress),
             finished: std::sync::Mutex::new(None),
             failure: std::sync::Mutex::new(None),
         });
@@ -402,10 +423,10 @@ impl Job {
             Ok(report) => report,
             Err(e) => return Err(rows.take_failure().unwrap_or(e)),
         };
-        if let Some(tally) = rows.tally() {
-            report.rows_in = tally.rows_in;
-            report.rows_out = tally.rows_out;
-            report.rows_dead_lettered = tally.dead_letters.len() as u64;
+        if let Some((rows_in, rows_out, dead_lettered)) = rows.counts() {
+            report.rows_in = rows_in;
+            report.rows_out = rows_out;
+            report.rows_dead_lettered = dead_lettered;
         }
         Ok(report)
     }
@@ -453,6 +474,7 @@ struct StatelessRows {
     expectations: Expectations,
     ranges: BTreeMap<PartitionId, OffsetRange>,
     future: FutureTimes,
+    progress: Arc<Progress>,
     /// What the last run read to its end counted and dead-lettered.
     finished: std::sync::Mutex<Option<Tally>>,
     /// The error that ended the last run that failed (the sink sees it only as text).
@@ -460,7 +482,7 @@ struct StatelessRows {
 }
 
 /// What one run of a [`StatelessRows`] read and produced.
-#[derive(Default, Clone)]
+#[derive(Default)]
 struct Tally {
     rows_in: u64,
     rows_out: u64,
@@ -498,11 +520,24 @@ impl StatelessRows {
             .iter()
             .map(|b| b.num_rows() as u64)
             .sum::<u64>();
-        Ok(Some(checked.kept))
+        // In the schema the stream declares: a difference is this error, not the writer's.
+        let kept = checked
+            .kept
+            .into_iter()
+            .map(|b| RecordBatch::try_new(Arc::clone(&self.schema), b.columns().to_vec()))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        Ok(Some(kept))
     }
 
-    fn tally(&self) -> Option<Tally> {
-        self.finished.lock().ok().and_then(|t| t.clone())
+    /// Rows read, rows written and dead letters of the last run read to its end.
+    fn counts(&self) -> Option<(u64, u64, u64)> {
+        let finished = self.finished.lock().ok()?;
+        let tally = finished.as_ref()?;
+        Some((
+            tally.rows_in,
+            tally.rows_out,
+            tally.dead_letters.len() as u64,
+        ))
     }
 
     fn take_failure(&self) -> Option<Error> {
@@ -518,7 +553,7 @@ impl RecomputedRows for StatelessRows {
 
     fn output(self: Arc<Self>) -> SendableRecordBatchStream {
         let schema = Arc::clone(&self.schema);
-        let chunks = ChunkedRead::new(&self.ranges);
+        let chunks = ChunkedRead::new(&self.ranges, &self.progress);
         let state = (self, chunks, Tally::default());
         let batches =
             futures::stream::try_unfold(state, |(this, mut chunks, mut tally)| async move {
@@ -545,7 +580,7 @@ impl RecomputedRows for StatelessRows {
     }
 
     async fn dead_letters(self: Arc<Self>) -> Result<Vec<RecordBatch>> {
-        if self.tally().is_none() {
+        if self.counts().is_none() {
             // The output table already held the replacement: run once more for the letters.
             let mut output = Arc::clone(&self).output();
             while let Some(batch) = output.next().await {
@@ -554,15 +589,18 @@ impl RecomputedRows for StatelessRows {
                 }
             }
         }
-        let letters = self.tally().map(|t| t.dead_letters).unwrap_or_default();
-        if letters.is_empty() {
-            return Ok(Vec::new());
+        let finished = self
+            .finished
+            .lock()
+            .map_err(|_| Error::InvalidJob("backfill: a recomputation panicked".into()))?;
+        match finished.as_ref() {
+            Some(tally) if !tally.dead_letters.is_empty() => Ok(vec![dead_letter_batch(
+                &self.source.name,
+                BatchId(0),
+                &tally.dead_letters,
+            )?]),
+            _ => Ok(Vec::new()),
         }
-        Ok(vec![dead_letter_batch(
-            &self.source.name,
-            BatchId(0),
-            &letters,
-        )?])
     }
 }
 
@@ -595,16 +633,21 @@ impl RecomputedRows for ComputedRows {
 
 /// A range of one source read chunk by chunk, each chunk at most the source's per-batch budget
 /// (as the stream reads it), so a long range never sits in memory at once.
+/// Each read reports its pass's progress (offsets read of the pass's total) to the job's
+/// [`Progress`], for the progress bar.
 struct ChunkedRead {
     next: BTreeMap<PartitionId, Offset>,
     ends: BTreeMap<PartitionId, Offset>,
+    progress: Arc<Progress>,
 }
 
 impl ChunkedRead {
-    fn new(ranges: &BTreeMap<PartitionId, OffsetRange>) -> Self {
+    fn new(ranges: &BTreeMap<PartitionId, OffsetRange>, progress: &Arc<Progress>) -> Self {
+        progress.bounded_run(ranges.values().map(|r| r.len() as i64).sum());
         ChunkedRead {
             next: ranges.iter().map(|(p, r)| (p.clone(), r.start)).collect(),
             ends: ranges.iter().map(|(p, r)| (p.clone(), r.end)).collect(),
+            progress: Arc::clone(progress),
         }
     }
 
@@ -619,6 +662,8 @@ impl ChunkedRead {
             return Ok(None);
         }
         let read = read_source_as_opened(source, &chunk, future).await?;
+        self.progress
+            .advanced(chunk.values().map(|r| r.len() as i64).sum());
         for (p, r) in chunk {
             self.next.insert(p, r.end);
         }
@@ -652,6 +697,7 @@ async fn covered_windows(
     live_watermark: Option<Option<i64>>,
     output_schema: &arrow::datatypes::SchemaRef,
     sink: &dyn Sink,
+    progress: &Arc<Progress>,
 ) -> Result<CoveredWindows> {
     let column = [WINDOW_START, WINDOW_END]
         .into_iter()
@@ -664,7 +710,7 @@ async fn covered_windows(
             )
         })?;
     let mut starts: BTreeSet<i64> = BTreeSet::new();
-    let mut chunks = ChunkedRead::new(ranges);
+    let mut chunks = ChunkedRead::new(ranges, progress);
     while let Some((rows, _)) = chunks.next(source, future).await? {
         let times = event_times(&rows, &window.time_column)?;
         starts.extend(times.iter().flat_map(|t| window.kind.starts(*t)));
@@ -780,6 +826,7 @@ async fn recompute_windows(
     windows: CoveredWindows,
     future: &FutureTimes,
     expectations: &Expectations,
+    progress: &Arc<Progress>,
 ) -> Result<(BackfillReport, ReplacedWindows, ComputedRows)> {
     let in_range = |partition: &str, offset: i64| {
         report
@@ -795,7 +842,7 @@ async fn recompute_windows(
         .column;
     let mut letters = Vec::new();
     let mut rows_in = 0;
-    let mut chunks = ChunkedRead::new(&windows.committed);
+    let mut chunks = ChunkedRead::new(&windows.committed, progress);
     while let Some((rows, chunk_letters)) = chunks.next(source, future).await? {
         letters.extend(
             chunk_letters
@@ -914,10 +961,11 @@ async fn offsets_in_period(
     column: &str,
     from: i64,
     to: i64,
+    progress: &Arc<Progress>,
 ) -> Result<BTreeMap<PartitionId, OffsetRange>> {
     let missing = |c: &str| Error::InvalidJob(format!("backfill: rows lack the column {c}"));
     let mut found: BTreeMap<PartitionId, OffsetRange> = BTreeMap::new();
-    let mut chunks = ChunkedRead::new(ranges);
+    let mut chunks = ChunkedRead::new(ranges, progress);
     while let Some((rows, _)) = chunks.next(source, future).await? {
         let rows = rows_in_period(&rows, column, from, to)?;
         let partitions = rows

@@ -62,6 +62,7 @@ use crate::lease::{Lease, LeaseSettings};
 use crate::offsets::{
     BatchId, OffsetRange, SourceOffsets, SourceRanges, display_offsets, display_ranges, plan_ranges,
 };
+use crate::progress::{CommittedBatch, JobDescription, Progress};
 use crate::query::{BatchWatermark, QuerySettings, StreamingQuery};
 use crate::sink::{BatchCommit, CommitOutcome, Sink};
 use crate::source::DeadLetter;
@@ -137,8 +138,10 @@ impl Job {
             let _ = stop_tx.send(true);
         });
         let trigger = self.trigger;
+        let progress = Arc::clone(&self.progress);
         let result = async {
             let mut pipeline = Pipeline::open(self).await?;
+            pipeline.progress.alive();
             let driven = pipeline.drive(trigger, stop_rx).await;
             // Released whether the run ended well or not, so the next run starts at once.
             if let Err(error) = pipeline.lease.release().await {
@@ -148,6 +151,9 @@ impl Job {
         }
         .await;
         watcher.abort();
+        if let Err(error) = &result {
+            progress.failed(&error.to_string());
+        }
         result
     }
 
@@ -240,6 +246,8 @@ struct Pipeline {
     /// Partitions behind their committed end offset (already reported), by that end.
     behind: SourceOffsets,
     summary: RunSummary,
+    /// What the operator sees of the run (metrics, status page).
+    progress: Arc<Progress>,
 }
 
 /// One batch on its way through the steps: its intent, what it has produced so far, and how
@@ -254,6 +262,8 @@ struct Batch {
     /// Per source and partition, the newest event time among the rows read.
     max_event_time: SourceOffsets,
     counters: BatchCounters,
+    /// Rows read, per source.
+    rows_in_by_source: BTreeMap<String, u64>,
     dead_letters: Vec<RecordBatch>,
     late: Vec<RecordBatch>,
     times: StepTimes,
@@ -288,6 +298,7 @@ impl Batch {
             end_offsets,
             max_event_time: SourceOffsets::new(),
             counters: BatchCounters::default(),
+            rows_in_by_source: BTreeMap::new(),
             dead_letters: Vec::new(),
             late: Vec::new(),
             times: StepTimes::default(),
@@ -313,8 +324,24 @@ impl Pipeline {
             keep_batches,
             expectations,
             max_dead_letter_fraction,
+            progress,
+            trigger,
             ..
         } = job;
+        progress.describe(JobDescription {
+            job_id: job_id.clone(),
+            sources: sources.iter().map(|s| s.name.clone()).collect(),
+            sink: sink.location().to_string(),
+            trigger: trigger.to_string(),
+            interval: match trigger {
+                Trigger::Interval(every) => Some(every),
+                _ => None,
+            },
+            expectations: expectations
+                .iter()
+                .map(|e| (e.name.clone(), e.on_failure.as_str().to_string()))
+                .collect(),
+        });
         let (sources, mut query) =
             open_sources_and_query(sources, &sql, &settings, &checkpoint, false).await?;
         let expectations = Expectations::plan(&expectations, &query.output_schema())?;
@@ -378,6 +405,7 @@ impl Pipeline {
             watermark,
             behind,
             summary,
+            progress,
         })
     }
 
@@ -390,7 +418,8 @@ impl Pipeline {
                 }
             }
             Trigger::AvailableNow => {
-                let target = self.latest_offsets().await?;
+                let (target, to_read) = self.latest_offsets().await?;
+                self.progress.bounded_run(to_read);
                 while !*stop.borrow() {
                     let Some(intent) = self.plan(Some(&target)).await? else {
                         break;
@@ -418,16 +447,27 @@ impl Pipeline {
         Ok(())
     }
 
-    async fn latest_offsets(&self) -> Result<SourceOffsets> {
+    /// The sources' latest offsets (an available-now run's target), and how many offsets lie
+    /// between the committed ones and them.
+    async fn latest_offsets(&self) -> Result<(SourceOffsets, i64)> {
         let mut latest = SourceOffsets::new();
+        let mut to_read = 0;
         for s in &self.sources {
             let available = s.source.available().await?;
+            let committed = self.committed.get(&s.name);
+            for (p, a) in &available {
+                let from = committed
+                    .and_then(|c| c.get(p))
+                    .copied()
+                    .unwrap_or(a.initial);
+                to_read += (a.latest - from).max(0);
+            }
             latest.insert(
                 s.name.clone(),
                 available.into_iter().map(|(p, a)| (p, a.latest)).collect(),
             );
         }
-        Ok(latest)
+        Ok((latest, to_read))
     }
 
     /// Step 1–2: the next batch's ranges — a pending intent if a crashed run left one, else
@@ -445,6 +485,7 @@ impl Pipeline {
         }
         let mut ranges = SourceRanges::new();
         let mut skipped = Vec::new();
+        let mut lag = SourceOffsets::new();
         for s in &self.sources {
             let available = s.source.available().await?;
             let committed = self.committed.get(&s.name);
@@ -481,11 +522,24 @@ impl Pipeline {
                 start.insert(p.clone(), from);
                 latest.insert(p, to.max(from));
             }
+            lag.insert(
+                s.name.clone(),
+                start
+                    .iter()
+                    .map(|(p, from)| {
+                        (
+                            p.clone(),
+                            (seen.get(p).copied().unwrap_or(*from) - from).max(0),
+                        )
+                    })
+                    .collect(),
+            );
             ranges.insert(
                 s.name.clone(),
                 plan_ranges(&start, &latest, s.source.max_per_batch()),
             );
         }
+        self.progress.planned(lag);
         let planned = ranges.iter().flat_map(|(source, parts)| {
             parts
                 .iter()
@@ -578,6 +632,9 @@ impl Pipeline {
                 });
             }
             batch.counters.rows_in += rows.num_rows() as u64;
+            batch
+                .rows_in_by_source
+                .insert(s.name.clone(), rows.num_rows() as u64);
             batch.counters.rows_dead_lettered += letters.len() as u64;
             if !letters.is_empty() {
                 batch
@@ -606,6 +663,7 @@ impl Pipeline {
             }
         }
         batch.times.read = t.elapsed();
+        self.progress.alive();
         Ok(inputs)
     }
 
@@ -687,6 +745,7 @@ impl Pipeline {
         batch.counters.rows_dead_lettered += output.failed.len() as u64;
         batch.counters.rows_out = output.batches.iter().map(|b| b.num_rows() as u64).sum();
         batch.times.execute = t.elapsed();
+        self.progress.alive();
         Ok(output.batches)
     }
 
@@ -819,6 +878,7 @@ impl Pipeline {
         }
         crash_point("after_manifest", id);
         batch.times.checkpoint = t.elapsed();
+        self.progress.alive();
         Ok(in_force)
     }
 
@@ -885,6 +945,7 @@ impl Pipeline {
             started,
             counters,
             times,
+            rows_in_by_source,
             ..
         } = batch;
         watermark.saw_data(
@@ -913,10 +974,45 @@ impl Pipeline {
             state_rows: counters.state_rows,
             state_bytes: counters.state_bytes,
         });
-        let (files, bytes) = match outcome {
-            CommitOutcome::Committed { files, bytes, .. } => (files, bytes),
-            CommitOutcome::AlreadyCommitted => (0, 0),
+        let (files, bytes, version) = match outcome {
+            CommitOutcome::Committed {
+                files,
+                bytes,
+                version,
+                ..
+            } => (files, bytes, version),
+            CommitOutcome::AlreadyCommitted => (0, 0, None),
         };
+        let duration = started.elapsed();
+        self.progress.committed(CommittedBatch {
+            batch_id: intent.batch_id.0,
+            started_at: chrono::Utc::now()
+                - chrono::Duration::from_std(duration).unwrap_or_default(),
+            duration,
+            phases: [
+                times.read,
+                times.execute,
+                times.checkpoint,
+                times.commit + times.purge,
+            ],
+            rows_in: rows_in_by_source,
+            rows_out: counters.rows_out,
+            rows_dead_lettered: counters.rows_dead_lettered + counters.rows_quarantined,
+            rows_late: counters.rows_late,
+            watermark_micros: manifest.watermark_micros,
+            lag: manifest.lag.clone(),
+            state_rows: counters.state_rows,
+            state_bytes: counters.state_bytes,
+            table_version: version,
+            commit_conflicts: self.sink.commit_conflicts(),
+            expectations: counters.expectations.clone(),
+            offsets_read: intent
+                .ranges
+                .values()
+                .flat_map(|parts| parts.values())
+                .map(|r| r.len() as i64)
+                .sum(),
+        });
         info!(
             job_id = %self.job_id,
             batch_id = intent.batch_id.0,

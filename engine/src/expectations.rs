@@ -57,6 +57,18 @@ pub enum OnFailure {
     Fail,
 }
 
+impl OnFailure {
+    /// The action as a job file spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnFailure::Warn => "warn",
+            OnFailure::Drop => "drop",
+            OnFailure::Quarantine => "quarantine",
+            OnFailure::Fail => "fail",
+        }
+    }
+}
+
 impl FromStr for OnFailure {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {

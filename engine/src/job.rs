@@ -5,6 +5,7 @@
 
 use std::fmt;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use url::Url;
@@ -12,6 +13,7 @@ use url::Url;
 use crate::error::{Error, Result};
 use crate::event_time::EventTimeConfig;
 use crate::expectations::Expectation;
+use crate::progress::Progress;
 use crate::sink::{OutputMode, Sink};
 use crate::source::Source;
 
@@ -102,6 +104,9 @@ pub struct Job {
     /// A batch whose dead letters exceed this share of the records it read (and number more
     /// than [`DEAD_LETTER_BREAKER_MIN`]) fails instead of committing.
     pub max_dead_letter_fraction: f64,
+    /// Where the running job reports its progress (read it from another task: the `sluice`
+    /// binary serves it as metrics and a status page).
+    pub progress: Arc<Progress>,
 }
 
 /// Dead letters a batch may always hold, whatever their share: the circuit breaker is for a
@@ -327,6 +332,7 @@ impl JobBuilder {
             state_ttl: self.state_ttl,
             expectations: self.expectations,
             max_dead_letter_fraction: self.max_dead_letter_fraction,
+            progress: Arc::new(Progress::default()),
         })
     }
 }

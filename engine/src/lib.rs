@@ -38,6 +38,7 @@ pub mod late;
 pub mod lease;
 pub mod location;
 pub mod offsets;
+pub mod progress;
 pub mod query;
 pub mod reconcile;
 pub mod schema;

@@ -149,6 +149,8 @@ pub enum CommitOutcome {
         files: u64,
         /// Bytes of data files added.
         bytes: u64,
+        /// The output table's version after the commit, if the sink has versions.
+        version: Option<i64>,
     },
     /// The table already held this batch (a rerun after a crash right after the commit).
     AlreadyCommitted,
@@ -219,6 +221,12 @@ pub trait Sink: Send + Sync {
     async fn side_table_batches(&self, job_id: &str) -> Result<Vec<SideTableBatch>> {
         let _ = job_id;
         Ok(Vec::new())
+    }
+
+    /// Commits this sink retried because a concurrent writer committed first, since it was
+    /// created.
+    fn commit_conflicts(&self) -> u64 {
+        0
     }
 
     /// Every row of the output table, read without writing anything. For reconciliation.

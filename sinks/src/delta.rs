@@ -107,6 +107,8 @@ pub struct DeltaSink {
     job_id: String,
     /// Update mode: the columns output rows are merged on.
     merge_key: Option<Vec<String>>,
+    /// Commits retried after a conflict, over the three tables.
+    conflicts: Arc<AtomicU64>,
 }
 
 /// One Delta table: what it is for, where it is, and its latest loaded state.
@@ -116,6 +118,8 @@ struct TableHandle {
     role: &'static str,
     url: Url,
     table: Mutex<Option<DeltaTable>>,
+    /// Commits retried after a conflict, over the sink's tables.
+    conflicts: Arc<AtomicU64>,
 }
 
 impl DeltaSink {
@@ -143,10 +147,12 @@ impl DeltaSink {
                 SinkError::Config(format!("target_file_size '{text}' must be above zero"))
             })?),
         };
+        let conflicts = Arc::new(AtomicU64::new(0));
         Ok(DeltaSink {
-            output: TableHandle::new("output", output),
-            dead_letters: TableHandle::new("dead-letter", dead),
-            late: TableHandle::new("late", late),
+            output: TableHandle::new("output", output, &conflicts),
+            dead_letters: TableHandle::new("dead-letter", dead, &conflicts),
+            late: TableHandle::new("late", late, &conflicts),
+            conflicts,
             target_file_size,
             job_id: String::new(),
             merge_key: None,
@@ -165,11 +171,12 @@ impl DeltaSink {
 }
 
 impl TableHandle {
-    fn new(role: &'static str, url: Url) -> Self {
+    fn new(role: &'static str, url: Url, conflicts: &Arc<AtomicU64>) -> Self {
         TableHandle {
             role,
             url,
             table: Mutex::new(None),
+            conflicts: Arc::clone(conflicts),
         }
     }
 
@@ -529,14 +536,21 @@ impl TableHandle {
                         table.update_state().await.map_err(|e| self.err(e))?;
                     }
                     let (files, bytes) = self.added_files(&table).await?;
-                    *self.table.lock().await = Some(table);
                     let rows = written.load(SeqCst);
-                    return Ok(CommitOutcome::Committed { rows, files, bytes });
+                    let version = table.version().and_then(|v| i64::try_from(v).ok());
+                    *self.table.lock().await = Some(table);
+                    return Ok(CommitOutcome::Committed {
+                        rows,
+                        files,
+                        bytes,
+                        version,
+                    });
                 }
                 Err(e) => {
                     if !retry.again(&e).await {
                         return Err(self.err(e));
                     }
+                    self.conflicts.fetch_add(1, SeqCst);
                 }
             }
         }
@@ -618,6 +632,7 @@ impl TableHandle {
                     if !conflict {
                         return Err(e);
                     }
+                    self.conflicts.fetch_add(1, SeqCst);
                 }
             }
         }
@@ -700,7 +715,6 @@ fn timestamp(micros: i64) -> String {
     format!("arrow_cast('{text}', 'Timestamp(Microsecond, Some(\"UTC\"))')")
 }
 
-/// `(_source_partition = '0' AND _source_offset >= 10 AND _source_offset < 20) OR …`; `false`
 /// The rows a replacement writes.
 enum NewRows<'a> {
     /// Rows in memory.
@@ -759,6 +773,7 @@ impl PartitionStream for ReadOnce {
     }
 }
 
+/// `(_source_partition = '0' AND _source_offset >= 10 AND _source_offset < 20) OR …`; `false`
 /// when every range is empty.
 fn lineage_predicate(ranges: &BTreeMap<PartitionId, OffsetRange>) -> String {
     let parts: Vec<String> = ranges
@@ -992,6 +1007,10 @@ impl Sink for DeltaSink {
         Ok(out)
     }
 
+    fn commit_conflicts(&self) -> u64 {
+        self.conflicts.load(SeqCst)
+    }
+
     async fn read_output(&self) -> sluice_engine::Result<Vec<RecordBatch>> {
         Ok(self.output.read(&TableScan::all()).await?)
     }
@@ -1060,7 +1079,20 @@ impl Sink for DeltaSink {
         else {
             return Ok(CommitOutcome::AlreadyCommitted);
         };
-        Ok(CommitOutcome::Committed { rows, files, bytes })
+        let version = self
+            .output
+            .table
+            .lock()
+            .await
+            .as_ref()
+            .and_then(|t| t.version())
+            .and_then(|v| i64::try_from(v).ok());
+        Ok(CommitOutcome::Committed {
+            rows,
+            files,
+            bytes,
+            version,
+        })
     }
 }
 
@@ -1092,7 +1124,7 @@ fn row_count(table: &DeltaTable) -> deltalake::DeltaResult<u64> {
 }
 
 /// What a table says about one job that writes it.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize)]
 pub struct JobStatus {
     /// The job id (the txn app id).
     pub job_id: String,
@@ -1103,7 +1135,7 @@ pub struct JobStatus {
 }
 
 /// What `sluice status` shows about a table.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize)]
 pub struct TableStatus {
     /// The table's Delta version.
     pub version: Option<u64>,
