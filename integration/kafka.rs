@@ -349,14 +349,7 @@ impl LiveJob {
     /// Writes the job file into `dir` (see [`write_kafka_job`]) and starts `sluice run` on it.
     fn start(dir: &Path, broker: &Broker, topic: &str, extra: &str) -> LiveJob {
         let job = write_kafka_job(dir, broker, topic, extra, EVERY_200MS);
-        let log = dir.join("job.log");
-        let child = spawn_job(&job, &log);
-        LiveJob {
-            job,
-            log,
-            child,
-            out: dir.join("out"),
-        }
+        LiveJob::spawn(dir, job)
     }
 
     /// [`LiveJob::start`] serving its metrics and `/healthz` on a free port (see
@@ -369,6 +362,11 @@ impl LiveJob {
             1,
         );
         std::fs::write(&job, text).unwrap();
+        LiveJob::spawn(dir, job)
+    }
+
+    /// Starts `sluice run` on the job file `job` written into `dir`.
+    fn spawn(dir: &Path, job: String) -> LiveJob {
         let log = dir.join("job.log");
         let child = spawn_job(&job, &log);
         LiveJob {
