@@ -40,8 +40,8 @@ enum Command {
         #[arg(long, value_parser = parse_trigger)]
         trigger: Option<Trigger>,
         /// Serve, while the job runs, Prometheus metrics (/metrics), the last 100 batches'
-        /// progress (/api/progress), a health check (/healthz: 503 when no batch was planned or
-        /// committed within three trigger intervals) and a live status page (/) on this address,
+        /// progress (/api/progress), a health check (/healthz: 503 when the driver neither
+        /// planned nor progressed within three trigger intervals) and a live status page (/) on this address,
         /// e.g. 127.0.0.1:9898 (overrides `[job] metrics_addr`).
         #[arg(long)]
         metrics_addr: Option<std::net::SocketAddr>,
