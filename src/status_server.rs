@@ -4,12 +4,13 @@
 //! - `/api/progress` — the last 100 batches' progress records, a JSON array;
 //! - `/api/job` — what the job is (sources, sink, trigger), the last error, a bounded run's
 //!   offsets done and in all;
-//! - `/healthz` — 200 while the driver loop plans or commits within its allowance
+//! - `/healthz` — 200 while the driver loop plans, progresses or commits within its allowance
 //!   ([`Progress::health`]), 503 with the reason otherwise;
 //! - `/` — the status page: one self-contained HTML file that polls the two APIs and draws its
 //!   charts as inline SVG (no build step, nothing fetched from elsewhere).
 //!
-//! The server only reads the shared [`Progress`]; the job never waits for it.
+//! The server only reads the shared [`Progress`]; the job waits at most while one scrape's text
+//! is rendered under its lock.
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -13,7 +13,8 @@
 //! Reading streams: the source is read in chunks of its per-batch budget, and nothing is held
 //! beyond what the result needs — a stateless backfill streams its recomputed rows into the
 //! sink's writer chunk by chunk (the sink runs the recomputation again if its commit loses a
-//! race, see [`RecomputedRows`]), so it holds one chunk; a windowed one holds
+//! race, see [`RecomputedRows`]), so it holds one chunk and the range's dead letters; a windowed
+//! one holds
 //! the state of the windows it recomputes, reading every committed offset but keeping only the
 //! rows of those windows; resolving an event-time range keeps nothing but offsets; of the side
 //! tables only the columns and rows needed are read. Memory is independent of how much data the
@@ -465,8 +466,8 @@ async fn replace(
 
 /// A stateless backfill's rows: its range read chunk by chunk (the source's per-batch budget),
 /// each chunk run through the query and the expectations as a streamed batch is, and handed to
-/// the sink's writer before the next is read — one chunk is in memory at a time, however long
-/// the range.
+/// the sink's writer before the next is read — one chunk (and the dead letters so far) is in
+/// memory, however long the range.
 struct StatelessRows {
     schema: SchemaRef,
     source: OpenSource,

@@ -62,7 +62,7 @@ use crate::lease::{Lease, LeaseSettings};
 use crate::offsets::{
     BatchId, OffsetRange, SourceOffsets, SourceRanges, display_offsets, display_ranges, plan_ranges,
 };
-use crate::progress::{CommittedBatch, JobDescription, Progress};
+use crate::progress::{CommittedBatch, Progress};
 use crate::query::{BatchWatermark, QuerySettings, StreamingQuery};
 use crate::sink::{BatchCommit, CommitOutcome, Sink};
 use crate::source::DeadLetter;
@@ -325,23 +325,8 @@ impl Pipeline {
             expectations,
             max_dead_letter_fraction,
             progress,
-            trigger,
             ..
         } = job;
-        progress.describe(JobDescription {
-            job_id: job_id.clone(),
-            sources: sources.iter().map(|s| s.name.clone()).collect(),
-            sink: sink.location().to_string(),
-            trigger: trigger.to_string(),
-            interval: match trigger {
-                Trigger::Interval(every) => Some(every),
-                _ => None,
-            },
-            expectations: expectations
-                .iter()
-                .map(|e| (e.name.clone(), e.on_failure.as_str().to_string()))
-                .collect(),
-        });
         let (sources, mut query) =
             open_sources_and_query(sources, &sql, &settings, &checkpoint, false).await?;
         let expectations = Expectations::plan(&expectations, &query.output_schema())?;
@@ -480,6 +465,7 @@ impl Pipeline {
         self.lease.verify().await?;
         self.latest_at_plan.clear();
         if let Some(intent) = self.checkpoint.read_intent(self.next_batch).await? {
+            self.progress.alive();
             info!(batch_id = intent.batch_id.0, ranges = %display_ranges(&intent.ranges), "rerunning the intent of an uncommitted batch");
             return Ok(Some(intent));
         }

@@ -13,7 +13,7 @@ use url::Url;
 use crate::error::{Error, Result};
 use crate::event_time::EventTimeConfig;
 use crate::expectations::Expectation;
-use crate::progress::Progress;
+use crate::progress::{JobDescription, Progress};
 use crate::sink::{OutputMode, Sink};
 use crate::source::Source;
 
@@ -317,6 +317,21 @@ impl JobBuilder {
                 self.max_dead_letter_fraction
             )));
         }
+        let progress = Progress::new(JobDescription {
+            job_id: self.id.clone(),
+            sources: self.sources.iter().map(|s| s.name.clone()).collect(),
+            sink: sink.location().to_string(),
+            trigger: self.trigger.to_string(),
+            interval: match self.trigger {
+                Trigger::Interval(every) => Some(every),
+                _ => None,
+            },
+            expectations: self
+                .expectations
+                .iter()
+                .map(|e| (e.name.clone(), e.on_failure.as_str().to_string()))
+                .collect(),
+        });
         Ok(Job {
             id: self.id,
             sources: self.sources,
@@ -332,7 +347,7 @@ impl JobBuilder {
             state_ttl: self.state_ttl,
             expectations: self.expectations,
             max_dead_letter_fraction: self.max_dead_letter_fraction,
-            progress: Arc::new(Progress::default()),
+            progress: Arc::new(progress),
         })
     }
 }

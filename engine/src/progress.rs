@@ -1,9 +1,9 @@
 //! What a running job tells its operator: a progress record per committed batch (the last
 //! [`KEPT_BATCHES`]), running totals, and whether the driver loop is alive.
 //!
-//! The driver writes into a [`Progress`] at two points — when it plans a batch (the consumer lag
-//! it saw) and when a batch has committed — and anything holding the same `Arc<Progress>` reads
-//! it: the `sluice` binary serves it over HTTP (`/metrics` in Prometheus' text format,
+//! The driver writes into a [`Progress`] when it plans (the consumer lag it saw), when it
+//! finishes a step of a batch (it is alive) and when a batch has committed (backfill: per chunk
+//! read), and anything holding the same `Arc<Progress>` reads it: the `sluice` binary serves it over HTTP (`/metrics` in Prometheus' text format,
 //! `/api/progress`, `/healthz`) and draws a progress bar for bounded runs. Counters only move
 //! when a batch commits, so they equal what the committed batches hold; nothing here is written
 //! to the checkpoint, and a restarted process starts its counters at zero (Prometheus'
@@ -277,19 +277,6 @@ impl Progress {
         })
     }
 
-    /// Says what the job is (the driver, once it has opened it).
-    pub(crate) fn describe(&self, job: JobDescription) {
-        self.with(|s| {
-            for source in &job.sources {
-                s.rows_in.entry(source.clone()).or_default();
-            }
-            for expectation in job.expectations.keys() {
-                s.expectation_rows.entry(expectation.clone()).or_default();
-            }
-            s.job = job;
-        });
-    }
-
     /// The driver started, or finished a step of a batch: it counts as alive from now.
     pub(crate) fn alive(&self) {
         self.with(|s| s.alive_at = Some(Instant::now()));
@@ -506,8 +493,9 @@ impl Progress {
                 ),
                 (
                     "sluice_last_committed_batch",
-                    "Id of the last batch committed (-1 before the first).",
-                    s.last_committed_batch.map_or(-1.0, |b| b as f64),
+                    "Id of the last batch committed (0 before the first too: see \
+                     sluice_batches_committed_total).",
+                    s.last_committed_batch.map_or(0.0, |b| b as f64),
                 ),
                 (
                     "sluice_state_rows",
@@ -521,8 +509,8 @@ impl Progress {
                 ),
                 (
                     "sluice_table_version",
-                    "The output table's version after the last commit (-1 before the first).",
-                    s.table_version.map_or(-1.0, |v| v as f64),
+                    "The output table's version after the last commit (0 before the first).",
+                    s.table_version.map_or(0.0, |v| v as f64),
                 ),
             ] {
                 family(&mut out, name, "gauge", help);
@@ -621,7 +609,7 @@ mod tests {
             "sluice_rows_in_total{job=\"clicks\",source=\"clicks\"} 0",
             "sluice_batch_duration_seconds_count{job=\"clicks\"} 0",
             "sluice_batch_phase_seconds_count{job=\"clicks\",phase=\"read\"} 0",
-            "sluice_last_committed_batch{job=\"clicks\"} -1",
+            "sluice_last_committed_batch{job=\"clicks\"} 0",
             "# TYPE sluice_source_lag gauge",
         ] {
             assert!(text.contains(family), "{family} missing from\n{text}");
