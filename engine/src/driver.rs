@@ -471,7 +471,7 @@ impl Pipeline {
         }
         let mut ranges = SourceRanges::new();
         let mut skipped = Vec::new();
-        let mut lag = SourceOffsets::new();
+        let mut starts = SourceOffsets::new();
         for s in &self.sources {
             let available = s.source.available().await?;
             let committed = self.committed.get(&s.name);
@@ -508,24 +508,14 @@ impl Pipeline {
                 start.insert(p.clone(), from);
                 latest.insert(p, to.max(from));
             }
-            lag.insert(
-                s.name.clone(),
-                start
-                    .iter()
-                    .map(|(p, from)| {
-                        (
-                            p.clone(),
-                            (seen.get(p).copied().unwrap_or(*from) - from).max(0),
-                        )
-                    })
-                    .collect(),
-            );
+            starts.insert(s.name.clone(), start.clone());
             ranges.insert(
                 s.name.clone(),
                 plan_ranges(&start, &latest, s.source.max_per_batch()),
             );
         }
-        self.progress.planned(lag);
+        self.progress
+            .planned(consumer_lag(&self.latest_at_plan, &starts));
         let planned = ranges.iter().flat_map(|(source, parts)| {
             parts
                 .iter()
