@@ -452,7 +452,7 @@ impl TableHandle {
         predicate: &str,
         properties: impl Fn() -> CommitProperties,
     ) -> Result<CommitOutcome> {
-        let mut retry = ConflictRetry::new(&self.url, format!("replacement {app_id}"));
+        let mut retry = ConflictRetry::new(self, format!("replacement {app_id}"));
         loop {
             let table = self.latest().await?;
             if self.txn_version(&table, app_id).await? == Some(0) {
@@ -550,7 +550,6 @@ impl TableHandle {
                     if !retry.again(&e).await {
                         return Err(self.err(e));
                     }
-                    self.conflicts.fetch_add(1, SeqCst);
                 }
             }
         }
@@ -583,7 +582,7 @@ impl TableHandle {
         write: BatchWrite<'_>,
         in_sequence: bool,
     ) -> Result<Option<(u64, u64, u64)>> {
-        let mut retry = ConflictRetry::new(&self.url, format!("batch {}", batch_id.0));
+        let mut retry = ConflictRetry::new(self, format!("batch {}", batch_id.0));
         loop {
             let table = self.latest().await?;
             let found = self.txn_version(&table, job_id).await?;
@@ -632,7 +631,6 @@ impl TableHandle {
                     if !conflict {
                         return Err(e);
                     }
-                    self.conflicts.fetch_add(1, SeqCst);
                 }
             }
         }
@@ -669,21 +667,24 @@ const MAX_CONFLICT_TRIES: u32 = 20;
 
 /// The backoff of a commit that delta-rs rejected because a concurrent commit conflicts with
 /// it (the live job and a backfill racing): 100 ms doubling to 5 s, at most
-/// [`MAX_CONFLICT_TRIES`] tries. Shared by appends and replacements.
+/// [`MAX_CONFLICT_TRIES`] tries. Shared by appends and replacements; each retry is counted in
+/// the sink's conflict counter.
 struct ConflictRetry {
     table: String,
     what: String,
     attempt: u32,
     delay: std::time::Duration,
+    conflicts: Arc<AtomicU64>,
 }
 
 impl ConflictRetry {
-    fn new(table: &Url, what: String) -> Self {
+    fn new(table: &TableHandle, what: String) -> Self {
         ConflictRetry {
-            table: table.to_string(),
+            table: table.url.to_string(),
             what,
             attempt: 0,
             delay: std::time::Duration::from_millis(100),
+            conflicts: Arc::clone(&table.conflicts),
         }
     }
 
@@ -699,6 +700,7 @@ impl ConflictRetry {
         if !conflict || self.attempt >= MAX_CONFLICT_TRIES {
             return false;
         }
+        self.conflicts.fetch_add(1, SeqCst);
         warn!(table = %self.table, what = %self.what, attempt = self.attempt, retry_in_ms = self.delay.as_millis() as u64, %error, "commit conflicted with a concurrent commit; retrying on the new version");
         tokio::time::sleep(self.delay).await;
         self.delay = (self.delay * 2).min(std::time::Duration::from_secs(5));
