@@ -1,14 +1,15 @@
 //! Decoding records of text (JSON objects, CSV rows) into Arrow, shared by the sources.
 //!
 //! A source hands over a buffer and the spans of its records (lines of a file, values of Kafka
-//! messages). They are decoded in one go; if that fails, the spans are split in halves until each
-//! bad record is alone, so one bad record costs a few extra decodes, never the batch, and every
+//! messages). They are decoded in runs of [`DECODE_ROWS`], the runs in parallel; if a run fails,
+//! its spans are split in halves until each bad record is alone, so one bad record costs a few extra decodes, never the batch, and every
 //! good record is kept in order. Inference of a missing schema is `crate::infer`'s.
 
 use std::sync::Arc;
 
 use arrow::array::{Array, ArrayRef, AsArray, PrimitiveArray, RecordBatch, StringArray};
 use arrow::datatypes::{ArrowPrimitiveType, DataType, Field, Schema, SchemaRef};
+use rayon::prelude::*;
 
 /// A line of a file: 1-based number and byte span (without the newline).
 #[derive(Debug, Clone, Copy)]
@@ -45,21 +46,36 @@ pub(crate) type Decoded = (
 /// working memory stays small whatever the file's size.
 pub(crate) const DECODE_ROWS: usize = 8192;
 
-/// Decodes `lines` in runs of [`DECODE_ROWS`], splitting a run in halves around failures until
-/// each bad line is alone. Returns decoded batches with their line numbers, in file order, and
-/// the bad lines.
+/// Decodes `lines` in runs of [`DECODE_ROWS`], the runs in parallel (rayon), splitting a run in
+/// halves around failures until each bad line is alone. Returns decoded batches with their line
+/// numbers, in file order, and the bad lines, in file order.
 pub(crate) fn decode_lines(
     bytes: &[u8],
     lines: &[Line],
-    decode: impl Fn(&[Line]) -> std::result::Result<RecordBatch, String>,
+    decode: impl Fn(&[Line]) -> std::result::Result<RecordBatch, String> + Sync,
+) -> Decoded {
+    let runs: Vec<Decoded> = lines
+        .par_chunks(DECODE_ROWS)
+        .map(|run| decode_run(bytes, run, &decode))
+        .collect();
+    let mut good = Vec::new();
+    let mut bad = Vec::new();
+    for (run_good, run_bad) in runs {
+        good.extend(run_good);
+        bad.extend(run_bad);
+    }
+    (good, bad)
+}
+
+/// [`decode_lines`] of one run, split in halves around failures.
+fn decode_run(
+    bytes: &[u8],
+    lines: &[Line],
+    decode: &impl Fn(&[Line]) -> std::result::Result<RecordBatch, String>,
 ) -> Decoded {
     let mut good = Vec::new();
     let mut bad = Vec::new();
-    let mut pending: Vec<(usize, usize)> = (0..lines.len())
-        .step_by(DECODE_ROWS)
-        .map(|from| (from, (from + DECODE_ROWS).min(lines.len())))
-        .rev()
-        .collect();
+    let mut pending: Vec<(usize, usize)> = vec![(0, lines.len())];
     while let Some((from, to)) = pending.pop() {
         if from == to {
             continue;

@@ -19,9 +19,11 @@
 //!
 //! ## Decoding
 //! JSON and CSV files hold one record per line (`.gz` files are decompressed). A file is decoded
-//! in one go; if that fails, its lines are split in halves until each bad line is found, which
-//! becomes a dead letter (`file.json:17`, the raw line, the decoder's error) while every good line
-//! is kept. Files of one batch are decoded in parallel with rayon. Parquet files are decoded and
+//! in runs of lines; if a run fails, its lines are split in halves until each bad line is found,
+//! which becomes a dead letter (`file.json:17`, the raw line, the decoder's error) while every
+//! good line is kept. A batch's files are fetched in groups of a few megabytes (one large file
+//! alone), the group's files and each file's runs decoded in parallel with rayon, and the
+//! group's bytes released before the next is fetched. Parquet files are decoded and
 //! conformed to the schema by column name; a file that cannot be read is one dead letter.
 //!
 //! ## Schema
@@ -573,27 +575,29 @@ impl Source for FilesSource {
                 .map(|o| (o, log.files[o as usize].clone()))
                 .collect()
         };
-        let fetched = futures::future::try_join_all(
-            files.iter().map(|(offset, file)| self.fetch(file, *offset)),
-        )
-        .await
-        .map_err(wrap)?;
         // Decoded with the schema in force; under `add_columns`, fields it lacks grow it (the
-        // growth recorded first) and the files are decoded again with the grown schema.
+        // growth recorded first) and the files are read again with the grown schema.
         for _ in 0..MAX_EVOLUTIONS_PER_READ {
             let schema = opened.data_schema().await;
-            let decoded: Vec<Result<SourceRead>> = files
-                .par_iter()
-                .zip(fetched.par_iter())
-                .map(|((offset, file), bytes)| {
-                    self.decode(&schema, opened.evolution, file, *offset, bytes.clone())
-                })
-                .collect();
             let mut read = SourceRead::default();
-            for part in decoded {
-                let part = part.map_err(wrap)?;
-                read.batches.extend(part.batches);
-                read.dead_letters.extend(part.dead_letters);
+            for group in read_groups(&files) {
+                let fetched = futures::future::try_join_all(
+                    group.iter().map(|(offset, file)| self.fetch(file, *offset)),
+                )
+                .await
+                .map_err(wrap)?;
+                let decoded: Vec<Result<SourceRead>> = group
+                    .par_iter()
+                    .zip(fetched)
+                    .map(|((offset, file), bytes)| {
+                        self.decode(&schema, opened.evolution, file, *offset, bytes)
+                    })
+                    .collect();
+                for part in decoded {
+                    let part = part.map_err(wrap)?;
+                    read.batches.extend(part.batches);
+                    read.dead_letters.extend(part.dead_letters);
+                }
             }
             let new = fields_to_add(opened.evolution, &schema, &read.dead_letters, &[]);
             let Some(new) = new.map_err(wrap)? else {
@@ -628,6 +632,29 @@ impl Source for FilesSource {
     fn max_per_batch(&self) -> Option<u64> {
         Some(self.config.max_files_per_batch.max(1))
     }
+}
+
+/// File bytes a read holds at once: a read's files are fetched and decoded in groups of about
+/// this many bytes (at least one file each), each group's bytes released once it is decoded, so
+/// a batch of large files holds about one file's text beside its rows, while small files are
+/// still fetched together and decoded in parallel.
+const READ_GROUP_BYTES: u64 = 8 * 1024 * 1024;
+
+/// `files` in order, cut into consecutive groups of about [`READ_GROUP_BYTES`].
+fn read_groups(files: &[(i64, RecordedFile)]) -> Vec<&[(i64, RecordedFile)]> {
+    let mut groups = Vec::new();
+    let (mut start, mut bytes) = (0, 0);
+    for (i, (_, file)) in files.iter().enumerate() {
+        bytes += file.size;
+        if bytes >= READ_GROUP_BYTES {
+            groups.push(&files[start..=i]);
+            (start, bytes) = (i + 1, 0);
+        }
+    }
+    if start < files.len() {
+        groups.push(&files[start..]);
+    }
+    groups
 }
 
 /// Lists a local directory tree's data files, looking only at the names after `after` (the
