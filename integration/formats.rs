@@ -223,3 +223,93 @@ async fn interval_trigger_picks_up_new_files_and_stops_cleanly_on_sigterm() {
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(stdout.contains(&format!("holds {want} rows")), "{stdout}");
 }
+
+/// The tables Sluice creates get a Delta checkpoint every ten commits (so loading one reads at
+/// most ten commit files, however old the job), and its Parquet files row groups of at most
+/// 128 Ki rows (a writer holds its open group in memory); an independent reader reads the
+/// checkpointed table whole.
+#[tokio::test(flavor = "multi_thread")]
+async fn tables_checkpoint_every_ten_commits_and_row_groups_are_bounded() {
+    let ws = tempfile::tempdir().unwrap();
+    let input = ws.path().join("input");
+    std::fs::create_dir_all(&input).unwrap();
+    // One file large enough for three row groups, then eleven small ones: twelve batches.
+    let big_rows = 300_000;
+    let mut text = String::new();
+    for id in 0..big_rows {
+        text.push_str(&format!("{{\"id\":{id}}}\n"));
+    }
+    std::fs::write(input.join("a-big.json"), text).unwrap();
+    for f in 0..11 {
+        let lines: String = (0..10)
+            .map(|l| format!("{{\"id\":{}}}\n", big_rows + f * 10 + l))
+            .collect();
+        std::fs::write(input.join(format!("b-{f:02}.json")), lines).unwrap();
+    }
+    let job = job(
+        ws.path(),
+        "checkpointed",
+        "json",
+        "schema = \"id BIGINT\"",
+        "SELECT id FROM input",
+    );
+    assert_ok(&run_sluice(&["run", job.to_str().unwrap()], &[]));
+    let out = ws.path().join("out");
+
+    let commits = delta_commits(&out);
+    assert_eq!(commits.len(), 13, "the table's creation and twelve batches");
+    let interval = commits[0]
+        .iter()
+        .find_map(|action| action.get("metaData"))
+        .and_then(|m| m["configuration"]["delta.checkpointInterval"].as_str());
+    assert_eq!(interval, Some("10"));
+    let log = out.join("_delta_log");
+    assert!(
+        log.join("00000000000000000010.checkpoint.parquet").exists(),
+        "no checkpoint at version 10 in {}",
+        log.display()
+    );
+    assert!(!log.join("00000000000000000005.checkpoint.parquet").exists());
+
+    // Row groups of the big batch's file, by pyarrow.
+    let groups = Command::new("python3")
+        .args([
+            "-c",
+            "import glob, sys, pyarrow.parquet as pq\n\
+             for f in sorted(glob.glob(sys.argv[1] + '/*.parquet')):\n\
+             \x20   m = pq.ParquetFile(f).metadata\n\
+             \x20   print(' '.join(str(m.row_group(i).num_rows) for i in range(m.num_row_groups)))",
+            out.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        groups.status.success(),
+        "{}",
+        String::from_utf8_lossy(&groups.stderr)
+    );
+    let groups = String::from_utf8_lossy(&groups.stdout).to_string();
+    let big: Vec<u64> = groups
+        .lines()
+        .map(|l| {
+            l.split(' ')
+                .map(|n| n.parse::<u64>().unwrap())
+                .collect::<Vec<_>>()
+        })
+        .find(|g| g.iter().sum::<u64>() == big_rows as u64)
+        .unwrap_or_else(|| panic!("no file holds the big batch: {groups}"));
+    assert_eq!(
+        big,
+        vec![131_072, 131_072, 37_856],
+        "row groups of the big batch's file"
+    );
+
+    let read = python_read(&out);
+    let ids: std::collections::BTreeSet<i64> = read["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["id"].as_i64().unwrap())
+        .collect();
+    assert_eq!(ids, (0..big_rows as i64 + 110).collect());
+}

@@ -39,6 +39,7 @@ use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use arrow::array::RecordBatch;
 use arrow::datatypes::{DataType, Field, Fields, Schema, SchemaRef};
 use async_trait::async_trait;
+use deltalake::TableProperty;
 use deltalake::datafusion::catalog::streaming::StreamingTable;
 use deltalake::datafusion::datasource::provider_as_source;
 use deltalake::datafusion::error::DataFusionError;
@@ -50,6 +51,8 @@ use deltalake::kernel::engine::arrow_conversion::TryIntoKernel;
 use deltalake::kernel::transaction::{CommitBuilder, CommitProperties};
 use deltalake::kernel::{Action, MetadataExt, StructType, Transaction};
 use deltalake::operations::write::SchemaMode;
+use deltalake::parquet::basic::Compression;
+use deltalake::parquet::file::properties::WriterProperties;
 use deltalake::protocol::{DeltaOperation, SaveMode};
 use deltalake::{DeltaTable, DeltaTableError};
 use futures::TryStreamExt;
@@ -206,6 +209,10 @@ impl TableHandle {
             table = table
                 .create()
                 .with_columns(delta_schema.fields().cloned())
+                .with_configuration_property(
+                    TableProperty::CheckpointInterval,
+                    Some(CHECKPOINT_INTERVAL.to_string()),
+                )
                 .with_save_mode(SaveMode::Ignore)
                 .await
                 .map_err(|e| self.err(e))?;
@@ -375,6 +382,7 @@ impl TableHandle {
                 .write(batches.into_iter().filter(|b| b.num_rows() > 0))
                 .with_save_mode(SaveMode::Append)
                 .with_target_file_size(target_file_size)
+                .with_writer_properties(writer_properties())
                 .with_commit_properties(properties);
             if added.is_some() {
                 write = write.with_schema_mode(SchemaMode::Merge);
@@ -420,6 +428,7 @@ impl TableHandle {
             .with_source_alias("source")
             .with_target_alias("target")
             .with_merge_schema(adds_columns)
+            .with_writer_properties(writer_properties())
             .with_commit_properties(properties)
             .when_matched_update(|update| {
                 columns.iter().fold(update, |u, c| {
@@ -507,6 +516,7 @@ impl TableHandle {
                 };
                 let mut write = write
                     .with_save_mode(SaveMode::Overwrite)
+                    .with_writer_properties(writer_properties())
                     .with_replace_where(predicate)
                     .with_commit_properties(properties());
                 // Rows in columns the table lacks yet (a batch that added them crashed before
@@ -796,6 +806,34 @@ fn lineage_predicate(ranges: &BTreeMap<PartitionId, OffsetRange>) -> String {
         parts.join(" OR ")
     }
 }
+
+/// Rows per Parquet row group in the files Sluice writes.
+///
+/// A Parquet writer holds its open row group encoded in memory until the group is full: at the
+/// library default of about a million rows, a backfill (or any large batch) held a row group of
+/// tens of megabytes beside the rows it was reading. 128 Ki rows keeps that to a few megabytes
+/// for typical rows, while groups stay large enough for scans to read efficiently (DuckDB writes
+/// 122,880).
+const ROW_GROUP_ROWS: usize = 128 * 1024;
+
+/// How Sluice's writes encode Parquet: delta-rs's defaults (Snappy, dictionaries, statistics),
+/// with row groups of [`ROW_GROUP_ROWS`].
+fn writer_properties() -> WriterProperties {
+    WriterProperties::builder()
+        .set_compression(Compression::SNAPPY)
+        .set_max_row_group_row_count(Some(ROW_GROUP_ROWS))
+        .build()
+}
+
+/// Commits between Delta checkpoints of the tables Sluice creates (`delta.checkpointInterval`;
+/// a table created elsewhere keeps its own).
+///
+/// A streaming writer commits every batch, and loading a table reads every commit since its
+/// last checkpoint, delta-rs holding a JSON decoder (~0.4 MB) per commit file while it does:
+/// with Delta's default of 100, opening a table mid-interval cost up to ~45 MB, several times
+/// over in a backfill (each table, each retry). At 10 (Spark's streaming default) it is a
+/// checkpoint file per ten batches and a few megabytes per load.
+const CHECKPOINT_INTERVAL: u64 = 10;
 
 /// A SQL string literal.
 /// A column name as a quoted SQL identifier.
