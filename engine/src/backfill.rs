@@ -575,7 +575,7 @@ impl RecomputedRows for StatelessRows {
                     }
                 }
             })
-            .map_ok(|batches| futures::stream::iter(batches.into_iter().map(Ok)))
+            .map_ok(|batches| futures::stream::iter(write_slices(batches).map(Ok)))
             .try_flatten();
         Box::pin(RecordBatchStreamAdapter::new(schema, batches))
     }
@@ -603,6 +603,26 @@ impl RecomputedRows for StatelessRows {
             _ => Ok(Vec::new()),
         }
     }
+}
+
+/// Rows handed to the sink's writer per batch: a chunk's rows go in slices of this many.
+///
+/// The writer reads a few batches ahead of what it has encoded (delta-rs queues up to ten
+/// between its reader and its Parquet writer); in whole chunks that queue would hold most of a
+/// backfill's range, in slices it holds a fraction of one chunk.
+const WRITE_SLICE_ROWS: usize = 8192;
+
+/// `batches` cut into slices of at most [`WRITE_SLICE_ROWS`] rows (views, nothing copied).
+fn write_slices(batches: Vec<RecordBatch>) -> impl Iterator<Item = RecordBatch> {
+    batches.into_iter().flat_map(|batch| {
+        (0..batch.num_rows())
+            .step_by(WRITE_SLICE_ROWS)
+            .map(move |start| {
+                let len = WRITE_SLICE_ROWS.min(batch.num_rows() - start);
+                batch.slice(start, len)
+            })
+            .collect::<Vec<_>>()
+    })
 }
 
 /// Rows recomputed before the replacement (a windowed backfill's windows, emitted at the end
@@ -662,6 +682,8 @@ impl ChunkedRead {
         if chunk.values().all(OffsetRange::is_empty) {
             return Ok(None);
         }
+        // What the last chunk's reading and processing freed goes back before the next read.
+        crate::memory::release_free_memory();
         let read = read_source_as_opened(source, &chunk, future).await?;
         self.progress
             .advanced(chunk.values().map(|r| r.len() as i64).sum());

@@ -37,6 +37,7 @@ pub mod job;
 pub mod late;
 pub mod lease;
 pub mod location;
+pub mod memory;
 pub mod offsets;
 pub mod progress;
 pub mod query;
