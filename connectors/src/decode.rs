@@ -2,8 +2,9 @@
 //!
 //! A source hands over a buffer and the spans of its records (lines of a file, values of Kafka
 //! messages). They are decoded in runs of [`DECODE_ROWS`], the runs in parallel; if a run fails,
-//! its spans are split in halves until each bad record is alone, so one bad record costs a few extra decodes, never the batch, and every
-//! good record is kept in order. Inference of a missing schema is `crate::infer`'s.
+//! its spans are split in halves until each bad record is alone, so one bad record costs a few
+//! extra decodes, never the batch, and every good record is kept in order. Inference of a
+//! missing schema is `crate::infer`'s.
 
 use std::sync::Arc;
 

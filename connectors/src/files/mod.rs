@@ -634,22 +634,35 @@ impl Source for FilesSource {
     }
 }
 
-/// File bytes a read holds at once: a read's files are fetched and decoded in groups of about
-/// this many bytes (at least one file each), each group's bytes released once it is decoded, so
-/// a batch of large files holds about one file's text beside its rows, while small files are
-/// still fetched together and decoded in parallel.
+/// File bytes a read holds at once: a read's files are fetched and decoded in groups of at
+/// most this many bytes of text (a larger file alone), each group's bytes released once it is
+/// decoded, so a batch of large files holds about one file's text beside its rows, while small
+/// files are still fetched together and decoded in parallel.
 const READ_GROUP_BYTES: u64 = 8 * 1024 * 1024;
 
-/// `files` in order, cut into consecutive groups of about [`READ_GROUP_BYTES`].
+/// How many bytes of text a compressed file is taken to hold, per byte, when grouping a read
+/// (JSON and CSV compress about this well with gzip).
+const GZIP_TEXT_PER_BYTE: u64 = 8;
+
+/// `files` in order, cut into consecutive groups of at most [`READ_GROUP_BYTES`] of text (a
+/// file larger than that alone).
 fn read_groups(files: &[(i64, RecordedFile)]) -> Vec<&[(i64, RecordedFile)]> {
-    let mut groups = Vec::new();
-    let (mut start, mut bytes) = (0, 0);
-    for (i, (_, file)) in files.iter().enumerate() {
-        bytes += file.size;
-        if bytes >= READ_GROUP_BYTES {
-            groups.push(&files[start..=i]);
-            (start, bytes) = (i + 1, 0);
+    let text_bytes = |file: &RecordedFile| {
+        if file.name.ends_with(".gz") {
+            file.size.saturating_mul(GZIP_TEXT_PER_BYTE)
+        } else {
+            file.size
         }
+    };
+    let mut groups = Vec::new();
+    let (mut start, mut bytes) = (0, 0u64);
+    for (i, (_, file)) in files.iter().enumerate() {
+        let size = text_bytes(file);
+        if i > start && bytes.saturating_add(size) > READ_GROUP_BYTES {
+            groups.push(&files[start..i]);
+            (start, bytes) = (i, 0);
+        }
+        bytes = bytes.saturating_add(size);
     }
     if start < files.len() {
         groups.push(&files[start..]);
@@ -772,4 +785,50 @@ fn decode_parquet(
         out.push(RecordBatch::try_new(Arc::clone(schema), columns).map_err(|e| e.to_string())?);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn files(sizes: &[(&str, u64)]) -> Vec<(i64, RecordedFile)> {
+        sizes
+            .iter()
+            .enumerate()
+            .map(|(i, (name, size))| {
+                let file = RecordedFile {
+                    name: (*name).into(),
+                    size: *size,
+                    modified_micros: 0,
+                };
+                (i as i64, file)
+            })
+            .collect()
+    }
+
+    fn group_sizes(files: &[(i64, RecordedFile)]) -> Vec<Vec<i64>> {
+        read_groups(files)
+            .iter()
+            .map(|g| g.iter().map(|(offset, _)| *offset).collect())
+            .collect()
+    }
+
+    /// Groups keep the files' order, never exceed the budget unless one file alone does, and
+    /// count a compressed file at the text it holds.
+    #[test]
+    fn reads_are_grouped_in_order_by_text_size() {
+        const MB: u64 = 1024 * 1024;
+        assert!(group_sizes(&[]).is_empty());
+        let small = files(&[("a", MB), ("b", 3 * MB), ("c", 4 * MB), ("d", MB)]);
+        assert_eq!(group_sizes(&small), vec![vec![0, 1, 2], vec![3]]);
+        // A large file is alone, whatever comes before or after it.
+        let large = files(&[("a", MB), ("b", 20 * MB), ("c", MB), ("d", 9 * MB)]);
+        assert_eq!(
+            group_sizes(&large),
+            vec![vec![0], vec![1], vec![2], vec![3]]
+        );
+        // 1.5 MB of gzip is about 12 MB of text: alone.
+        let gz = files(&[("a.json", MB), ("b.json.gz", 3 * MB / 2), ("c.json", MB)]);
+        assert_eq!(group_sizes(&gz), vec![vec![0], vec![1], vec![2]]);
+    }
 }
