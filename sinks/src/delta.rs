@@ -489,6 +489,7 @@ impl TableHandle {
                 // `write` refuses empty input: delete what the ranges produced, with the txn.
                 table
                     .delete()
+                    .with_writer_properties(writer_properties())
                     .with_predicate(predicate)
                     .with_commit_properties(properties())
                     .await
@@ -811,17 +812,28 @@ fn lineage_predicate(ranges: &BTreeMap<PartitionId, OffsetRange>) -> String {
 ///
 /// A Parquet writer holds its open row group encoded in memory until the group is full: at the
 /// library default of about a million rows, a backfill (or any large batch) held a row group of
-/// tens of megabytes beside the rows it was reading. 128 Ki rows keeps that to a few megabytes
-/// for typical rows, while groups stay large enough for scans to read efficiently (DuckDB writes
-/// 122,880).
+/// 20 MB or more beside the rows it was reading. 128 Ki rows keeps that to a few megabytes,
+/// while groups stay large enough for scans to read efficiently (DuckDB writes 122,880).
 const ROW_GROUP_ROWS: usize = 128 * 1024;
 
-/// How Sluice's writes encode Parquet: delta-rs's defaults (Snappy, dictionaries, statistics),
-/// with row groups of [`ROW_GROUP_ROWS`].
+/// Bytes a column's dictionary may reach in a row group before the column falls back to plain
+/// encoding.
+///
+/// At the library default (1 MiB) a column of unique 8-byte values (ids, timestamps) fills the
+/// dictionary just as a 128 Ki-row group ends, so it never falls back and costs ~25 % more than
+/// plain: files grew 36 % on the backfill benchmark. At 256 KiB such a column falls back after
+/// 32 Ki values, and low-cardinality columns (pages, countries, codes) keep their dictionaries:
+/// files are within 5 % of the million-row groups'.
+const DICTIONARY_PAGE_BYTES: usize = 256 * 1024;
+
+/// How Sluice's writes (appends, merges, replacements, the rewrites of deletes) encode Parquet:
+/// delta-rs's defaults (Snappy, dictionaries, statistics) with bounded row groups.
 fn writer_properties() -> WriterProperties {
     WriterProperties::builder()
+        .set_created_by(format!("sluice {} (delta-rs)", env!("CARGO_PKG_VERSION")))
         .set_compression(Compression::SNAPPY)
         .set_max_row_group_row_count(Some(ROW_GROUP_ROWS))
+        .set_dictionary_page_size_limit(DICTIONARY_PAGE_BYTES)
         .build()
 }
 
@@ -830,8 +842,8 @@ fn writer_properties() -> WriterProperties {
 ///
 /// A streaming writer commits every batch, and loading a table reads every commit since its
 /// last checkpoint, delta-rs holding a JSON decoder (~0.4 MB) per commit file while it does:
-/// with Delta's default of 100, opening a table mid-interval cost up to ~45 MB, several times
-/// over in a backfill (each table, each retry). At 10 (Spark's streaming default) it is a
+/// with delta-rs's default of 100, opening a table mid-interval cost up to ~45 MB, several
+/// times over in a backfill (each table, each retry). At 10 (Delta Lake's own default) it is a
 /// checkpoint file per ten batches and a few megabytes per load.
 const CHECKPOINT_INTERVAL: u64 = 10;
 
