@@ -575,7 +575,7 @@ impl RecomputedRows for StatelessRows {
                     }
                 }
             })
-            .map_ok(|batches| futures::stream::iter(write_slices(batches).map(Ok)))
+            .map_ok(|batches| futures::stream::iter(sliced_for_writer(batches).map(Ok)))
             .try_flatten();
         Box::pin(RecordBatchStreamAdapter::new(schema, batches))
     }
@@ -608,12 +608,13 @@ impl RecomputedRows for StatelessRows {
 /// Rows handed to the sink's writer per batch: a chunk's rows go in slices of this many.
 ///
 /// The writer reads a few batches ahead of what it has encoded (delta-rs queues up to ten
-/// between its reader and its Parquet writer); in whole chunks that queue would hold most of a
-/// backfill's range, in slices it holds a fraction of one chunk.
+/// between its reader and its Parquet writer): in whole chunks that queue could hold most of a
+/// backfill's range; in slices, the chunk being encoded and the one being read. (A slice is a
+/// view, so it keeps its whole chunk's buffers until the last slice is encoded.)
 const WRITE_SLICE_ROWS: usize = 8192;
 
 /// `batches` cut into slices of at most [`WRITE_SLICE_ROWS`] rows (views, nothing copied).
-fn write_slices(batches: Vec<RecordBatch>) -> impl Iterator<Item = RecordBatch> {
+fn sliced_for_writer(batches: Vec<RecordBatch>) -> impl Iterator<Item = RecordBatch> {
     batches.into_iter().flat_map(|batch| {
         (0..batch.num_rows())
             .step_by(WRITE_SLICE_ROWS)
