@@ -1,15 +1,30 @@
 //! Decoding records of text (JSON objects, CSV rows) into Arrow, shared by the sources.
 //!
 //! A source hands over a buffer and the spans of its records (lines of a file, values of Kafka
-//! messages). They are decoded in runs of [`DECODE_ROWS`], the runs in parallel; if a run fails,
-//! its spans are split in halves until each bad record is alone, so one bad record costs a few
-//! extra decodes, never the batch, and every good record is kept in order. Inference of a
-//! missing schema is `crate::infer`'s.
+//! messages). They are decoded in runs of [`DECODE_ROWS`], the runs in parallel, every good record
+//! kept in order and every bad one given its reason — at about the cost of decoding the good ones:
+//! - A JSON line is first checked to be one JSON object ([`is_one_json_object`], one cheap pass
+//!   over its bytes). The lines that pass are decoded together; a line that does not is decoded
+//!   on its own, so the decoder itself gives the reason (or, where the check was stricter than
+//!   the decoder, the row).
+//! - Values that do not fit their column (`"amount": "n/a"` in a DOUBLE column) are found per
+//!   row: top-level number and timestamp columns are decoded as text and converted here, a value
+//!   that does not convert failing its own line only ([`decode_json_rows`]).
+//! - What is left — a failure the decoder reports only for a whole run (a nested value of the
+//!   wrong shape, a field the schema lacks under strict decoding, a CSV line) — is found by
+//!   splitting the run in halves until each bad record is alone.
+//!
+//! Inference of a missing schema is `crate::infer`'s.
 
 use std::sync::Arc;
 
-use arrow::array::{Array, ArrayRef, AsArray, PrimitiveArray, RecordBatch, StringArray};
-use arrow::datatypes::{ArrowPrimitiveType, DataType, Field, Schema, SchemaRef};
+use arrow::array::{
+    Array, ArrayRef, AsArray, BooleanArray, PrimitiveArray, RecordBatch, StringArray,
+};
+use arrow::compute::kernels::cast_utils::{Parser, string_to_datetime};
+use arrow::datatypes::{
+    ArrowPrimitiveType, ArrowTimestampType, DataType, Field, Schema, SchemaRef, TimeUnit,
+};
 use rayon::prelude::*;
 
 /// A line of a file: 1-based number and byte span (without the newline).
@@ -38,10 +53,29 @@ pub(crate) fn split_lines(bytes: &[u8]) -> Vec<Line> {
     lines
 }
 
+/// Good rows as batches with their line numbers, in order, and bad lines (number, raw bytes,
+/// reason), in order.
 pub(crate) type Decoded = (
     Vec<(RecordBatch, Vec<usize>)>,
     Vec<(usize, Vec<u8>, String)>,
 );
+
+/// What decoding some lines together gave: one row per line, and the lines (by index among
+/// them) whose value did not fit its column, with the reason. Their rows are dropped.
+#[derive(Debug)]
+pub(crate) struct DecodedRows {
+    pub batch: RecordBatch,
+    pub bad_rows: Vec<(usize, String)>,
+}
+
+impl From<RecordBatch> for DecodedRows {
+    fn from(batch: RecordBatch) -> Self {
+        DecodedRows {
+            batch,
+            bad_rows: Vec::new(),
+        }
+    }
+}
 
 /// Lines decoded together: a file becomes batches of at most this many rows, so a decoder's
 /// working memory stays small whatever the file's size.
@@ -53,12 +87,16 @@ pub(crate) const DECODE_ROWS: usize = 8192;
 pub(crate) fn decode_lines(
     bytes: &[u8],
     lines: &[Line],
-    decode: impl Fn(&[Line]) -> std::result::Result<RecordBatch, String> + Sync,
+    decode: impl Fn(&[Line]) -> std::result::Result<DecodedRows, String> + Sync,
 ) -> Decoded {
     let runs: Vec<Decoded> = lines
         .par_chunks(DECODE_ROWS)
         .map(|run| decode_run(bytes, run, &decode))
         .collect();
+    concat_runs(runs)
+}
+
+fn concat_runs(runs: Vec<Decoded>) -> Decoded {
     let mut good = Vec::new();
     let mut bad = Vec::new();
     for (run_good, run_bad) in runs {
@@ -68,11 +106,87 @@ pub(crate) fn decode_lines(
     (good, bad)
 }
 
+/// JSON `lines` of `bytes` decoded into `schema` (see [`decode_json_rows`] for `strict`), as
+/// [`decode_lines`] does, but a bad line costs about what a line costs: each run's lines are
+/// sorted by [`is_one_json_object`], those that pass decoded together, the others one by one.
+/// The result is the same as [`decode_lines`] over [`decode_json_rows`] gives: the same rows,
+/// the same bad lines, the same reasons.
+pub(crate) fn decode_json_lines(
+    schema: &SchemaRef,
+    bytes: &[u8],
+    lines: &[Line],
+    strict: bool,
+) -> Decoded {
+    // Lines that passed the check are within the depth limit already.
+    let decode_checked = |chunk: &[Line]| decode_json_parsed(schema, bytes, chunk, strict);
+    let decode_alone = |chunk: &[Line]| decode_json_rows(schema, bytes, chunk, strict);
+    let runs: Vec<Decoded> = lines
+        .par_chunks(DECODE_ROWS)
+        .map(|run| {
+            let (objects, others): (Vec<Line>, Vec<Line>) = run
+                .iter()
+                .partition(|l| is_one_json_object(&bytes[l.start..l.end]));
+            let (good, mut bad) = decode_run(bytes, &objects, &decode_checked);
+            if others.is_empty() {
+                return (good, bad);
+            }
+            let mut alone = Vec::new();
+            for line in &others {
+                let (line_good, line_bad) =
+                    decode_run(bytes, std::slice::from_ref(line), &decode_alone);
+                alone.extend(line_good);
+                bad.extend(line_bad);
+            }
+            bad.sort_by_key(|(number, _, _)| *number);
+            (interleave(good, alone), bad)
+        })
+        .collect();
+    concat_runs(runs)
+}
+
+/// `pieces` (in line order) with the one-row `singles` (in line order) put in their places,
+/// slicing a piece where a single falls inside it.
+fn interleave(
+    pieces: Vec<(RecordBatch, Vec<usize>)>,
+    singles: Vec<(RecordBatch, Vec<usize>)>,
+) -> Vec<(RecordBatch, Vec<usize>)> {
+    if singles.is_empty() {
+        return pieces;
+    }
+    let mut out = Vec::with_capacity(pieces.len() + 2 * singles.len());
+    let mut singles = singles.into_iter().peekable();
+    for (batch, numbers) in pieces {
+        let mut from = 0;
+        while let Some(at) = singles
+            .peek()
+            .and_then(|(_, single)| single.first())
+            .map(|first| numbers.partition_point(|n| n < first))
+            .filter(|at| *at < numbers.len())
+        {
+            if at > from {
+                out.push((batch.slice(from, at - from), numbers[from..at].to_vec()));
+                from = at;
+            }
+            out.extend(singles.next());
+        }
+        if from == 0 {
+            out.push((batch, numbers));
+        } else if from < numbers.len() {
+            out.push((
+                batch.slice(from, numbers.len() - from),
+                numbers[from..].to_vec(),
+            ));
+        }
+    }
+    out.extend(singles);
+    out
+}
+
 /// [`decode_lines`] of one run, split in halves around failures.
 fn decode_run(
     bytes: &[u8],
     lines: &[Line],
-    decode: &impl Fn(&[Line]) -> std::result::Result<RecordBatch, String>,
+    decode: &impl Fn(&[Line]) -> std::result::Result<DecodedRows, String>,
 ) -> Decoded {
     let mut good = Vec::new();
     let mut bad = Vec::new();
@@ -82,18 +196,13 @@ fn decode_run(
             continue;
         }
         let chunk = &lines[from..to];
-        let result = decode(chunk).and_then(|batch| {
-            if batch.num_rows() == chunk.len() {
-                Ok(batch)
-            } else {
-                Err(format!(
-                    "expected one record per line, the line holds {}",
-                    batch.num_rows()
-                ))
+        match decode(chunk).and_then(|rows| drop_bad_rows(bytes, chunk, rows)) {
+            Ok((batch, numbers, chunk_bad)) => {
+                if !numbers.is_empty() {
+                    good.push((batch, numbers));
+                }
+                bad.extend(chunk_bad);
             }
-        });
-        match result {
-            Ok(batch) => good.push((batch, chunk.iter().map(|l| l.number).collect())),
             Err(error) if chunk.len() == 1 => {
                 let l = chunk[0];
                 bad.push((l.number, bytes[l.start..l.end].to_vec(), error));
@@ -106,6 +215,41 @@ fn decode_run(
         }
     }
     (good, bad)
+}
+
+/// The rows of `chunk` decoded as `rows`, without its bad rows: the batch, the line numbers of
+/// its rows, and the bad lines.
+#[allow(clippy::type_complexity)]
+fn drop_bad_rows(
+    bytes: &[u8],
+    chunk: &[Line],
+    rows: DecodedRows,
+) -> std::result::Result<(RecordBatch, Vec<usize>, Vec<(usize, Vec<u8>, String)>), String> {
+    let DecodedRows { batch, bad_rows } = rows;
+    if batch.num_rows() != chunk.len() {
+        return Err(format!(
+            "expected one record per line, the line holds {}",
+            batch.num_rows()
+        ));
+    }
+    if bad_rows.is_empty() {
+        return Ok((batch, chunk.iter().map(|l| l.number).collect(), Vec::new()));
+    }
+    let mut keep = vec![true; chunk.len()];
+    let mut bad = Vec::with_capacity(bad_rows.len());
+    for (row, reason) in bad_rows {
+        let l = chunk[row];
+        keep[row] = false;
+        bad.push((l.number, bytes[l.start..l.end].to_vec(), reason));
+    }
+    let numbers = chunk
+        .iter()
+        .zip(&keep)
+        .filter_map(|(l, keep)| keep.then_some(l.number))
+        .collect();
+    let batch = arrow::compute::filter_record_batch(&batch, &BooleanArray::from(keep))
+        .map_err(|e| e.to_string())?;
+    Ok((batch, numbers, bad))
 }
 
 /// How deeply a JSON record may nest arrays and objects (as serde_json allows). Deeper records
@@ -144,20 +288,170 @@ fn check_depth(record: &[u8]) -> std::result::Result<(), String> {
     Ok(())
 }
 
-/// Decodes JSON `lines` of `bytes` into `schema`. `strict`: a record with a field the schema
-/// lacks fails (schema evolution looks at it); else such fields are ignored. A text column
-/// takes numbers and booleans as their JSON text. An integer column (also in a struct or a
-/// list) takes only whole numbers: Arrow alone would read `12.75` as 12.
+/// Whether `line` is one JSON object and nothing else, nesting at most [`MAX_JSON_DEPTH`] deep,
+/// in UTF-8 — one pass over its bytes, to sort lines before decoding ([`decode_json_lines`]).
+///
+/// The grammar is the Arrow decoder's, which is laxer than RFC 8259 in two ways: commas
+/// between members and elements are optional (`{"a":1 "b":2}`), and a number is any run of
+/// `0-9 + - . e E` after a digit or `-` (its column's conversion judges it). A line this passes,
+/// the decoder reads; a line it stops, the decoder judges on its own.
+pub(crate) fn is_one_json_object(line: &[u8]) -> bool {
+    one_json_object(line).is_some()
+}
+
+fn one_json_object(line: &[u8]) -> Option<()> {
+    std::str::from_utf8(line).ok()?;
+    let mut at = skip_whitespace(line, 0, false);
+    (line.get(at) == Some(&b'{')).then_some(())?;
+    // Bit `d` says whether the container at depth `d + 1` is an object (else a list).
+    let mut objects: u128 = 0;
+    let mut depth = 0usize;
+    'value: loop {
+        at = skip_whitespace(line, at, false);
+        let first = *line.get(at)?;
+        at += 1;
+        match first {
+            b'{' | b'[' => {
+                (depth < MAX_JSON_DEPTH).then_some(())?;
+                if first == b'{' {
+                    objects |= 1 << depth;
+                } else {
+                    objects &= !(1 << depth);
+                }
+                depth += 1;
+            }
+            b'"' => at = string_end(line, at)?,
+            b'-' | b'0'..=b'9' => {
+                at += line[at..]
+                    .iter()
+                    .take_while(|b| matches!(b, b'0'..=b'9' | b'-' | b'+' | b'.' | b'e' | b'E'))
+                    .count();
+            }
+            b't' => at = literal_end(line, at, b"rue")?,
+            b'f' => at = literal_end(line, at, b"alse")?,
+            b'n' => at = literal_end(line, at, b"ull")?,
+            _ => return None,
+        }
+        // After a value or an opening bracket: close containers, or start the next element.
+        loop {
+            if depth == 0 {
+                return (skip_whitespace(line, at, false) == line.len()).then_some(());
+            }
+            at = skip_whitespace(line, at, true);
+            let in_object = objects & (1 << (depth - 1)) != 0;
+            match (*line.get(at)?, in_object) {
+                (b'}', true) | (b']', false) => {
+                    at += 1;
+                    depth -= 1;
+                }
+                (b'"', true) => {
+                    at = skip_whitespace(line, string_end(line, at + 1)?, false);
+                    (line.get(at) == Some(&b':')).then_some(())?;
+                    at += 1;
+                    continue 'value;
+                }
+                (_, false) => continue 'value,
+                (_, true) => return None,
+            }
+        }
+    }
+}
+
+/// The index after JSON whitespace (and commas, if `commas`) from `at`.
+fn skip_whitespace(line: &[u8], at: usize, commas: bool) -> usize {
+    at + line[at.min(line.len())..]
+        .iter()
+        .take_while(|b| matches!(b, b' ' | b'\t' | b'\n' | b'\r') || commas && **b == b',')
+        .count()
+}
+
+/// The index after `rest` at `at`, if it is there.
+fn literal_end(line: &[u8], at: usize, rest: &[u8]) -> Option<usize> {
+    (line.get(at..at + rest.len()) == Some(rest)).then_some(at + rest.len())
+}
+
+/// The index after the closing quote of the string whose text starts at `at`, if its escapes
+/// are valid (a `\u` surrogate only as a high-low pair, as the Arrow decoder takes them).
+fn string_end(line: &[u8], mut at: usize) -> Option<usize> {
+    loop {
+        at += line
+            .get(at..)?
+            .iter()
+            .position(|b| *b == b'"' || *b == b'\\')?;
+        if line[at] == b'"' {
+            return Some(at + 1);
+        }
+        at += 2;
+        match *line.get(at - 1)? {
+            b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => {}
+            b'u' => {
+                let unit = hex4(line, at)?;
+                at += 4;
+                if (0xD800..=0xDFFF).contains(&unit) {
+                    (line.get(at..at + 2) == Some(b"\\u")).then_some(())?;
+                    let low = hex4(line, at + 2)?;
+                    at += 6;
+                    ((0xD800..=0xDBFF).contains(&unit) && (0xDC00..=0xDFFF).contains(&low))
+                        .then_some(())?;
+                }
+            }
+            _ => return None,
+        }
+    }
+}
+
+fn hex4(line: &[u8], at: usize) -> Option<u32> {
+    let digits = std::str::from_utf8(line.get(at..at + 4)?).ok()?;
+    u32::from_str_radix(digits, 16)
+        .ok()
+        .filter(|_| digits.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
+/// Decodes JSON `lines` of `bytes` into `schema`, all or nothing: a line that fails fails the
+/// call, with its reason. See [`decode_json_rows`].
 pub(crate) fn decode_json(
     schema: &SchemaRef,
     bytes: &[u8],
     lines: &[Line],
     strict: bool,
 ) -> std::result::Result<RecordBatch, String> {
+    let mut rows = decode_json_rows(schema, bytes, lines, strict)?;
+    match rows.bad_rows.is_empty() {
+        true => Ok(rows.batch),
+        false => Err(rows.bad_rows.swap_remove(0).1),
+    }
+}
+
+/// Decodes JSON `lines` of `bytes` into `schema`, one row per line. `strict`: a record with a
+/// field the schema lacks fails (schema evolution looks at it); else such fields are ignored.
+/// A text column takes numbers and booleans as their JSON text. A value that does not fit a
+/// top-level number or timestamp column fails its own line ([`DecodedRows::bad_rows`]); any
+/// other failure fails the call.
+///
+/// Number and timestamp columns take what the Arrow decoder takes — a number, or a string
+/// holding one (`"12.5"`), a timestamp as RFC 3339-like text or a number of the column's unit —
+/// and a quoted number for a timestamp too (`"1700000000"`). An integer column (also in a struct
+/// or a list) takes only whole numbers: Arrow alone would read `12.75` as 12.
+pub(crate) fn decode_json_rows(
+    schema: &SchemaRef,
+    bytes: &[u8],
+    lines: &[Line],
+    strict: bool,
+) -> std::result::Result<DecodedRows, String> {
     for l in lines {
         check_depth(&bytes[l.start..l.end])?;
     }
-    let decode_schema = integers_as_text(schema);
+    decode_json_parsed(schema, bytes, lines, strict)
+}
+
+/// [`decode_json_rows`] of lines whose depth has been checked.
+fn decode_json_parsed(
+    schema: &SchemaRef,
+    bytes: &[u8],
+    lines: &[Line],
+    strict: bool,
+) -> std::result::Result<DecodedRows, String> {
+    let decode_schema = text_schema(schema);
     let mut decoder = arrow::json::ReaderBuilder::new(Arc::clone(&decode_schema))
         .with_batch_size(lines.len() + 1)
         .with_strict_mode(strict)
@@ -186,16 +480,30 @@ pub(crate) fn decode_json(
         .flush()
         .map_err(|e| e.to_string())?
         .unwrap_or_else(|| RecordBatch::new_empty(Arc::clone(&decode_schema)));
-    exact_integers(batch, schema)
+    typed_rows(batch, schema)
 }
 
-/// `schema` with its integer columns as text, nested ones (in structs, lists) too, for
-/// [`exact_integers`].
-fn integers_as_text(schema: &SchemaRef) -> SchemaRef {
-    if !schema.fields().iter().any(|f| has_integers(f.data_type())) {
+/// Whether a top-level column of type `t` is decoded as text and converted by [`typed_rows`],
+/// so its bad values are found per row.
+fn converted_from_text(t: &DataType) -> bool {
+    t.is_integer() || t.is_floating() || matches!(t, DataType::Timestamp(_, _))
+}
+
+/// `schema` as decoded: its top-level number and timestamp columns, and the integers nested in
+/// structs and lists, as text, for [`typed_rows`].
+fn text_schema(schema: &SchemaRef) -> SchemaRef {
+    let converted = |t: &DataType| converted_from_text(t) || has_integers(t);
+    if !schema.fields().iter().any(|f| converted(f.data_type())) {
         return Arc::clone(schema);
     }
-    let fields: Vec<Field> = schema.fields().iter().map(|f| as_text_field(f)).collect();
+    let fields: Vec<Field> = schema
+        .fields()
+        .iter()
+        .map(|f| match f.data_type() {
+            t if converted_from_text(t) => f.as_ref().clone().with_data_type(DataType::Utf8),
+            _ => as_text_field(f),
+        })
+        .collect();
     Arc::new(Schema::new_with_metadata(fields, schema.metadata().clone()))
 }
 
@@ -220,31 +528,187 @@ fn as_text_field(f: &Field) -> Field {
     f.clone().with_data_type(t)
 }
 
-/// `batch` (decoded with [`integers_as_text`]) in `schema`: each integer's text parsed as a
-/// whole number that fits its column (`7`, `"7"`, `7.0`, `7e2`), or the batch fails naming the
-/// value.
-fn exact_integers(
-    batch: RecordBatch,
-    schema: &SchemaRef,
-) -> std::result::Result<RecordBatch, String> {
+/// `batch` (decoded with [`text_schema`]) in `schema`. A top-level value that does not convert
+/// fails its row (the first such column in schema order gives the reason); a nested integer that
+/// does not fails the batch.
+fn typed_rows(batch: RecordBatch, schema: &SchemaRef) -> std::result::Result<DecodedRows, String> {
     if batch.schema() == *schema {
-        return Ok(batch);
+        return Ok(batch.into());
     }
-    let columns = schema
-        .fields()
-        .iter()
-        .zip(batch.columns())
-        .map(|(field, column)| as_integers(column, field))
-        .collect::<std::result::Result<Vec<_>, String>>()?;
-    RecordBatch::try_new_with_options(
+    let mut bad_rows = Vec::new();
+    let mut columns = Vec::with_capacity(schema.fields().len());
+    for (field, column) in schema.fields().iter().zip(batch.columns()) {
+        columns.push(match field.data_type() {
+            t if converted_from_text(t) => {
+                convert_column(column.as_string::<i32>(), field, &mut bad_rows)?
+            }
+            _ => as_integers(column, field)?,
+        });
+    }
+    // A row's reason is its first bad column's.
+    bad_rows.sort_by_key(|(row, _)| *row);
+    bad_rows.dedup_by_key(|(row, _)| *row);
+    let batch = RecordBatch::try_new_with_options(
         Arc::clone(schema),
         columns,
         &arrow::array::RecordBatchOptions::new().with_row_count(Some(batch.num_rows())),
     )
-    .map_err(|e| e.to_string())
+    .map_err(|e| e.to_string())?;
+    Ok(DecodedRows { batch, bad_rows })
 }
 
-/// `array` (decoded with [`as_text_field`]) as `field`'s type.
+/// A top-level number or timestamp column from its text; a value that does not convert is null,
+/// its row and reason added to `bad_rows`.
+fn convert_column(
+    text: &StringArray,
+    field: &Field,
+    bad_rows: &mut Vec<(usize, String)>,
+) -> std::result::Result<ArrayRef, String> {
+    use arrow::datatypes::{
+        Float16Type, Float32Type, Float64Type, Int8Type, Int16Type, Int32Type, Int64Type,
+        TimestampMicrosecondType, TimestampMillisecondType, TimestampNanosecondType,
+        TimestampSecondType, UInt8Type, UInt16Type, UInt32Type, UInt64Type,
+    };
+    Ok(match field.data_type() {
+        DataType::Int8 => parsed::<Int8Type>(text, field, bad_rows, whole::<Int8Type>),
+        DataType::Int16 => parsed::<Int16Type>(text, field, bad_rows, whole::<Int16Type>),
+        DataType::Int32 => parsed::<Int32Type>(text, field, bad_rows, whole::<Int32Type>),
+        DataType::Int64 => parsed::<Int64Type>(text, field, bad_rows, whole::<Int64Type>),
+        DataType::UInt8 => parsed::<UInt8Type>(text, field, bad_rows, whole::<UInt8Type>),
+        DataType::UInt16 => parsed::<UInt16Type>(text, field, bad_rows, whole::<UInt16Type>),
+        DataType::UInt32 => parsed::<UInt32Type>(text, field, bad_rows, whole::<UInt32Type>),
+        DataType::UInt64 => parsed::<UInt64Type>(text, field, bad_rows, whole::<UInt64Type>),
+        DataType::Float16 => parsed::<Float16Type>(text, field, bad_rows, float::<Float16Type>),
+        DataType::Float32 => parsed::<Float32Type>(text, field, bad_rows, float::<Float32Type>),
+        DataType::Float64 => parsed::<Float64Type>(text, field, bad_rows, float::<Float64Type>),
+        DataType::Timestamp(unit, tz) => {
+            let tz: arrow::array::timezone::Tz = tz
+                .as_deref()
+                .unwrap_or("+00:00")
+                .parse()
+                .map_err(|e: arrow::error::ArrowError| e.to_string())?;
+            let tz = &tz;
+            match unit {
+                TimeUnit::Second => parsed::<TimestampSecondType>(text, field, bad_rows, |v, f| {
+                    timestamp::<TimestampSecondType>(v, f, tz)
+                }),
+                TimeUnit::Millisecond => {
+                    parsed::<TimestampMillisecondType>(text, field, bad_rows, |v, f| {
+                        timestamp::<TimestampMillisecondType>(v, f, tz)
+                    })
+                }
+                TimeUnit::Microsecond => {
+                    parsed::<TimestampMicrosecondType>(text, field, bad_rows, |v, f| {
+                        timestamp::<TimestampMicrosecondType>(v, f, tz)
+                    })
+                }
+                TimeUnit::Nanosecond => {
+                    parsed::<TimestampNanosecondType>(text, field, bad_rows, |v, f| {
+                        timestamp::<TimestampNanosecondType>(v, f, tz)
+                    })
+                }
+            }
+        }
+        t => {
+            return Err(format!(
+                "column '{}': {t} is not converted from text",
+                field.name()
+            ));
+        }
+    })
+}
+
+/// `text` parsed by `parse` into `field`'s type.
+fn parsed<T: ArrowPrimitiveType>(
+    text: &StringArray,
+    field: &Field,
+    bad_rows: &mut Vec<(usize, String)>,
+    parse: impl Fn(&str, &Field) -> std::result::Result<T::Native, String>,
+) -> ArrayRef {
+    let array: PrimitiveArray<T> = text
+        .iter()
+        .enumerate()
+        .map(|(row, value)| {
+            value.and_then(|value| match parse(value, field) {
+                Ok(n) => Some(n),
+                Err(reason) => {
+                    bad_rows.push((row, reason));
+                    None
+                }
+            })
+        })
+        .collect();
+    Arc::new(array.with_data_type(field.data_type().clone()))
+}
+
+/// A whole number that fits `field` (`7`, `"7"`, `7.0`, `7e2`).
+fn whole<T: ArrowPrimitiveType>(
+    value: &str,
+    field: &Field,
+) -> std::result::Result<T::Native, String>
+where
+    T::Native: TryFrom<i128>,
+{
+    parse_whole(value)
+        .and_then(|n| T::Native::try_from(n).ok())
+        .ok_or_else(|| {
+            format!(
+                "Json error: {value} is not a whole number that fits column '{}' ({})",
+                field.name(),
+                field.data_type()
+            )
+        })
+}
+
+/// A floating-point number, parsed as the Arrow decoder parses it.
+fn float<T: ArrowPrimitiveType + Parser>(
+    value: &str,
+    field: &Field,
+) -> std::result::Result<T::Native, String> {
+    T::parse(value).ok_or_else(|| {
+        format!(
+            "Json error: whilst decoding field '{}': failed to parse \"{value}\" as {}",
+            field.name(),
+            field.data_type()
+        )
+    })
+}
+
+/// A timestamp from RFC 3339-like text in `tz` (where it names no zone), or from a number of
+/// the column's unit, as the Arrow decoder reads them.
+fn timestamp<T: ArrowTimestampType>(
+    value: &str,
+    field: &Field,
+    tz: &arrow::array::timezone::Tz,
+) -> std::result::Result<i64, String> {
+    let error = |e: &dyn std::fmt::Display| {
+        format!(
+            "Json error: whilst decoding field '{}': failed to parse \"{value}\" as {}: {e}",
+            field.name(),
+            field.data_type()
+        )
+    };
+    match string_to_datetime(tz, value) {
+        Ok(date) => match T::UNIT {
+            TimeUnit::Second => Ok(date.timestamp()),
+            TimeUnit::Millisecond => Ok(date.timestamp_millis()),
+            TimeUnit::Microsecond => Ok(date.timestamp_micros()),
+            TimeUnit::Nanosecond => date.timestamp_nanos_opt().ok_or_else(|| {
+                error(&format!(
+                    "{} would overflow 64-bit signed nanoseconds",
+                    date.to_rfc3339()
+                ))
+            }),
+        },
+        Err(e) => value
+            .parse::<i64>()
+            .or_else(|_| value.parse::<f64>().map(|x| x as i64))
+            .map_err(|_| error(&e)),
+    }
+}
+
+/// `array` (decoded with [`as_text_field`]) as `field`'s type; a nested integer that does not
+/// fit fails the whole array.
 fn as_integers(array: &ArrayRef, field: &Field) -> std::result::Result<ArrayRef, String> {
     use arrow::array::{ListArray, StructArray};
     use arrow::datatypes::{
@@ -291,7 +755,7 @@ fn as_integers(array: &ArrayRef, field: &Field) -> std::result::Result<ArrayRef,
     })
 }
 
-/// An integer column from the text of its values.
+/// A nested integer column from the text of its values, all or nothing.
 fn whole_numbers<T: ArrowPrimitiveType>(
     text: &StringArray,
     field: &Field,
@@ -299,20 +763,9 @@ fn whole_numbers<T: ArrowPrimitiveType>(
 where
     T::Native: TryFrom<i128>,
 {
-    let parse = |value: &str| -> std::result::Result<T::Native, String> {
-        parse_whole(value)
-            .and_then(|n| T::Native::try_from(n).ok())
-            .ok_or_else(|| {
-                format!(
-                    "Json error: {value} is not a whole number that fits column '{}' ({})",
-                    field.name(),
-                    field.data_type()
-                )
-            })
-    };
     let array: PrimitiveArray<T> = text
         .iter()
-        .map(|v| v.map(parse).transpose())
+        .map(|v| v.map(|v| whole::<T>(v, field)).transpose())
         .collect::<std::result::Result<_, String>>()?;
     Ok(Arc::new(array))
 }
@@ -423,7 +876,7 @@ mod tests {
         let mut lines = split_lines(&bytes);
         lines.retain(|l| !bytes[l.start..l.end].iter().all(u8::is_ascii_whitespace));
         let s = schema();
-        let (good, bad) = decode_lines(&bytes, &lines, |c| decode_json(&s, &bytes, c, false));
+        let (good, bad) = decode_json_lines(&s, &bytes, &lines, false);
         let ids: Vec<i64> = good
             .iter()
             .flat_map(|(b, _)| b.column(0).as_primitive::<Int64Type>().values().to_vec())
@@ -444,7 +897,9 @@ mod tests {
             .filter(|l| l.end > l.start)
             .collect::<Vec<_>>();
         let s = schema();
-        let (good, bad) = decode_lines(&bytes, &lines, |c| decode_csv(&s, b',', &bytes, c));
+        let (good, bad) = decode_lines(&bytes, &lines, |c| {
+            decode_csv(&s, b',', &bytes, c).map(DecodedRows::from)
+        });
         let rows: usize = good.iter().map(|(b, _)| b.num_rows()).sum();
         assert_eq!(rows, 2);
         assert_eq!(bad.len(), 1);
@@ -483,16 +938,22 @@ mod tests {
     }
 
     /// Decodes `bytes` as JSON lines and as CSV lines, infers schemas from them: nothing may
-    /// panic, and every non-blank line ends up as exactly one row or one bad line.
+    /// panic, and every non-blank line ends up as exactly one row or one bad line. The JSON
+    /// lines decode to the same rows, bad lines and reasons whether sorted by
+    /// [`is_one_json_object`] first or only split in halves around failures.
     fn exercise(bytes: &[u8]) {
         let mut lines = split_lines(bytes);
         lines.retain(|l| !bytes[l.start..l.end].iter().all(u8::is_ascii_whitespace));
         let json = nested_schema();
-        let (good, bad) = decode_lines(bytes, &lines, |c| decode_json(&json, bytes, c, false));
+        let (good, bad) = decode_json_lines(&json, bytes, &lines, false);
         let rows: usize = good.iter().map(|(b, _)| b.num_rows()).sum();
         assert_eq!(rows + bad.len(), lines.len(), "a line got lost or doubled");
+        let halved = decode_lines(bytes, &lines, |c| decode_json_rows(&json, bytes, c, false));
+        assert_same_decoding(&(good, bad), &halved);
         let csv = schema();
-        let (good, bad) = decode_lines(bytes, &lines, |c| decode_csv(&csv, b',', bytes, c));
+        let (good, bad) = decode_lines(bytes, &lines, |c| {
+            decode_csv(&csv, b',', bytes, c).map(DecodedRows::from)
+        });
         let rows: usize = good.iter().map(|(b, _)| b.num_rows()).sum();
         assert_eq!(
             rows + bad.len(),
@@ -505,6 +966,19 @@ mod tests {
             .map(|(i, l)| (l, format!("f:{i}")));
         let _ = crate::infer::infer_json(positions, String::new());
         let _ = crate::infer::infer_csv(&[("f".into(), bytes)], true, b',', String::new());
+    }
+
+    /// Two decodings hold the same rows for the same lines and the same bad lines and reasons.
+    fn assert_same_decoding(a: &Decoded, b: &Decoded) {
+        let rows = |d: &Decoded| {
+            let numbers: Vec<usize> = d.0.iter().flat_map(|(_, n)| n.clone()).collect();
+            let batches: Vec<RecordBatch> = d.0.iter().map(|(b, _)| b.clone()).collect();
+            let schema = batches.first().map(|b| b.schema());
+            let all = schema.map(|s| arrow::compute::concat_batches(&s, &batches).unwrap());
+            (numbers, all)
+        };
+        assert_eq!(rows(a), rows(b), "the good rows differ");
+        assert_eq!(a.1, b.1, "the bad lines differ");
     }
 
     #[test]
@@ -544,7 +1018,7 @@ mod tests {
         let bytes = b"{\"n\":7,\"small\":1,\"t\":5}\n{\"n\":\"8\",\"small\":7.0,\"t\":true}\n{\"n\":9e2}\n{\"n\":12.75}\n{\"small\":300}\n{\"n\":null}\n";
         let lines = split_lines(bytes);
         let lines: Vec<Line> = lines.into_iter().filter(|l| l.end > l.start).collect();
-        let (good, bad) = decode_lines(bytes, &lines, |c| decode_json(&s, bytes, c, false));
+        let (good, bad) = decode_json_lines(&s, bytes, &lines, false);
         let mut n = Vec::new();
         for (batch, _) in &good {
             n.extend(batch.column(0).as_primitive::<Int64Type>().iter());
@@ -584,11 +1058,153 @@ mod tests {
             .filter(|l| l.end > l.start)
             .collect::<Vec<_>>();
         let s = schema();
-        let (good, bad) = decode_lines(bytes, &lines, |c| decode_json(&s, bytes, c, false));
+        let (good, bad) = decode_json_lines(&s, bytes, &lines, false);
         let numbers: Vec<usize> = good.iter().flat_map(|(_, n)| n.clone()).collect();
         assert_eq!(numbers, vec![1, 5]);
         let bad_lines: Vec<usize> = bad.iter().map(|(n, _, _)| *n).collect();
         assert_eq!(bad_lines, vec![2, 3, 4]);
+    }
+
+    /// A value that does not fit its number or timestamp column fails its own line with the
+    /// column's reason; the lines around it decode together, in order.
+    #[test]
+    fn bad_values_fail_their_line_only() {
+        let s: SchemaRef = Arc::new(Schema::new(vec![
+            Field::new("id", DataType::Int64, true),
+            Field::new("amount", DataType::Float64, true),
+            Field::new(
+                "ts",
+                DataType::Timestamp(arrow::datatypes::TimeUnit::Millisecond, None),
+                true,
+            ),
+        ]));
+        let bytes = concat!(
+            "{\"id\":1,\"amount\":1.5,\"ts\":\"2026-11-01T10:00:00Z\"}\n",
+            "{\"id\":2,\"amount\":\"n/a\",\"ts\":\"2026-11-01T10:00:01Z\"}\n",
+            "{\"id\":3,\"amount\":\"2.5\",\"ts\":1762000000000}\n",
+            "{\"id\":4,\"amount\":3,\"ts\":\"yesterday\"}\n",
+            "{\"id\":5.5,\"amount\":true,\"ts\":\"soon\"}\n",
+            "{\"id\":6,\"amount\":null,\"ts\":\"1762000000000\"}\n",
+            "{\"id\":7,\"amount\":4,\"ts\":\"2026-11-01T10:00:07+01:00\"}\n",
+        )
+        .as_bytes();
+        let lines = split_lines(bytes);
+        let lines: Vec<Line> = lines.into_iter().filter(|l| l.end > l.start).collect();
+        let decoded = decode_json_lines(&s, bytes, &lines, false);
+        let (good, bad) = &decoded;
+        assert_eq!(good.len(), 1, "the good lines decode as one batch");
+        let (batch, numbers) = &good[0];
+        assert_eq!(numbers, &vec![1, 3, 6, 7]);
+        let amount: Vec<Option<f64>> = batch
+            .column(1)
+            .as_primitive::<arrow::datatypes::Float64Type>()
+            .iter()
+            .collect();
+        assert_eq!(amount, vec![Some(1.5), Some(2.5), None, Some(4.0)]);
+        let ts: Vec<Option<i64>> = batch
+            .column(2)
+            .as_primitive::<arrow::datatypes::TimestampMillisecondType>()
+            .iter()
+            .collect();
+        assert_eq!(
+            ts,
+            vec![
+                Some(1_793_527_200_000),
+                Some(1_762_000_000_000),
+                Some(1_762_000_000_000),
+                Some(1_793_523_607_000)
+            ]
+        );
+        let reasons: Vec<(usize, &str)> = bad.iter().map(|(n, _, e)| (*n, e.as_str())).collect();
+        assert_eq!(
+            reasons,
+            vec![
+                (
+                    2,
+                    "Json error: whilst decoding field 'amount': failed to parse \"n/a\" as Float64"
+                ),
+                (
+                    4,
+                    "Json error: whilst decoding field 'ts': failed to parse \"yesterday\" as \
+                     Timestamp(ms): Parser error: Error parsing timestamp from 'yesterday': \
+                     timestamp must contain at least 10 characters"
+                ),
+                (
+                    5,
+                    "Json error: 5.5 is not a whole number that fits column 'id' (Int64)"
+                ),
+            ]
+        );
+        let halved = decode_lines(bytes, &lines, |c| decode_json_rows(&s, bytes, c, false));
+        assert_same_decoding(&decoded, &halved);
+    }
+
+    /// The check before decoding takes what the Arrow decoder takes (its optional commas, its
+    /// loose numbers) and stops what it does not: a line it passes decodes alone, a line it
+    /// stops does not (against a schema with no columns, so only the syntax counts).
+    #[test]
+    fn the_object_check_agrees_with_the_decoder() {
+        let passes = [
+            r#"{}"#,
+            r#" { "a" : 1 } "#,
+            r#"{"a":1 "b":2}"#,
+            r#"{,"a":1,,}"#,
+            r#"{"a":[1 2,,3],"b":{"c":[]}}"#,
+            r#"{"a":1-2e+}"#,
+            r#"{"a":"\u00e9\ud83d\ude00\n","b":"tab	here"}"#,
+            r#"{"a":true,"b":false,"c":null}"#,
+        ];
+        let stops = [
+            r#""#,
+            r#"[1]"#,
+            r#"5"#,
+            r#"{"a":1}{"b":2}"#,
+            r#"{"a":1},"#,
+            r#"{"a":}"#,
+            r#"{"a" 1}"#,
+            r#"{1:2}"#,
+            r#"{"a":tru}"#,
+            r#"{"a":"\x"}"#,
+            r#"{"a":"\ud83d"}"#,
+            r#"{"a":"\ude00\ud83d"}"#,
+            r#"{"a":[1}"#,
+            r#"{"a":1"#,
+            r#"{"a":"b"#,
+            r#"{"a":.5}"#,
+        ];
+        let no_columns: SchemaRef = Arc::new(Schema::empty());
+        let decodes = |line: &[u8]| {
+            let lines = [Line {
+                number: 1,
+                start: 0,
+                end: line.len(),
+            }];
+            decode_json(&no_columns, line, &lines, false).is_ok()
+        };
+        for line in passes {
+            assert!(is_one_json_object(line.as_bytes()), "{line} should pass");
+            assert!(decodes(line.as_bytes()), "{line} should decode");
+        }
+        for line in stops {
+            assert!(
+                !is_one_json_object(line.as_bytes()),
+                "{line} should be stopped"
+            );
+            assert!(!decodes(line.as_bytes()), "{line} should not decode");
+        }
+        let deep = format!(
+            "{{\"a\":{}{}}}",
+            "[".repeat(MAX_JSON_DEPTH),
+            "]".repeat(MAX_JSON_DEPTH)
+        );
+        assert!(!is_one_json_object(deep.as_bytes()));
+        let deepest = format!(
+            "{{\"a\":{}{}}}",
+            "[".repeat(MAX_JSON_DEPTH - 1),
+            "]".repeat(MAX_JSON_DEPTH - 1)
+        );
+        assert!(is_one_json_object(deepest.as_bytes()));
+        assert!(!is_one_json_object(b"{\"a\":\"\xff\"}"));
     }
 
     #[test]
@@ -632,6 +1248,33 @@ mod tests {
             ], 0..60),
         ) {
             exercise(tokens.concat().as_bytes());
+        }
+
+        /// The check before decoding agrees with the decoder on single almost-JSON lines: what
+        /// it passes decodes, what it stops does not (nothing may go the slow way unnoticed).
+        #[test]
+        fn fuzz_object_check_agrees_with_the_decoder(
+            tokens in proptest::collection::vec(proptest::prop_oneof![
+                proptest::strategy::Just("{".to_string()),
+                proptest::strategy::Just("}".to_string()),
+                proptest::strategy::Just("[".to_string()),
+                proptest::strategy::Just("]".to_string()),
+                proptest::strategy::Just(",".to_string()),
+                proptest::strategy::Just(":".to_string()),
+                proptest::strategy::Just(" ".to_string()),
+                proptest::strategy::Just("\"k\"".to_string()),
+                "-?[0-9]{1,5}(\\.[0-9]{1,3})?([eE][+-]?[0-9]{1,2})?",
+                "\"([^\"\\\\]|\\\\[\"\\\\/bfnrtux]|\\\\u[0-9a-fA-F]{4}){0,4}\"",
+                proptest::strategy::Just("null".to_string()),
+                proptest::strategy::Just("true".to_string()),
+                proptest::strategy::Just("fals".to_string()),
+            ], 0..24),
+        ) {
+            let line = format!("{{{}", tokens.concat()).replace('\n', " ");
+            let no_columns: SchemaRef = Arc::new(Schema::empty());
+            let lines = [Line { number: 1, start: 0, end: line.len() }];
+            let decodes = decode_json(&no_columns, line.as_bytes(), &lines, false).is_ok();
+            proptest::prop_assert_eq!(is_one_json_object(line.as_bytes()), decodes, "{}", line);
         }
 
         /// Corpus files with bytes flipped.

@@ -57,7 +57,7 @@ use sluice_engine::{
 use tokio::sync::Mutex;
 use url::Url;
 
-use crate::decode::{Line, decode_csv, decode_json, decode_lines, split_lines};
+use crate::decode::{DecodedRows, Line, decode_csv, decode_json_lines, decode_lines, split_lines};
 use crate::error::{ConnectorError, Result};
 use crate::evolve::{SchemaEvolution, fields_to_add, rescue_lines};
 use crate::infer::{INFER_RECORDS, infer_csv, infer_json};
@@ -410,9 +410,7 @@ impl FilesSource {
             FileFormat::Json => {
                 let lines = lines_of(&bytes, false);
                 let strict = evolution.strict();
-                let (good, bad) = decode_lines(&bytes, &lines, |chunk| {
-                    decode_json(schema, &bytes, chunk, strict)
-                });
+                let (good, bad) = decode_json_lines(schema, &bytes, &lines, strict);
                 if evolution == SchemaEvolution::Rescue {
                     let (rescued, bad) = rescue_lines(schema, bad);
                     (good.into_iter().chain(rescued).collect(), bad)
@@ -423,7 +421,7 @@ impl FilesSource {
             FileFormat::Csv => {
                 let lines = lines_of(&bytes, self.config.header);
                 decode_lines(&bytes, &lines, |chunk| {
-                    decode_csv(schema, self.delimiter, &bytes, chunk)
+                    decode_csv(schema, self.delimiter, &bytes, chunk).map(DecodedRows::from)
                 })
             }
             FileFormat::Parquet => match decode_parquet(schema, bytes) {

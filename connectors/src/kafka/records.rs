@@ -14,7 +14,7 @@ use sluice_engine::source::{SOURCE_OFFSET, SOURCE_PARTITION, with_lineage_fields
 use sluice_engine::{DeadLetter, PartitionId, SourceRead};
 
 use super::{TopicPartition, ValueFormat};
-use crate::decode::{Line, decode_csv, decode_json, decode_lines};
+use crate::decode::{DecodedRows, Line, decode_csv, decode_json_lines, decode_lines};
 use crate::error::{ConnectorError, Result};
 use crate::evolve::{SchemaEvolution, rescue_lines};
 
@@ -169,8 +169,7 @@ impl RecordDecoder {
         let (good, bad) = match self.format {
             ValueFormat::Json => {
                 let strict = self.evolution.strict();
-                let (good, bad) =
-                    decode_lines(&buffer, &lines, |c| decode_json(schema, &buffer, c, strict));
+                let (good, bad) = decode_json_lines(schema, &buffer, &lines, strict);
                 if self.evolution == SchemaEvolution::Rescue {
                     let (rescued, bad) = rescue_lines(schema, bad);
                     (good.into_iter().chain(rescued).collect(), bad)
@@ -179,7 +178,7 @@ impl RecordDecoder {
                 }
             }
             _ => decode_lines(&buffer, &lines, |c| {
-                decode_csv(schema, self.delimiter, &buffer, c)
+                decode_csv(schema, self.delimiter, &buffer, c).map(DecodedRows::from)
             }),
         };
         for (batch, numbers) in good {
