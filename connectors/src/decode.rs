@@ -118,16 +118,52 @@ pub(crate) fn decode_json_lines(
     lines: &[Line],
     strict: bool,
 ) -> Decoded {
-    // Lines that passed the check are within the depth limit already.
-    let decode_checked = |chunk: &[Line]| decode_json_parsed(schema, bytes, chunk, strict);
-    let decode_alone = |chunk: &[Line]| decode_json_rows(schema, bytes, chunk, strict);
+    decode_sorted(
+        bytes,
+        lines,
+        is_one_json_object,
+        // Lines that passed the check are within the depth limit already.
+        |chunk| decode_json_parsed(schema, bytes, chunk, strict),
+        |chunk| decode_json_rows(schema, bytes, chunk, strict),
+    )
+}
+
+/// CSV `lines` of `bytes` decoded into `schema` as [`decode_json_lines`] decodes JSON: lines
+/// sorted by [`is_one_csv_record`] first. The same result as [`decode_lines`] over
+/// [`decode_csv`] gives.
+pub(crate) fn decode_csv_lines(
+    schema: &SchemaRef,
+    delimiter: u8,
+    bytes: &[u8],
+    lines: &[Line],
+) -> Decoded {
+    let fields = schema.fields().len();
+    let decode = |chunk: &[Line]| decode_csv(schema, delimiter, bytes, chunk);
+    decode_sorted(
+        bytes,
+        lines,
+        |line| is_one_csv_record(line, delimiter, fields),
+        decode,
+        decode,
+    )
+}
+
+/// Each run of [`DECODE_ROWS`] `lines` (in parallel) sorted by `passes`: the lines that pass
+/// decoded together by `decode_passed`, the others one by one by `decode_alone`, then put back
+/// in line order. Failures of whole chunks are still halved ([`decode_run`]).
+fn decode_sorted(
+    bytes: &[u8],
+    lines: &[Line],
+    passes: impl Fn(&[u8]) -> bool + Sync,
+    decode_passed: impl Fn(&[Line]) -> std::result::Result<DecodedRows, String> + Sync,
+    decode_alone: impl Fn(&[Line]) -> std::result::Result<DecodedRows, String> + Sync,
+) -> Decoded {
     let runs: Vec<Decoded> = lines
         .par_chunks(DECODE_ROWS)
         .map(|run| {
-            let (objects, others): (Vec<Line>, Vec<Line>) = run
-                .iter()
-                .partition(|l| is_one_json_object(&bytes[l.start..l.end]));
-            let (good, mut bad) = decode_run(bytes, &objects, &decode_checked);
+            let (passed, others): (Vec<Line>, Vec<Line>) =
+                run.iter().partition(|l| passes(&bytes[l.start..l.end]));
+            let (good, mut bad) = decode_run(bytes, &passed, &decode_passed);
             if others.is_empty() {
                 return (good, bad);
             }
@@ -509,6 +545,27 @@ fn text_schema(schema: &SchemaRef) -> SchemaRef {
     Arc::new(Schema::new_with_metadata(fields, schema.metadata().clone()))
 }
 
+/// `schema` with its top-level number, boolean and timestamp columns as text (CSV's numbers are
+/// never nested).
+fn top_level_as_text(schema: &SchemaRef) -> SchemaRef {
+    if !schema
+        .fields()
+        .iter()
+        .any(|f| converted_from_text(f.data_type()))
+    {
+        return Arc::clone(schema);
+    }
+    let fields: Vec<Field> = schema
+        .fields()
+        .iter()
+        .map(|f| match f.data_type() {
+            t if converted_from_text(t) => f.as_ref().clone().with_data_type(DataType::Utf8),
+            _ => f.as_ref().clone(),
+        })
+        .collect();
+    Arc::new(Schema::new_with_metadata(fields, schema.metadata().clone()))
+}
+
 fn has_integers(t: &DataType) -> bool {
     match t {
         t if t.is_integer() => true,
@@ -547,16 +604,33 @@ fn typed_rows(batch: RecordBatch, schema: &SchemaRef) -> std::result::Result<Dec
             _ => as_integers(column, field)?,
         });
     }
-    // A row's reason is its first bad column's.
+    rows_of(schema, columns, batch.num_rows(), bad_rows)
+}
+
+/// The rows of `columns` in `schema`, with `bad_rows` (in column order) reduced to one reason per
+/// row: its first bad column's.
+fn rows_of(
+    schema: &SchemaRef,
+    columns: Vec<ArrayRef>,
+    rows: usize,
+    mut bad_rows: Vec<(usize, String)>,
+) -> std::result::Result<DecodedRows, String> {
     bad_rows.sort_by_key(|(row, _)| *row);
     bad_rows.dedup_by_key(|(row, _)| *row);
     let batch = RecordBatch::try_new_with_options(
         Arc::clone(schema),
         columns,
-        &arrow::array::RecordBatchOptions::new().with_row_count(Some(batch.num_rows())),
+        &arrow::array::RecordBatchOptions::new().with_row_count(Some(rows)),
     )
     .map_err(|e| e.to_string())?;
     Ok(DecodedRows { batch, bad_rows })
+}
+
+/// The zone of a timestamp column: its own, else UTC.
+fn zone(tz: Option<&str>) -> std::result::Result<arrow::array::timezone::Tz, String> {
+    tz.unwrap_or("+00:00")
+        .parse()
+        .map_err(|e: arrow::error::ArrowError| e.to_string())
 }
 
 /// A top-level number, boolean or timestamp column from its text; a value that does not convert
@@ -583,14 +657,16 @@ fn convert_column(
         DataType::Float16 => parsed::<Float16Type>(text, field, bad_rows, float::<Float16Type>),
         DataType::Float32 => parsed::<Float32Type>(text, field, bad_rows, float::<Float32Type>),
         DataType::Float64 => parsed::<Float64Type>(text, field, bad_rows, float::<Float64Type>),
-        DataType::Boolean => booleans(text, field, bad_rows),
+        DataType::Boolean => booleans(text, bad_rows, |value| match value {
+            "true" => Ok(true),
+            "false" => Ok(false),
+            _ => Err(format!(
+                "Json error: whilst decoding field '{}': expected boolean got {value}",
+                field.name()
+            )),
+        }),
         DataType::Timestamp(unit, tz) => {
-            let tz: arrow::array::timezone::Tz = tz
-                .as_deref()
-                .unwrap_or("+00:00")
-                .parse()
-                .map_err(|e: arrow::error::ArrowError| e.to_string())?;
-            let tz = &tz;
+            let tz = &zone(tz.as_deref())?;
             match unit {
                 TimeUnit::Second => parsed::<TimestampSecondType>(text, field, bad_rows, |v, f| {
                     timestamp::<TimestampSecondType>(v, f, tz)
@@ -645,23 +721,20 @@ fn parsed<T: ArrowPrimitiveType>(
     Arc::new(values.finish())
 }
 
-/// A boolean column from the text of `true` and `false` (quoted or not); other values go to
-/// `bad_rows`, their rows `false` until dropped.
-fn booleans(text: &StringArray, field: &Field, bad_rows: &mut Vec<(usize, String)>) -> ArrayRef {
+/// A boolean column from its text, by `parse`; a value that does not parse goes to `bad_rows`,
+/// its row `false` until dropped.
+fn booleans(
+    text: &StringArray,
+    bad_rows: &mut Vec<(usize, String)>,
+    parse: impl Fn(&str) -> std::result::Result<bool, String>,
+) -> ArrayRef {
     let mut values = arrow::array::BooleanBuilder::with_capacity(text.len());
     for (row, value) in text.iter().enumerate() {
-        match value {
+        match value.map(&parse) {
             None => values.append_null(),
-            Some("true") => values.append_value(true),
-            Some("false") => values.append_value(false),
-            Some(value) => {
-                bad_rows.push((
-                    row,
-                    format!(
-                        "Json error: whilst decoding field '{}': expected boolean got {value}",
-                        field.name()
-                    ),
-                ));
+            Some(Ok(b)) => values.append_value(b),
+            Some(Err(reason)) => {
+                bad_rows.push((row, reason));
                 values.append_value(false);
             }
         }
@@ -883,13 +956,52 @@ pub(crate) fn feed(
     Ok(())
 }
 
+/// Whether `line` is one CSV record of `fields` fields in UTF-8, split as Arrow's CSV reader
+/// splits it: a quote opens a quoted field only at the field's start, `""` in one is a quote,
+/// and a `\r` outside quotes would end the record. One pass, to sort lines before decoding
+/// ([`decode_csv_lines`]).
+pub(crate) fn is_one_csv_record(line: &[u8], delimiter: u8, fields: usize) -> bool {
+    let (mut count, mut field_start, mut quoted) = (1, true, false);
+    let mut at = 0;
+    while at < line.len() {
+        let b = line[at];
+        at += 1;
+        if quoted {
+            if b == b'"' {
+                if line.get(at) == Some(&b'"') {
+                    at += 1;
+                } else {
+                    quoted = false;
+                }
+            }
+            continue;
+        }
+        if b == delimiter {
+            count += 1;
+            field_start = true;
+            continue;
+        }
+        if b == b'\r' {
+            return false;
+        }
+        quoted = b == b'"' && field_start;
+        field_start = false;
+    }
+    !quoted && count == fields && std::str::from_utf8(line).is_ok()
+}
+
+/// Decodes CSV `lines` of `bytes` into `schema`, one row per line. Number, boolean and
+/// timestamp columns are read as text and converted here with the Arrow CSV reader's own
+/// parsers (an empty field is null), so a value that does not fit fails its own line
+/// ([`DecodedRows::bad_rows`]); any other failure fails the call.
 pub(crate) fn decode_csv(
     schema: &SchemaRef,
     delimiter: u8,
     bytes: &[u8],
     lines: &[Line],
-) -> std::result::Result<RecordBatch, String> {
-    let mut decoder = arrow::csv::ReaderBuilder::new(Arc::clone(schema))
+) -> std::result::Result<DecodedRows, String> {
+    let decode_schema = top_level_as_text(schema);
+    let mut decoder = arrow::csv::ReaderBuilder::new(Arc::clone(&decode_schema))
         .with_header(false)
         .with_delimiter(delimiter)
         .with_batch_size(lines.len() + 1)
@@ -907,10 +1019,147 @@ pub(crate) fn decode_csv(
         }
         rest = &rest[used..];
     }
-    Ok(decoder
+    let batch = decoder
         .flush()
         .map_err(|e| e.to_string())?
-        .unwrap_or_else(|| RecordBatch::new_empty(Arc::clone(schema))))
+        .unwrap_or_else(|| RecordBatch::new_empty(Arc::clone(&decode_schema)));
+    if batch.schema() == *schema {
+        return Ok(batch.into());
+    }
+    let mut bad_rows = Vec::new();
+    let mut columns = Vec::with_capacity(schema.fields().len());
+    for (index, (field, column)) in schema.fields().iter().zip(batch.columns()).enumerate() {
+        columns.push(match field.data_type() {
+            t if converted_from_text(t) => {
+                csv_column(column.as_string::<i32>(), index, field, &mut bad_rows)?
+            }
+            _ => Arc::clone(column),
+        });
+    }
+    rows_of(schema, columns, batch.num_rows(), bad_rows)
+}
+
+/// A top-level number, boolean or timestamp column of a CSV file from its text, converted as
+/// the Arrow CSV reader converts it; a value that does not has its row and reason added to
+/// `bad_rows`.
+fn csv_column(
+    text: &StringArray,
+    index: usize,
+    field: &Field,
+    bad_rows: &mut Vec<(usize, String)>,
+) -> std::result::Result<ArrayRef, String> {
+    use arrow::datatypes::{
+        Float16Type, Float32Type, Float64Type, Int8Type, Int16Type, Int32Type, Int64Type,
+        TimestampMicrosecondType, TimestampMillisecondType, TimestampNanosecondType,
+        TimestampSecondType, UInt8Type, UInt16Type, UInt32Type, UInt64Type,
+    };
+    fn parse<T: ArrowPrimitiveType + Parser>(
+        index: usize,
+    ) -> impl Fn(&str, &Field) -> std::result::Result<T::Native, String> {
+        move |value, field| {
+            T::parse(value).ok_or_else(|| {
+                format!(
+                    "Parser error: Error while parsing value '{value}' as type '{}' for \
+                     column {index} ('{}')",
+                    field.data_type(),
+                    field.name()
+                )
+            })
+        }
+    }
+    fn timestamp<T: ArrowTimestampType>(
+        index: usize,
+        tz: arrow::array::timezone::Tz,
+    ) -> impl Fn(&str, &Field) -> std::result::Result<i64, String> {
+        move |value, field| {
+            let error = |e: &dyn std::fmt::Display| {
+                format!(
+                    "Parser error: Error parsing column {index} ('{}'): {e}",
+                    field.name()
+                )
+            };
+            let date = string_to_datetime(&tz, value).map_err(|e| error(&e))?;
+            match T::UNIT {
+                TimeUnit::Second => Ok(date.timestamp()),
+                TimeUnit::Millisecond => Ok(date.timestamp_millis()),
+                TimeUnit::Microsecond => Ok(date.timestamp_micros()),
+                TimeUnit::Nanosecond => date.timestamp_nanos_opt().ok_or_else(|| {
+                    error(&format!(
+                        "{} would overflow 64-bit signed nanoseconds",
+                        date.to_rfc3339()
+                    ))
+                }),
+            }
+        }
+    }
+    let t = field.data_type();
+    Ok(match t {
+        DataType::Int8 => parsed::<Int8Type>(text, field, bad_rows, parse::<Int8Type>(index)),
+        DataType::Int16 => parsed::<Int16Type>(text, field, bad_rows, parse::<Int16Type>(index)),
+        DataType::Int32 => parsed::<Int32Type>(text, field, bad_rows, parse::<Int32Type>(index)),
+        DataType::Int64 => parsed::<Int64Type>(text, field, bad_rows, parse::<Int64Type>(index)),
+        DataType::UInt8 => parsed::<UInt8Type>(text, field, bad_rows, parse::<UInt8Type>(index)),
+        DataType::UInt16 => parsed::<UInt16Type>(text, field, bad_rows, parse::<UInt16Type>(index)),
+        DataType::UInt32 => parsed::<UInt32Type>(text, field, bad_rows, parse::<UInt32Type>(index)),
+        DataType::UInt64 => parsed::<UInt64Type>(text, field, bad_rows, parse::<UInt64Type>(index)),
+        DataType::Float16 => {
+            parsed::<Float16Type>(text, field, bad_rows, parse::<Float16Type>(index))
+        }
+        DataType::Float32 => {
+            parsed::<Float32Type>(text, field, bad_rows, parse::<Float32Type>(index))
+        }
+        DataType::Float64 => {
+            parsed::<Float64Type>(text, field, bad_rows, parse::<Float64Type>(index))
+        }
+        DataType::Boolean => booleans(text, bad_rows, |value| {
+            if value.eq_ignore_ascii_case("true") {
+                Ok(true)
+            } else if value.eq_ignore_ascii_case("false") {
+                Ok(false)
+            } else {
+                Err(format!(
+                    "Parser error: Error while parsing value '{value}' as type 'Boolean' for \
+                     column {index} ('{}')",
+                    field.name()
+                ))
+            }
+        }),
+        DataType::Timestamp(unit, tz) => {
+            let tz = zone(tz.as_deref())?;
+            match unit {
+                TimeUnit::Second => parsed::<TimestampSecondType>(
+                    text,
+                    field,
+                    bad_rows,
+                    timestamp::<TimestampSecondType>(index, tz),
+                ),
+                TimeUnit::Millisecond => parsed::<TimestampMillisecondType>(
+                    text,
+                    field,
+                    bad_rows,
+                    timestamp::<TimestampMillisecondType>(index, tz),
+                ),
+                TimeUnit::Microsecond => parsed::<TimestampMicrosecondType>(
+                    text,
+                    field,
+                    bad_rows,
+                    timestamp::<TimestampMicrosecondType>(index, tz),
+                ),
+                TimeUnit::Nanosecond => parsed::<TimestampNanosecondType>(
+                    text,
+                    field,
+                    bad_rows,
+                    timestamp::<TimestampNanosecondType>(index, tz),
+                ),
+            }
+        }
+        t => {
+            return Err(format!(
+                "column '{}': {t} is not converted from text",
+                field.name()
+            ));
+        }
+    })
 }
 
 #[cfg(test)]
@@ -955,9 +1204,7 @@ mod tests {
             .filter(|l| l.end > l.start)
             .collect::<Vec<_>>();
         let s = schema();
-        let (good, bad) = decode_lines(&bytes, &lines, |c| {
-            decode_csv(&s, b',', &bytes, c).map(DecodedRows::from)
-        });
+        let (good, bad) = decode_csv_lines(&s, b',', &bytes, &lines);
         let rows: usize = good.iter().map(|(b, _)| b.num_rows()).sum();
         assert_eq!(rows, 2);
         assert_eq!(bad.len(), 1);
@@ -1017,15 +1264,15 @@ mod tests {
         let halved = decode_lines(bytes, &lines, |c| decode_json_rows(&json, bytes, c, true));
         assert_same_decoding(&strict, &halved);
         let csv = schema();
-        let (good, bad) = decode_lines(bytes, &lines, |c| {
-            decode_csv(&csv, b',', bytes, c).map(DecodedRows::from)
-        });
+        let (good, bad) = decode_csv_lines(&csv, b',', bytes, &lines);
         let rows: usize = good.iter().map(|(b, _)| b.num_rows()).sum();
         assert_eq!(
             rows + bad.len(),
             lines.len(),
             "a CSV line got lost or doubled"
         );
+        let halved = decode_lines(bytes, &lines, |c| decode_csv(&csv, b',', bytes, c));
+        assert_same_decoding(&(good, bad), &halved);
         let positions = bytes
             .split(|b| *b == b'\n')
             .enumerate()
@@ -1509,6 +1756,70 @@ mod tests {
                 text.push('\n');
             }
             exercise(text.as_bytes());
+        }
+
+        /// CSV lines of numbers, booleans and timestamps — good, bad, empty, quoted, with too
+        /// few or too many fields: the check agrees with the reader on the record's shape, and
+        /// the per-row conversions give what Arrow's typed CSV reader gives, line by line.
+        #[test]
+        fn fuzz_csv_conversions_agree_with_arrows_reader(
+            i in proptest::prop_oneof![4 => "-?[0-9]{1,6}", 1 => "[0-9]\\.5", 1 => "x[a-z]{0,3}", 1 => ""],
+            f in proptest::prop_oneof![4 => "-?[0-9]{1,4}(\\.[0-9]{1,3})?([eE]-?[0-9])?", 1 => "x[a-z]{0,3}", 1 => ""],
+            b in "(true|false|TRUE|False|yes|1|)",
+            t in proptest::prop_oneof![
+                4 => "20[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|1[0-9]|2[0-8])([T ][01][0-9]:[0-5][0-9]:[0-5][0-9](Z|[+-]0[0-9]:00)?)?",
+                1 => "[0-9]{10}",
+                1 => "",
+            ],
+            extra in proptest::prop_oneof![
+                6 => proptest::strategy::Just(None),
+                1 => proptest::strategy::Just(Some(String::new())),
+                1 => proptest::strategy::Strategy::prop_map("\"[a-z,]{0,3}(\"\")?[a-z]{0,2}\"", Some),
+            ],
+            drop_last in proptest::prop_oneof![8 => proptest::strategy::Just(false), 1 => proptest::strategy::Just(true)],
+        ) {
+            let mut fields = vec![i, f, b, t];
+            fields.extend(extra);
+            if drop_last {
+                fields.pop();
+            }
+            use arrow::datatypes::TimeUnit;
+            let schema: SchemaRef = Arc::new(Schema::new(vec![
+                Field::new("i", DataType::Int64, true),
+                Field::new("f", DataType::Float64, true),
+                Field::new("b", DataType::Boolean, true),
+                Field::new("t", DataType::Timestamp(TimeUnit::Millisecond, Some("+02:00".into())), true),
+            ]));
+            let line = fields.join(",");
+            let lines = [Line { number: 1, start: 0, end: line.len() }];
+            let as_text: SchemaRef = Arc::new(Schema::new(
+                (0..4).map(|i| Field::new(format!("c{i}"), DataType::Utf8, true)).collect::<Vec<_>>(),
+            ));
+            let one_record = |schema: &SchemaRef| -> std::result::Result<RecordBatch, String> {
+                let mut reader = arrow::csv::ReaderBuilder::new(Arc::clone(schema))
+                    .with_header(false)
+                    .build_decoder();
+                reader.decode(format!("{line}\n").as_bytes()).map_err(|e| e.to_string())?;
+                let batch = reader.flush().map_err(|e| e.to_string())?.ok_or("no record")?;
+                (batch.num_rows() == 1).then_some(batch).ok_or_else(|| "rows".to_string())
+            };
+            proptest::prop_assert_eq!(
+                is_one_csv_record(line.as_bytes(), b',', 4),
+                one_record(&as_text).is_ok(),
+                "{}", line
+            );
+            let theirs = one_record(&schema);
+            let ours = decode_csv(&schema, b',', line.as_bytes(), &lines).and_then(|rows| {
+                match rows.bad_rows.is_empty() {
+                    true => Ok(rows.batch),
+                    false => Err(rows.bad_rows[0].1.clone()),
+                }
+            });
+            match (theirs, ours) {
+                (Ok(theirs), Ok(ours)) => proptest::prop_assert_eq!(theirs, ours, "{}", line),
+                (Err(_), Err(_)) => {}
+                (theirs, ours) => proptest::prop_assert!(false, "{}: Arrow {:?}, ours {:?}", line, theirs.err(), ours.err()),
+            }
         }
 
         /// The check before decoding agrees with the decoder on single almost-JSON lines: what

@@ -57,7 +57,7 @@ use sluice_engine::{
 use tokio::sync::Mutex;
 use url::Url;
 
-use crate::decode::{DecodedRows, Line, decode_csv, decode_json_lines, decode_lines, split_lines};
+use crate::decode::{Line, decode_csv_lines, decode_json_lines, split_lines};
 use crate::error::{ConnectorError, Result};
 use crate::evolve::{SchemaEvolution, fields_to_add, rescue_lines};
 use crate::infer::{INFER_RECORDS, infer_csv, infer_json};
@@ -420,9 +420,7 @@ impl FilesSource {
             }
             FileFormat::Csv => {
                 let lines = lines_of(&bytes, self.config.header);
-                decode_lines(&bytes, &lines, |chunk| {
-                    decode_csv(schema, self.delimiter, &bytes, chunk).map(DecodedRows::from)
-                })
+                decode_csv_lines(schema, self.delimiter, &bytes, &lines)
             }
             FileFormat::Parquet => match decode_parquet(schema, bytes) {
                 Ok(batches) => {

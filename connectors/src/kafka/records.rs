@@ -14,7 +14,7 @@ use sluice_engine::source::{SOURCE_OFFSET, SOURCE_PARTITION, with_lineage_fields
 use sluice_engine::{DeadLetter, PartitionId, SourceRead};
 
 use super::{TopicPartition, ValueFormat};
-use crate::decode::{DecodedRows, Line, decode_csv, decode_json_lines, decode_lines};
+use crate::decode::{Line, decode_csv_lines, decode_json_lines};
 use crate::error::{ConnectorError, Result};
 use crate::evolve::{SchemaEvolution, rescue_lines};
 
@@ -177,9 +177,7 @@ impl RecordDecoder {
                     (good, bad)
                 }
             }
-            _ => decode_lines(&buffer, &lines, |c| {
-                decode_csv(schema, self.delimiter, &buffer, c).map(DecodedRows::from)
-            }),
+            _ => decode_csv_lines(schema, self.delimiter, &buffer, &lines),
         };
         for (batch, numbers) in good {
             let rows: Vec<&RecordAndOffset> = numbers.iter().map(|&i| &records[i]).collect();
