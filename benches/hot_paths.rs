@@ -27,10 +27,15 @@ fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Runtime::new().unwrap()
 }
 
-/// `ROWS` click events as JSON lines in 10 files under `dir/input`, every `bad_every`-th line
-/// bad (0: none) in one of the ways real feeds go bad: cut off, not JSON, a value of the wrong
-/// type, a timestamp that is not one, a fraction in an integer column.
-fn write_click_files(dir: &std::path::Path, bad_every: usize) -> std::path::PathBuf {
+/// `ROWS` click events as JSON (or CSV) lines in 10 files under `dir/input`, every
+/// `bad_every`-th line bad (0: none) in one of the ways real feeds go bad: cut off, not a
+/// record, a value of the wrong type, a timestamp that is not one, a fraction in an integer
+/// column.
+fn write_click_files(
+    dir: &std::path::Path,
+    format: FileFormat,
+    bad_every: usize,
+) -> std::path::PathBuf {
     let input = dir.join("input");
     std::fs::create_dir_all(&input).unwrap();
     let files = 10;
@@ -38,28 +43,34 @@ fn write_click_files(dir: &std::path::Path, bad_every: usize) -> std::path::Path
         let mut text = String::new();
         for i in 0..ROWS / files {
             let line = f * (ROWS / files) + i;
-            let good = format!(
-                "{{\"id\":{i},\"user_id\":{},\"page\":\"/p/{}\",\"amount\":{}.25,\"ts\":\"2026-11-01T10:00:{:02}Z\"}}",
-                i % 1000,
-                i % 7,
-                i % 100,
-                i % 60
-            );
+            let (user, page, amount, second) = (i % 1000, i % 7, i % 100, i % 60);
+            let fields = |user: &str, amount: &str, ts: &str| match format {
+                FileFormat::Csv => format!("{i},{user},/p/{page},{amount},{ts}"),
+                _ => format!(
+                    "{{\"id\":{i},\"user_id\":{user},\"page\":\"/p/{page}\",\"amount\":{amount},\"ts\":\"{ts}\"}}"
+                ),
+            };
+            let (user, amount) = (user.to_string(), format!("{amount}.25"));
+            let ts = format!("2026-11-01T10:00:{second:02}Z");
+            let good = fields(&user, &amount, &ts);
             let bad = bad_every > 0 && line % bad_every == bad_every / 2;
             let text_line = match (bad, (line / bad_every.max(1)) % 5) {
                 (false, _) => good,
                 (true, 0) => good[..good.len() / 2].to_string(),
-                (true, 1) => format!("not json at all, line {line}"),
-                (true, 2) => good
-                    .replace(".25,", ".25\",")
-                    .replace("\"amount\":", "\"amount\":\"n/a"),
-                (true, 3) => good.replace("2026-11-01T10:00:", "yesterday at "),
-                (true, _) => good.replace(&format!("\"user_id\":{}", i % 1000), "\"user_id\":12.5"),
+                (true, 1) => format!("not a record at all: line {line}"),
+                (true, 2) => fields(&user, "\"n/a\"", &ts),
+                (true, 3) => fields(&user, &amount, "yesterday at noon"),
+                (true, _) => fields("12.5", &amount, &ts),
             };
             text.push_str(&text_line);
             text.push('\n');
         }
-        std::fs::write(input.join(format!("f{f:03}.json")), text).unwrap();
+        let extension = if format == FileFormat::Csv {
+            "csv"
+        } else {
+            "json"
+        };
+        std::fs::write(input.join(format!("f{f:03}.{extension}")), text).unwrap();
     }
     input
 }
@@ -69,10 +80,11 @@ fn opened_source(
     rt: &tokio::runtime::Runtime,
     dir: &std::path::Path,
     input: &std::path::Path,
+    format: FileFormat,
 ) -> FilesSource {
     let mut source = FilesSource::new(FilesSourceConfig {
         schema: Some("id BIGINT, user_id BIGINT, page VARCHAR, amount DOUBLE, ts TIMESTAMP".into()),
-        ..FilesSourceConfig::new(input.to_string_lossy(), FileFormat::Json)
+        ..FilesSourceConfig::new(input.to_string_lossy(), format)
     })
     .unwrap();
     let checkpoint =
@@ -94,8 +106,8 @@ fn opened_source(
 fn decode_json_files(c: &mut Criterion) {
     let rt = runtime();
     let dir = tempfile::tempdir().unwrap();
-    let input = write_click_files(dir.path(), 0);
-    let source = opened_source(&rt, dir.path(), &input);
+    let input = write_click_files(dir.path(), FileFormat::Json, 0);
+    let source = opened_source(&rt, dir.path(), &input, FileFormat::Json);
     let mut group = c.benchmark_group("files_source");
     group.throughput(Throughput::Elements(ROWS as u64));
     group.bench_function("read_json_100k_rows_10_files", |b| {
@@ -107,37 +119,48 @@ fn decode_json_files(c: &mut Criterion) {
     group.finish();
 }
 
-/// The same 100 K click lines clean, with 1 % and with 10 % bad lines, read side by side: a bad
-/// line should cost about what a line costs, not a re-decode of its neighbours.
-fn decode_json_bad_lines(c: &mut Criterion) {
+/// The same 100 K click lines clean, with 1 % and with 10 % bad lines, read side by side, as
+/// JSON and as CSV: a bad line should cost about what a line costs, not a re-decode of its
+/// neighbours.
+fn decode_bad_lines(c: &mut Criterion) {
     let rt = runtime();
     let mut group = c.benchmark_group("files_source_bad_lines");
     group.throughput(Throughput::Elements(ROWS as u64));
-    for (name, bad_every) in [("clean", 0), ("1pct_bad", 100), ("10pct_bad", 10)] {
-        let dir = tempfile::tempdir().unwrap();
-        let input = write_click_files(dir.path(), bad_every);
-        let source = opened_source(&rt, dir.path(), &input);
-        let read = rt
-            .block_on(source.read(&"0".to_string(), OffsetRange::new(0, 10)))
-            .unwrap();
-        let rows: usize = read.batches.iter().map(RecordBatch::num_rows).sum();
-        assert_eq!(
-            rows + read.dead_letters.len(),
-            ROWS,
-            "{name}: a line got lost"
-        );
-        let expected_bad = if bad_every == 0 { 0 } else { ROWS / bad_every };
-        assert_eq!(
-            read.dead_letters.len(),
-            expected_bad,
-            "{name}: dead letters"
-        );
-        group.bench_function(name, |b| {
-            b.iter(|| {
-                rt.block_on(source.read(&"0".to_string(), OffsetRange::new(0, 10)))
-                    .unwrap()
-            })
-        });
+    for format in [FileFormat::Json, FileFormat::Csv] {
+        for (bad, bad_every) in [("clean", 0), ("1pct_bad", 100), ("10pct_bad", 10)] {
+            let name = format!(
+                "{}_{bad}",
+                if format == FileFormat::Csv {
+                    "csv"
+                } else {
+                    "json"
+                }
+            );
+            let dir = tempfile::tempdir().unwrap();
+            let input = write_click_files(dir.path(), format, bad_every);
+            let source = opened_source(&rt, dir.path(), &input, format);
+            let read = rt
+                .block_on(source.read(&"0".to_string(), OffsetRange::new(0, 10)))
+                .unwrap();
+            let rows: usize = read.batches.iter().map(RecordBatch::num_rows).sum();
+            assert_eq!(
+                rows + read.dead_letters.len(),
+                ROWS,
+                "{name}: a line got lost"
+            );
+            let expected_bad = if bad_every == 0 { 0 } else { ROWS / bad_every };
+            assert_eq!(
+                read.dead_letters.len(),
+                expected_bad,
+                "{name}: dead letters"
+            );
+            group.bench_function(name, |b| {
+                b.iter(|| {
+                    rt.block_on(source.read(&"0".to_string(), OffsetRange::new(0, 10)))
+                        .unwrap()
+                })
+            });
+        }
     }
     group.finish();
 }
@@ -275,7 +298,7 @@ criterion_group!(
     benches,
     nexmark_generator,
     decode_json_files,
-    decode_json_bad_lines,
+    decode_bad_lines,
     execute_query,
     window_aggregation_step,
     delta_commit
