@@ -56,7 +56,11 @@ fn write_click_files(
             let bad = bad_every > 0 && line % bad_every == bad_every / 2;
             let text_line = match (bad, (line / bad_every.max(1)) % 5) {
                 (false, _) => good,
-                (true, 0) => good[..good.len() / 2].to_string(),
+                // Cut off: JSON halfway, CSV inside its last field's date (no longer a time).
+                (true, 0) => match format {
+                    FileFormat::Csv => good[..good.len() - 12].to_string(),
+                    _ => good[..good.len() / 2].to_string(),
+                },
                 (true, 1) => format!("not a record at all: line {line}"),
                 (true, 2) => fields(&user, "\"n/a\"", &ts),
                 (true, 3) => fields(&user, &amount, "yesterday at noon"),
@@ -84,6 +88,7 @@ fn opened_source(
 ) -> FilesSource {
     let mut source = FilesSource::new(FilesSourceConfig {
         schema: Some("id BIGINT, user_id BIGINT, page VARCHAR, amount DOUBLE, ts TIMESTAMP".into()),
+        header: false,
         ..FilesSourceConfig::new(input.to_string_lossy(), format)
     })
     .unwrap();

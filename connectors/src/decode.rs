@@ -84,7 +84,9 @@ pub(crate) const DECODE_ROWS: usize = 8192;
 
 /// Decodes `lines` in runs of [`DECODE_ROWS`], the runs in parallel (rayon), splitting a run in
 /// halves around failures until each bad line is alone. Returns decoded batches with their line
-/// numbers, in file order, and the bad lines, in file order.
+/// numbers, in file order, and the bad lines, in file order. The reference the sorted decodes
+/// ([`decode_json_lines`], [`decode_csv_lines`]) are tested against.
+#[cfg(test)]
 pub(crate) fn decode_lines(
     bytes: &[u8],
     lines: &[Line],
@@ -538,7 +540,11 @@ fn text_schema(schema: &SchemaRef) -> SchemaRef {
         .fields()
         .iter()
         .map(|f| match f.data_type() {
-            t if converted_from_text(t) => f.as_ref().clone().with_data_type(DataType::Utf8),
+            t if converted_from_text(t) => f
+                .as_ref()
+                .clone()
+                .with_data_type(DataType::Utf8)
+                .with_nullable(true),
             _ => as_text_field(f),
         })
         .collect();
@@ -559,7 +565,11 @@ fn top_level_as_text(schema: &SchemaRef) -> SchemaRef {
         .fields()
         .iter()
         .map(|f| match f.data_type() {
-            t if converted_from_text(t) => f.as_ref().clone().with_data_type(DataType::Utf8),
+            t if converted_from_text(t) => f
+                .as_ref()
+                .clone()
+                .with_data_type(DataType::Utf8)
+                .with_nullable(true),
             _ => f.as_ref().clone(),
         })
         .collect();
@@ -657,7 +667,7 @@ fn convert_column(
         DataType::Float16 => parsed::<Float16Type>(text, field, bad_rows, float::<Float16Type>),
         DataType::Float32 => parsed::<Float32Type>(text, field, bad_rows, float::<Float32Type>),
         DataType::Float64 => parsed::<Float64Type>(text, field, bad_rows, float::<Float64Type>),
-        DataType::Boolean => booleans(text, bad_rows, |value| match value {
+        DataType::Boolean => booleans(text, field, bad_rows, |value| match value {
             "true" => Ok(true),
             "false" => Ok(false),
             _ => Err(format!(
@@ -710,7 +720,11 @@ fn parsed<T: ArrowPrimitiveType>(
         .with_data_type(field.data_type().clone());
     for (row, value) in text.iter().enumerate() {
         match value.map(|value| parse(value, field)) {
-            None => values.append_null(),
+            None if field.is_nullable() => values.append_null(),
+            None => {
+                bad_rows.push((row, not_null(field)));
+                values.append_value(T::Native::default());
+            }
             Some(Ok(n)) => values.append_value(n),
             Some(Err(reason)) => {
                 bad_rows.push((row, reason));
@@ -725,13 +739,18 @@ fn parsed<T: ArrowPrimitiveType>(
 /// its row `false` until dropped.
 fn booleans(
     text: &StringArray,
+    field: &Field,
     bad_rows: &mut Vec<(usize, String)>,
     parse: impl Fn(&str) -> std::result::Result<bool, String>,
 ) -> ArrayRef {
     let mut values = arrow::array::BooleanBuilder::with_capacity(text.len());
     for (row, value) in text.iter().enumerate() {
         match value.map(&parse) {
-            None => values.append_null(),
+            None if field.is_nullable() => values.append_null(),
+            None => {
+                bad_rows.push((row, not_null(field)));
+                values.append_value(false);
+            }
             Some(Ok(b)) => values.append_value(b),
             Some(Err(reason)) => {
                 bad_rows.push((row, reason));
@@ -740,6 +759,14 @@ fn booleans(
         }
     }
     Arc::new(values.finish())
+}
+
+/// The reason of a row with no value for NOT NULL `field`.
+fn not_null(field: &Field) -> String {
+    format!(
+        "column '{}' is NOT NULL, and the record has no value for it",
+        field.name()
+    )
 }
 
 /// A whole number that fits `field` (`7`, `"7"`, `7.0`, `7e2`).
@@ -956,13 +983,23 @@ pub(crate) fn feed(
     Ok(())
 }
 
-/// Whether `line` is one CSV record of `fields` fields in UTF-8, split as Arrow's CSV reader
-/// splits it: a quote opens a quoted field only at the field's start, `""` in one is a quote,
-/// and a `\r` outside quotes would end the record. One pass, to sort lines before decoding
-/// ([`decode_csv_lines`]).
+/// Whether `line` is one CSV record of `fields` fields in UTF-8 ([`csv_record_shape`]) — one
+/// pass, to sort lines before decoding ([`decode_csv_lines`]).
 pub(crate) fn is_one_csv_record(line: &[u8], delimiter: u8, fields: usize) -> bool {
+    csv_record_shape(line, delimiter, fields).is_ok()
+}
+
+/// Checks that `line` is one CSV record of `fields` fields in UTF-8, split as Arrow's CSV reader
+/// splits it: a quote opens a quoted field only at the field's start, `""` in one is a quote,
+/// and a `\r` or `\n` outside quotes ends the record (only line breaks may follow it). Stricter
+/// than the reader where it would drop bytes: text after a record's end.
+fn csv_record_shape(line: &[u8], delimiter: u8, fields: usize) -> std::result::Result<(), String> {
+    let line_break = |b: &u8| matches!(b, b'\r' | b'\n');
+    // The reader skips line breaks before a record; a line of nothing else holds none.
+    let Some(mut at) = line.iter().position(|b| !line_break(b)) else {
+        return Err("CSV error: the line is empty".into());
+    };
     let (mut count, mut field_start, mut quoted) = (1, true, false);
-    let mut at = 0;
     while at < line.len() {
         let b = line[at];
         at += 1;
@@ -981,13 +1018,30 @@ pub(crate) fn is_one_csv_record(line: &[u8], delimiter: u8, fields: usize) -> bo
             field_start = true;
             continue;
         }
-        if b == b'\r' {
-            return false;
+        if line_break(&b) {
+            if !line[at..].iter().all(line_break) {
+                return Err(
+                    "CSV error: a line break outside quotes ends the record, and more \
+                            follows it on the line"
+                        .into(),
+                );
+            }
+            break;
         }
         quoted = b == b'"' && field_start;
         field_start = false;
     }
-    !quoted && count == fields && std::str::from_utf8(line).is_ok()
+    if quoted {
+        return Err("CSV error: a quoted field is not closed on its line".into());
+    }
+    if count != fields {
+        return Err(format!(
+            "CSV error: the line holds {count} fields; the schema has {fields}"
+        ));
+    }
+    std::str::from_utf8(line)
+        .map(|_| ())
+        .map_err(|e| format!("CSV error: the line is not UTF-8: {e}"))
 }
 
 /// Decodes CSV `lines` of `bytes` into `schema`, one row per line. Number, boolean and
@@ -1006,18 +1060,23 @@ pub(crate) fn decode_csv(
         .with_delimiter(delimiter)
         .with_batch_size(lines.len() + 1)
         .build_decoder();
-    let mut buf = Vec::new();
+    // Line by line, so a line holding no record, two records, or the start of a record the next
+    // line ends is caught at its line rather than decoded into rows given to the wrong lines.
     for l in lines {
-        buf.extend_from_slice(&bytes[l.start..l.end]);
-        buf.push(b'\n');
-    }
-    let mut rest = buf.as_slice();
-    while !rest.is_empty() {
-        let used = decoder.decode(rest).map_err(|e| e.to_string())?;
-        if used == 0 {
-            break;
+        let line = &bytes[l.start..l.end];
+        // The reader checks UTF-8 only on a record's fields joined together (`\xC3,\xA9`
+        // passes), and drops what follows a record's end on the same line.
+        csv_record_shape(line, delimiter, schema.fields().len())?;
+        let before = decoder.capacity();
+        feed_csv(&mut decoder, line)?;
+        feed_csv(&mut decoder, b"\n")?;
+        let records = before - decoder.capacity();
+        if records != 1 {
+            return Err(format!(
+                "CSV error: the line holds {records} CSV records (a quoted field left open \
+                 holds none); one record per line is read"
+            ));
         }
-        rest = &rest[used..];
     }
     let batch = decoder
         .flush()
@@ -1037,6 +1096,20 @@ pub(crate) fn decode_csv(
         });
     }
     rows_of(schema, columns, batch.num_rows(), bad_rows)
+}
+
+fn feed_csv(
+    decoder: &mut arrow::csv::reader::Decoder,
+    mut buf: &[u8],
+) -> std::result::Result<(), String> {
+    while !buf.is_empty() {
+        let used = decoder.decode(buf).map_err(|e| e.to_string())?;
+        if used == 0 {
+            return Err("the CSV decoder made no progress".into());
+        }
+        buf = &buf[used..];
+    }
+    Ok(())
 }
 
 /// A top-level number, boolean or timestamp column of a CSV file from its text, converted as
@@ -1111,7 +1184,7 @@ fn csv_column(
         DataType::Float64 => {
             parsed::<Float64Type>(text, field, bad_rows, parse::<Float64Type>(index))
         }
-        DataType::Boolean => booleans(text, bad_rows, |value| {
+        DataType::Boolean => booleans(text, field, bad_rows, |value| {
             if value.eq_ignore_ascii_case("true") {
                 Ok(true)
             } else if value.eq_ignore_ascii_case("false") {
@@ -1209,6 +1282,70 @@ mod tests {
         assert_eq!(rows, 2);
         assert_eq!(bad.len(), 1);
         assert_eq!(bad[0].0, 2);
+    }
+
+    /// A CSV line is one record or a bad line: a quote left open, an empty value, a field that
+    /// is not UTF-8 on its own, an empty NOT NULL number are bad lines — never rows given to
+    /// the wrong lines; a quoted line break in a Kafka value is one record.
+    #[test]
+    fn a_csv_line_holds_exactly_one_record() {
+        let s: SchemaRef = Arc::new(Schema::new(vec![
+            Field::new("id", DataType::Int64, false),
+            Field::new("name", DataType::Utf8, true),
+        ]));
+        let texts: [&[u8]; 9] = [
+            b"1,a",
+            b"\"2,b",
+            b"3,c",
+            b"4,\"x\ny\"",
+            b"",
+            b"5,\xC3\xA9",
+            b"\xC3,\xA9",
+            b",e",
+            b"8,h",
+        ];
+        // As Kafka values are put together: a value may hold a line break.
+        let (mut bytes, mut lines) = (Vec::new(), Vec::new());
+        for (i, text) in texts.iter().enumerate() {
+            let start = bytes.len();
+            bytes.extend_from_slice(text);
+            lines.push(Line {
+                number: i + 1,
+                start,
+                end: bytes.len(),
+            });
+            bytes.push(b'\n');
+        }
+        let bytes = bytes.as_slice();
+        let decoded = decode_csv_lines(&s, b',', bytes, &lines);
+        let numbers: Vec<usize> = decoded.0.iter().flat_map(|(_, n)| n.clone()).collect();
+        assert_eq!(numbers, vec![1, 3, 4, 6, 9]);
+        let names: Vec<Option<String>> = decoded
+            .0
+            .iter()
+            .flat_map(|(b, _)| {
+                b.column(1)
+                    .as_string::<i32>()
+                    .iter()
+                    .map(|v| v.map(str::to_string))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        assert_eq!(
+            names,
+            vec![
+                Some("a".into()),
+                Some("c".into()),
+                Some("x\ny".into()),
+                Some("é".into()),
+                Some("h".into())
+            ]
+        );
+        let bad: Vec<usize> = decoded.1.iter().map(|(n, _, _)| *n).collect();
+        assert_eq!(bad, vec![2, 5, 7, 8]);
+        assert!(decoded.1[3].2.contains("NOT NULL"), "{}", decoded.1[3].2);
+        let halved = decode_lines(bytes, &lines, |c| decode_csv(&s, b',', bytes, c));
+        assert_same_decoding(&decoded, &halved);
     }
 
     /// The files of `fuzz/corpus/<folder>`.
@@ -1403,6 +1540,7 @@ mod tests {
             "{\"id\":8,\"amount\":4,\"ts\":\"NaN\"}\n",
             "{\"id\":9,\"amount\":4,\"ts\":\"-Infinity\"}\n",
             "{\"id\":10,\"amount\":4,\"ts\":1e30}\n",
+            "{\"amount\":4}\n",
         )
         .as_bytes();
         let lines = split_lines(bytes);
@@ -1466,6 +1604,10 @@ mod tests {
                     10,
                     "Json error: whilst decoding field 'ts': failed to parse \"1e30\" as \
                      Timestamp(ms): not a number of the column's unit"
+                ),
+                (
+                    11,
+                    "column 'id' is NOT NULL, and the record has no value for it"
                 ),
             ]
         );
@@ -1820,6 +1962,38 @@ mod tests {
                 (Err(_), Err(_)) => {}
                 (theirs, ours) => proptest::prop_assert!(false, "{}: Arrow {:?}, ours {:?}", line, theirs.err(), ours.err()),
             }
+        }
+
+        /// The CSV check agrees with the reader on lines of quotes, delimiters, line breaks and
+        /// broken UTF-8: a line it passes the reader reads as one record of the schema's width;
+        /// a line without line breaks it passes exactly then (and if UTF-8 on its own).
+        #[test]
+        fn fuzz_csv_check_agrees_with_the_reader(
+            line in proptest::collection::vec(
+                proptest::sample::select(vec![b'"', b',', b'\r', b'\n', b' ', b'a', b'b', 0xC3, 0xA9]),
+                0..12,
+            ),
+            fields in 1usize..4,
+        ) {
+            let as_text: SchemaRef = Arc::new(Schema::new(
+                (0..fields).map(|i| Field::new(format!("c{i}"), DataType::Utf8, true)).collect::<Vec<_>>(),
+            ));
+            let mut reader = arrow::csv::ReaderBuilder::new(as_text)
+                .with_header(false)
+                .build_decoder();
+            let mut text = line.clone();
+            text.push(b'\n');
+            let one_record = feed_csv(&mut reader, &text).is_ok()
+                && reader.flush().is_ok_and(|b| b.is_some_and(|b| b.num_rows() == 1));
+            let utf8 = std::str::from_utf8(&line).is_ok();
+            let passes = is_one_csv_record(&line, b',', fields);
+            let line_break = line.iter().any(|b| matches!(b, b'\r' | b'\n'));
+            // What passes is one record to the reader; without line breaks, the converse too.
+            proptest::prop_assert!(!passes || one_record && utf8, "{:?}", String::from_utf8_lossy(&line));
+            proptest::prop_assert!(
+                line_break || passes == (one_record && utf8),
+                "{:?}", String::from_utf8_lossy(&line)
+            );
         }
 
         /// The check before decoding agrees with the decoder on single almost-JSON lines: what

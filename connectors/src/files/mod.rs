@@ -213,11 +213,11 @@ impl FilesSource {
             ConnectorError::Config(format!("path '{}' is not supported: {e}", config.path))
         })?;
         let delimiter = match config.delimiter.as_bytes() {
-            [b] => *b,
+            [b] if !matches!(b, b'"' | b'\r' | b'\n') => *b,
             _ => {
                 return Err(ConnectorError::Config(format!(
-                    "delimiter '{}' must be exactly one character",
-                    config.delimiter
+                    "delimiter '{}' must be exactly one character, not a quote or a line break",
+                    config.delimiter.escape_debug()
                 )));
             }
         };

@@ -221,11 +221,11 @@ impl KafkaSource {
             }
         }
         let delimiter = match config.delimiter.as_bytes() {
-            [b] => *b,
+            [b] if !matches!(b, b'"' | b'\r' | b'\n') => *b,
             _ => {
                 return bad(format!(
-                    "delimiter '{}' must be exactly one character",
-                    config.delimiter
+                    "delimiter '{}' must be exactly one character, not a quote or a line break",
+                    config.delimiter.escape_debug()
                 ));
             }
         };
