@@ -120,13 +120,19 @@ pub(crate) fn decode_json_lines(
     lines: &[Line],
     strict: bool,
 ) -> Decoded {
+    let decode_schema = text_schema(schema);
     decode_sorted(
         bytes,
         lines,
         is_one_json_object,
         // Lines that passed the check are within the depth limit already.
-        |chunk| decode_json_parsed(schema, bytes, chunk, strict),
-        |chunk| decode_json_rows(schema, bytes, chunk, strict),
+        |chunk| decode_json_parsed(schema, &decode_schema, bytes, chunk, strict),
+        |chunk| {
+            for l in chunk {
+                check_depth(&bytes[l.start..l.end])?;
+            }
+            decode_json_parsed(schema, &decode_schema, bytes, chunk, strict)
+        },
     )
 }
 
@@ -140,13 +146,14 @@ pub(crate) fn decode_csv_lines(
     lines: &[Line],
 ) -> Decoded {
     let fields = schema.fields().len();
-    let decode = |chunk: &[Line]| decode_csv(schema, delimiter, bytes, chunk);
+    let decode_schema = top_level_as_text(schema);
     decode_sorted(
         bytes,
         lines,
         |line| is_one_csv_record(line, delimiter, fields),
-        decode,
-        decode,
+        // Lines that passed the check are one record each already.
+        |chunk| decode_csv_shaped(schema, &decode_schema, delimiter, bytes, chunk),
+        |chunk| decode_csv(schema, delimiter, bytes, chunk),
     )
 }
 
@@ -481,18 +488,19 @@ pub(crate) fn decode_json_rows(
     for l in lines {
         check_depth(&bytes[l.start..l.end])?;
     }
-    decode_json_parsed(schema, bytes, lines, strict)
+    decode_json_parsed(schema, &text_schema(schema), bytes, lines, strict)
 }
 
-/// [`decode_json_rows`] of lines whose depth has been checked.
+/// [`decode_json_rows`] of lines whose depth has been checked; `decode_schema` is
+/// [`text_schema`] of `schema`.
 fn decode_json_parsed(
     schema: &SchemaRef,
+    decode_schema: &SchemaRef,
     bytes: &[u8],
     lines: &[Line],
     strict: bool,
 ) -> std::result::Result<DecodedRows, String> {
-    let decode_schema = text_schema(schema);
-    let mut decoder = arrow::json::ReaderBuilder::new(Arc::clone(&decode_schema))
+    let mut decoder = arrow::json::ReaderBuilder::new(Arc::clone(decode_schema))
         .with_batch_size(lines.len() + 1)
         .with_strict_mode(strict)
         // A text column takes numbers and booleans as their text (inference makes a field
@@ -519,7 +527,7 @@ fn decode_json_parsed(
     let batch = decoder
         .flush()
         .map_err(|e| e.to_string())?
-        .unwrap_or_else(|| RecordBatch::new_empty(Arc::clone(&decode_schema)));
+        .unwrap_or_else(|| RecordBatch::new_empty(Arc::clone(decode_schema)));
     typed_rows(batch, schema)
 }
 
@@ -1054,8 +1062,24 @@ pub(crate) fn decode_csv(
     bytes: &[u8],
     lines: &[Line],
 ) -> std::result::Result<DecodedRows, String> {
-    let decode_schema = top_level_as_text(schema);
-    let mut decoder = arrow::csv::ReaderBuilder::new(Arc::clone(&decode_schema))
+    // The reader checks UTF-8 only on a record's fields joined together (`\xC3,\xA9` passes),
+    // and drops what follows a record's end on the same line.
+    for l in lines {
+        csv_record_shape(&bytes[l.start..l.end], delimiter, schema.fields().len())?;
+    }
+    decode_csv_shaped(schema, &top_level_as_text(schema), delimiter, bytes, lines)
+}
+
+/// [`decode_csv`] of lines whose shape has been checked; `decode_schema` is
+/// [`top_level_as_text`] of `schema`.
+fn decode_csv_shaped(
+    schema: &SchemaRef,
+    decode_schema: &SchemaRef,
+    delimiter: u8,
+    bytes: &[u8],
+    lines: &[Line],
+) -> std::result::Result<DecodedRows, String> {
+    let mut decoder = arrow::csv::ReaderBuilder::new(Arc::clone(decode_schema))
         .with_header(false)
         .with_delimiter(delimiter)
         .with_batch_size(lines.len() + 1)
@@ -1064,9 +1088,6 @@ pub(crate) fn decode_csv(
     // line ends is caught at its line rather than decoded into rows given to the wrong lines.
     for l in lines {
         let line = &bytes[l.start..l.end];
-        // The reader checks UTF-8 only on a record's fields joined together (`\xC3,\xA9`
-        // passes), and drops what follows a record's end on the same line.
-        csv_record_shape(line, delimiter, schema.fields().len())?;
         let before = decoder.capacity();
         feed_csv(&mut decoder, line)?;
         feed_csv(&mut decoder, b"\n")?;
@@ -1081,7 +1102,7 @@ pub(crate) fn decode_csv(
     let batch = decoder
         .flush()
         .map_err(|e| e.to_string())?
-        .unwrap_or_else(|| RecordBatch::new_empty(Arc::clone(&decode_schema)));
+        .unwrap_or_else(|| RecordBatch::new_empty(Arc::clone(decode_schema)));
     if batch.schema() == *schema {
         return Ok(batch.into());
     }
