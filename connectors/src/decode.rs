@@ -37,10 +37,11 @@ pub(crate) struct Line {
 }
 
 pub(crate) fn split_lines(bytes: &[u8]) -> Vec<Line> {
-    let mut lines = Vec::with_capacity(bytes.iter().filter(|b| **b == b'\n').count() + 1);
+    let mut lines = Vec::with_capacity(memchr::memchr_iter(b'\n', bytes).count() + 1);
     let mut start = 0;
-    for (number, chunk) in bytes.split(|b| *b == b'\n').enumerate() {
-        let mut end = start + chunk.len();
+    let ends = memchr::memchr_iter(b'\n', bytes).chain(std::iter::once(bytes.len()));
+    for (number, newline) in ends.enumerate() {
+        let mut end = newline;
         if end > start && bytes[end - 1] == b'\r' {
             end -= 1;
         }
@@ -49,7 +50,7 @@ pub(crate) fn split_lines(bytes: &[u8]) -> Vec<Line> {
             start,
             end,
         });
-        start += chunk.len() + 1;
+        start = newline + 1;
     }
     lines
 }
@@ -420,10 +421,7 @@ fn literal_end(line: &[u8], at: usize, rest: &[u8]) -> Option<usize> {
 /// are valid (a `\u` surrogate only as a high-low pair, as the Arrow decoder takes them).
 fn string_end(line: &[u8], mut at: usize) -> Option<usize> {
     loop {
-        at += line
-            .get(at..)?
-            .iter()
-            .position(|b| *b == b'"' || *b == b'\\')?;
+        at += memchr::memchr2(b'"', b'\\', line.get(at..)?)?;
         if line[at] == b'"' {
             return Some(at + 1);
         }
