@@ -1,7 +1,8 @@
 //! Criterion benchmarks of the per-batch hot paths: generating Nexmark events, decoding JSON
-//! files (clean, and with 1 % and 10 % bad lines side by side), running a stateless query and a window aggregation step over a batch, and committing a
-//! batch to Delta. Run with `cargo bench --bench hot_paths`; the figures
-//! (rows/s) are printed by criterion.
+//! files, decoding JSON and CSV files clean and with 1 % and 10 % bad lines side by side,
+//! running a stateless query and a window aggregation step over a batch, and committing a batch
+//! to Delta. Run with `cargo bench --bench hot_paths`; the figures (rows/s) are printed by
+//! criterion.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 

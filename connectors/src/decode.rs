@@ -3,17 +3,20 @@
 //! A source hands over a buffer and the spans of its records (lines of a file, values of Kafka
 //! messages). They are decoded in runs of [`DECODE_ROWS`], the runs in parallel, every good record
 //! kept in order and every bad one given its reason — at about the cost of decoding the good ones:
-//! - A JSON line is first checked to be one JSON object ([`is_one_json_object`], one cheap pass
-//!   over its bytes). The lines that pass are decoded together; a line that does not is decoded
-//!   on its own, so the decoder itself gives the reason (or, where the check was stricter than
-//!   the decoder, the row).
+//! - Each line is first checked, in one cheap pass over its bytes, to be one JSON object
+//!   ([`is_one_json_object`]) or one CSV record of the schema's width ([`is_one_csv_record`]).
+//!   The lines that pass are decoded together; a line that does not is decoded on its own, so
+//!   the decoder itself gives the reason (or, where the check was stricter than the decoder,
+//!   the row).
 //! - Values that do not fit their column (`"amount": "n/a"` in a DOUBLE column) are found per
 //!   row: top-level number, boolean and timestamp columns are decoded as text and converted
-//!   here, a value that does not convert failing its own line only ([`decode_json_rows`]).
-//! - What is left — a failure the decoder reports only for a whole run (a nested value of the
-//!   wrong shape, an object in a text column, a date or decimal column given text, a field the
-//!   schema lacks under strict decoding, a CSV line) — is found by splitting the run in halves
-//!   until each bad record is alone.
+//!   here, a value that does not convert failing its own line only ([`decode_json_rows`],
+//!   [`decode_csv`]).
+//! - What is left — a failure the decoder reports only for a whole run: a bad value inside a
+//!   struct or list (a nested `12.75` in an integer), an object or list where a top-level value
+//!   is expected, a date or decimal column given bad text, a missing value in a NOT NULL column
+//!   that is not converted, a field the schema lacks under strict decoding — is found by
+//!   splitting the run in halves until each bad record is alone.
 //!
 //! Inference of a missing schema is `crate::infer`'s.
 
@@ -111,9 +114,9 @@ fn concat_runs(runs: Vec<Decoded>) -> Decoded {
 }
 
 /// JSON `lines` of `bytes` decoded into `schema` (see [`decode_json_rows`] for `strict`), as
-/// [`decode_lines`] does, but a bad line costs about what a line costs: each run's lines are
+/// `decode_lines` does, but a bad line costs about what a line costs: each run's lines are
 /// sorted by [`is_one_json_object`], those that pass decoded together, the others one by one.
-/// The result is the same as [`decode_lines`] over [`decode_json_rows`] gives: the same rows,
+/// The result is the same as `decode_lines` over [`decode_json_rows`] gives: the same rows,
 /// the same bad lines, the same reasons.
 pub(crate) fn decode_json_lines(
     schema: &SchemaRef,
@@ -138,7 +141,7 @@ pub(crate) fn decode_json_lines(
 }
 
 /// CSV `lines` of `bytes` decoded into `schema` as [`decode_json_lines`] decodes JSON: lines
-/// sorted by [`is_one_csv_record`] first. The same result as [`decode_lines`] over
+/// sorted by [`is_one_csv_record`] first. The same result as `decode_lines` over
 /// [`decode_csv`] gives.
 pub(crate) fn decode_csv_lines(
     schema: &SchemaRef,
@@ -229,7 +232,7 @@ fn interleave(
     out
 }
 
-/// [`decode_lines`] of one run, split in halves around failures.
+/// `decode_lines` of one run, split in halves around failures.
 fn decode_run(
     bytes: &[u8],
     lines: &[Line],
@@ -605,7 +608,7 @@ fn as_text_field(f: &Field) -> Field {
 
 /// `batch` (decoded with [`text_schema`]) in `schema`. A top-level value that does not convert
 /// fails its row (the first such column in schema order gives the reason); a nested integer that
-/// does not fails the batch.
+/// does not fails the batch (and so decides the reason of a line it is on).
 fn typed_rows(batch: RecordBatch, schema: &SchemaRef) -> std::result::Result<DecodedRows, String> {
     if batch.schema() == *schema {
         return Ok(batch.into());
@@ -847,7 +850,8 @@ fn timestamp<T: ArrowTimestampType>(
     }
 }
 
-/// Whether `text` is a JSON number: `-?digits(.digits)?([eE][+-]?digits)?`.
+/// Whether `text` is a JSON number: `-?digits(.digits)?([eE][+-]?digits)?` (leading zeros
+/// allowed).
 fn is_json_number(text: &str) -> bool {
     let digits = |s: &str| s.len() - s.trim_start_matches(|c: char| c.is_ascii_digit()).len();
     let rest = text.strip_prefix('-').unwrap_or(text);

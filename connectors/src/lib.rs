@@ -11,8 +11,8 @@
 //! - [`nexmark::NexmarkSource`] (`kind = "nexmark"`): the Nexmark benchmark's generator; every
 //!   event a pure function of `(seed, event number)`.
 //!
-//! Both decode text records through the shared `decode` module (bad records isolated by
-//! bisection), infer a missing schema with `infer` (types a few bad values cannot decide) and
+//! Both decode text records through the shared `decode` module (bad records found per line, at
+//! about the cost of a good one), infer a missing schema with `infer` (types a few bad values cannot decide) and
 //! fix it in their checkpoint with `schema_log`.
 
 pub mod files;

@@ -19,9 +19,9 @@
 //!
 //! ## Decoding
 //! JSON and CSV files hold one record per line (`.gz` files are decompressed). A file is decoded
-//! in runs of lines; if a run fails, its lines are split in halves until each bad line is found,
-//! which becomes a dead letter (`file.json:17`, the raw line, the decoder's error) while every
-//! good line is kept. A batch's files are fetched in groups of a few megabytes (one large file
+//! in runs of lines (see `decode`: lines checked first, the good ones decoded together); each bad
+//! line becomes a dead letter (`file.json:17`, the raw line, the reason) while every good line is
+//! kept. A batch's files are fetched in groups of a few megabytes (one large file
 //! alone), the group's files and each file's runs decoded in parallel with rayon, and the
 //! group's bytes released before the next is fetched. Parquet files are decoded and
 //! conformed to the schema by column name; a file that cannot be read is one dead letter.
