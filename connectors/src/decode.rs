@@ -837,15 +837,22 @@ fn timestamp<T: ArrowTimestampType>(
             .ok_or_else(|| error(&"not a number of the column's unit"));
     }
     let date = string_to_datetime(tz, value).map_err(|e| error(&e))?;
+    in_unit::<T>(&date).map_err(|e| error(&e))
+}
+
+/// `date` as a number of `T`'s unit since the epoch, as Arrow's readers compute it.
+fn in_unit<T: ArrowTimestampType>(
+    date: &chrono::DateTime<arrow::array::timezone::Tz>,
+) -> std::result::Result<i64, String> {
     match T::UNIT {
         TimeUnit::Second => Ok(date.timestamp()),
         TimeUnit::Millisecond => Ok(date.timestamp_millis()),
         TimeUnit::Microsecond => Ok(date.timestamp_micros()),
         TimeUnit::Nanosecond => date.timestamp_nanos_opt().ok_or_else(|| {
-            error(&format!(
+            format!(
                 "{} would overflow 64-bit signed nanoseconds",
                 date.to_rfc3339()
-            ))
+            )
         }),
     }
 }
@@ -979,14 +986,23 @@ fn parse_whole(text: &str) -> Option<i128> {
     Some(if negative { -n } else { n })
 }
 
+/// Feeds all of `buf` to a JSON decoder.
 pub(crate) fn feed(
     decoder: &mut arrow::json::reader::Decoder,
+    buf: &[u8],
+) -> std::result::Result<(), String> {
+    feed_all(buf, |b| decoder.decode(b))
+}
+
+/// Feeds all of `buf` to a decoder's `decode`, which takes what it can each call.
+fn feed_all(
     mut buf: &[u8],
+    mut decode: impl FnMut(&[u8]) -> std::result::Result<usize, arrow::error::ArrowError>,
 ) -> std::result::Result<(), String> {
     while !buf.is_empty() {
-        let used = decoder.decode(buf).map_err(|e| e.to_string())?;
+        let used = decode(buf).map_err(|e| e.to_string())?;
         if used == 0 {
-            return Err("the JSON decoder made no progress".into());
+            return Err("the decoder made no progress".into());
         }
         buf = &buf[used..];
     }
@@ -1121,18 +1137,12 @@ fn decode_csv_shaped(
     rows_of(schema, columns, batch.num_rows(), bad_rows)
 }
 
+/// Feeds all of `buf` to a CSV decoder.
 fn feed_csv(
     decoder: &mut arrow::csv::reader::Decoder,
-    mut buf: &[u8],
+    buf: &[u8],
 ) -> std::result::Result<(), String> {
-    while !buf.is_empty() {
-        let used = decoder.decode(buf).map_err(|e| e.to_string())?;
-        if used == 0 {
-            return Err("the CSV decoder made no progress".into());
-        }
-        buf = &buf[used..];
-    }
-    Ok(())
+    feed_all(buf, |b| decoder.decode(b))
 }
 
 /// A top-level number, boolean or timestamp column of a CSV file from its text, converted as
@@ -1175,17 +1185,7 @@ fn csv_column(
                 )
             };
             let date = string_to_datetime(&tz, value).map_err(|e| error(&e))?;
-            match T::UNIT {
-                TimeUnit::Second => Ok(date.timestamp()),
-                TimeUnit::Millisecond => Ok(date.timestamp_millis()),
-                TimeUnit::Microsecond => Ok(date.timestamp_micros()),
-                TimeUnit::Nanosecond => date.timestamp_nanos_opt().ok_or_else(|| {
-                    error(&format!(
-                        "{} would overflow 64-bit signed nanoseconds",
-                        date.to_rfc3339()
-                    ))
-                }),
-            }
+            in_unit::<T>(&date).map_err(|e| error(&e))
         }
     }
     let t = field.data_type();
