@@ -26,9 +26,7 @@ use arrow::array::{
     Array, ArrayRef, AsArray, BooleanArray, PrimitiveArray, RecordBatch, StringArray,
 };
 use arrow::compute::kernels::cast_utils::{Parser, string_to_datetime};
-use arrow::datatypes::{
-    ArrowPrimitiveType, ArrowTimestampType, DataType, Field, Schema, SchemaRef, TimeUnit,
-};
+use arrow::datatypes::{ArrowPrimitiveType, DataType, Field, Schema, SchemaRef, TimeUnit};
 use rayon::prelude::*;
 
 /// A line of a file: 1-based number and byte span (without the newline).
@@ -541,35 +539,18 @@ fn converted_from_text(t: &DataType) -> bool {
 /// `schema` as decoded: its top-level number, boolean and timestamp columns, and the integers nested in
 /// structs and lists, as text, for [`typed_rows`].
 fn text_schema(schema: &SchemaRef) -> SchemaRef {
-    let converted = |t: &DataType| converted_from_text(t) || has_integers(t);
-    if !schema.fields().iter().any(|f| converted(f.data_type())) {
-        return Arc::clone(schema);
-    }
-    let fields: Vec<Field> = schema
-        .fields()
-        .iter()
-        .map(|f| match f.data_type() {
-            t if converted_from_text(t) => f
-                .as_ref()
-                .clone()
-                .with_data_type(DataType::Utf8)
-                .with_nullable(true),
-            _ => as_text_field(f),
-        })
-        .collect();
-    Arc::new(Schema::new_with_metadata(fields, schema.metadata().clone()))
+    with_text_columns(schema, as_text_field)
 }
 
 /// `schema` with its top-level number, boolean and timestamp columns as text (CSV's numbers are
 /// never nested).
 fn top_level_as_text(schema: &SchemaRef) -> SchemaRef {
-    if !schema
-        .fields()
-        .iter()
-        .any(|f| converted_from_text(f.data_type()))
-    {
-        return Arc::clone(schema);
-    }
+    with_text_columns(schema, Field::clone)
+}
+
+/// `schema` with its top-level number, boolean and timestamp columns as nullable text (a missing
+/// value in a NOT NULL one fails its row, not the batch), its other columns as `other` makes them.
+fn with_text_columns(schema: &SchemaRef, other: impl Fn(&Field) -> Field) -> SchemaRef {
     let fields: Vec<Field> = schema
         .fields()
         .iter()
@@ -579,7 +560,7 @@ fn top_level_as_text(schema: &SchemaRef) -> SchemaRef {
                 .clone()
                 .with_data_type(DataType::Utf8)
                 .with_nullable(true),
-            _ => f.as_ref().clone(),
+            _ => other(f),
         })
         .collect();
     Arc::new(Schema::new_with_metadata(fields, schema.metadata().clone()))
@@ -661,8 +642,7 @@ fn convert_column(
 ) -> std::result::Result<ArrayRef, String> {
     use arrow::datatypes::{
         Float16Type, Float32Type, Float64Type, Int8Type, Int16Type, Int32Type, Int64Type,
-        TimestampMicrosecondType, TimestampMillisecondType, TimestampNanosecondType,
-        TimestampSecondType, UInt8Type, UInt16Type, UInt32Type, UInt64Type,
+        UInt8Type, UInt16Type, UInt32Type, UInt64Type,
     };
     Ok(match field.data_type() {
         DataType::Int8 => parsed::<Int8Type>(text, field, bad_rows, whole::<Int8Type>),
@@ -686,26 +666,9 @@ fn convert_column(
         }),
         DataType::Timestamp(unit, tz) => {
             let tz = &zone(tz.as_deref())?;
-            match unit {
-                TimeUnit::Second => parsed::<TimestampSecondType>(text, field, bad_rows, |v, f| {
-                    timestamp::<TimestampSecondType>(v, f, tz)
-                }),
-                TimeUnit::Millisecond => {
-                    parsed::<TimestampMillisecondType>(text, field, bad_rows, |v, f| {
-                        timestamp::<TimestampMillisecondType>(v, f, tz)
-                    })
-                }
-                TimeUnit::Microsecond => {
-                    parsed::<TimestampMicrosecondType>(text, field, bad_rows, |v, f| {
-                        timestamp::<TimestampMicrosecondType>(v, f, tz)
-                    })
-                }
-                TimeUnit::Nanosecond => {
-                    parsed::<TimestampNanosecondType>(text, field, bad_rows, |v, f| {
-                        timestamp::<TimestampNanosecondType>(v, f, tz)
-                    })
-                }
-            }
+            timestamps(text, field, bad_rows, *unit, |v, f| {
+                timestamp(v, f, tz, *unit)
+            })
         }
         t => {
             return Err(format!(
@@ -813,10 +776,11 @@ fn float<T: ArrowPrimitiveType + Parser>(
 
 /// A timestamp from RFC 3339-like text in `tz` (where it names no zone), or from a number of
 /// the column's unit, as the Arrow decoder reads them — a number quoted too (`"1762000000"`).
-fn timestamp<T: ArrowTimestampType>(
+fn timestamp(
     value: &str,
     field: &Field,
     tz: &arrow::array::timezone::Tz,
+    unit: TimeUnit,
 ) -> std::result::Result<i64, String> {
     let error = |e: &dyn std::fmt::Display| {
         format!(
@@ -837,14 +801,40 @@ fn timestamp<T: ArrowTimestampType>(
             .ok_or_else(|| error(&"not a number of the column's unit"));
     }
     let date = string_to_datetime(tz, value).map_err(|e| error(&e))?;
-    in_unit::<T>(&date).map_err(|e| error(&e))
+    in_unit(&date, unit).map_err(|e| error(&e))
 }
 
-/// `date` as a number of `T`'s unit since the epoch, as Arrow's readers compute it.
-fn in_unit<T: ArrowTimestampType>(
+/// A timestamp column of `unit` from its text, each value turned into a number of units by
+/// `to_units` (JSON's and CSV's rules differ).
+fn timestamps(
+    text: &StringArray,
+    field: &Field,
+    bad_rows: &mut Vec<(usize, String)>,
+    unit: TimeUnit,
+    to_units: impl Fn(&str, &Field) -> std::result::Result<i64, String>,
+) -> ArrayRef {
+    use arrow::datatypes::{
+        TimestampMicrosecondType, TimestampMillisecondType, TimestampNanosecondType,
+        TimestampSecondType,
+    };
+    match unit {
+        TimeUnit::Second => parsed::<TimestampSecondType>(text, field, bad_rows, to_units),
+        TimeUnit::Millisecond => {
+            parsed::<TimestampMillisecondType>(text, field, bad_rows, to_units)
+        }
+        TimeUnit::Microsecond => {
+            parsed::<TimestampMicrosecondType>(text, field, bad_rows, to_units)
+        }
+        TimeUnit::Nanosecond => parsed::<TimestampNanosecondType>(text, field, bad_rows, to_units),
+    }
+}
+
+/// `date` as a number of `unit` since the epoch, as Arrow's readers compute it.
+fn in_unit(
     date: &chrono::DateTime<arrow::array::timezone::Tz>,
+    unit: TimeUnit,
 ) -> std::result::Result<i64, String> {
-    match T::UNIT {
+    match unit {
         TimeUnit::Second => Ok(date.timestamp()),
         TimeUnit::Millisecond => Ok(date.timestamp_millis()),
         TimeUnit::Microsecond => Ok(date.timestamp_micros()),
@@ -1156,8 +1146,7 @@ fn csv_column(
 ) -> std::result::Result<ArrayRef, String> {
     use arrow::datatypes::{
         Float16Type, Float32Type, Float64Type, Int8Type, Int16Type, Int32Type, Int64Type,
-        TimestampMicrosecondType, TimestampMillisecondType, TimestampNanosecondType,
-        TimestampSecondType, UInt8Type, UInt16Type, UInt32Type, UInt64Type,
+        UInt8Type, UInt16Type, UInt32Type, UInt64Type,
     };
     fn parse<T: ArrowPrimitiveType + Parser>(
         index: usize,
@@ -1173,9 +1162,10 @@ fn csv_column(
             })
         }
     }
-    fn timestamp<T: ArrowTimestampType>(
+    fn timestamp(
         index: usize,
         tz: arrow::array::timezone::Tz,
+        unit: TimeUnit,
     ) -> impl Fn(&str, &Field) -> std::result::Result<i64, String> {
         move |value, field| {
             let error = |e: &dyn std::fmt::Display| {
@@ -1185,7 +1175,7 @@ fn csv_column(
                 )
             };
             let date = string_to_datetime(&tz, value).map_err(|e| error(&e))?;
-            in_unit::<T>(&date).map_err(|e| error(&e))
+            in_unit(&date, unit).map_err(|e| error(&e))
         }
     }
     let t = field.data_type();
@@ -1222,32 +1212,7 @@ fn csv_column(
         }),
         DataType::Timestamp(unit, tz) => {
             let tz = zone(tz.as_deref())?;
-            match unit {
-                TimeUnit::Second => parsed::<TimestampSecondType>(
-                    text,
-                    field,
-                    bad_rows,
-                    timestamp::<TimestampSecondType>(index, tz),
-                ),
-                TimeUnit::Millisecond => parsed::<TimestampMillisecondType>(
-                    text,
-                    field,
-                    bad_rows,
-                    timestamp::<TimestampMillisecondType>(index, tz),
-                ),
-                TimeUnit::Microsecond => parsed::<TimestampMicrosecondType>(
-                    text,
-                    field,
-                    bad_rows,
-                    timestamp::<TimestampMicrosecondType>(index, tz),
-                ),
-                TimeUnit::Nanosecond => parsed::<TimestampNanosecondType>(
-                    text,
-                    field,
-                    bad_rows,
-                    timestamp::<TimestampNanosecondType>(index, tz),
-                ),
-            }
+            timestamps(text, field, bad_rows, *unit, timestamp(index, tz, *unit))
         }
         t => {
             return Err(format!(
