@@ -33,7 +33,9 @@ use arrow::datatypes::{DataType, Field, Schema, SchemaRef, TimeUnit};
 use async_trait::async_trait;
 use serde::Deserialize;
 use sluice_engine::source::with_lineage_fields;
-use sluice_engine::{AvailableRange, OffsetRange, PartitionId, Source, SourceContext, SourceRead};
+use sluice_engine::{
+    AvailableRange, OffsetRange, PartitionId, Source, SourceContext, SourceRead, cpu_bound,
+};
 
 use crate::error::{ConnectorError, Result};
 
@@ -583,7 +585,7 @@ impl Columns {
 }
 
 /// The Nexmark generator as a [`Source`]. See the module docs.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct NexmarkSource {
     config: NexmarkSourceConfig,
     generator: Generator,
@@ -731,8 +733,9 @@ impl Source for NexmarkSource {
                     ),
                 )
             })?;
-        let batch = self
-            .generate(p, range)
+        let source = self.clone();
+        let batch = cpu_bound(move || source.generate(p, range))
+            .await
             .map_err(|e| sluice_engine::Error::source(&self.name, e))?;
         Ok(SourceRead {
             batches: vec![batch],

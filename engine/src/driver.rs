@@ -43,6 +43,7 @@ use std::time::{Duration, Instant};
 
 use arrow::array::{AsArray, RecordBatch};
 use arrow::datatypes::SchemaRef;
+use futures::future::try_join_all;
 use tokio::sync::watch;
 use tracing::{info, warn};
 use url::Url;
@@ -578,10 +579,15 @@ impl Pipeline {
         let future = FutureTimes::Clock(batch.clock);
         let mut inputs = BTreeMap::new();
         let mut grown = Vec::new();
-        for (index, s) in self.sources.iter().enumerate() {
-            let empty = BTreeMap::new();
+        // Every source and partition is read at once (their decoding runs on the rayon pool);
+        // the rows are then taken in source order, as before.
+        let empty = BTreeMap::new();
+        let reads = try_join_all(self.sources.iter().map(|s| {
             let ranges = batch.intent.ranges.get(&s.name).unwrap_or(&empty);
-            let read = read_source(s, ranges, &future).await?;
+            read_source(s, ranges, &future)
+        }))
+        .await?;
+        for (index, (s, read)) in self.sources.iter().zip(reads).enumerate() {
             if let Some(schema) = read.grown {
                 grown.push((index, schema));
             }

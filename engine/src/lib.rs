@@ -63,6 +63,7 @@ pub use sink::{
 };
 pub use source::{
     AvailableRange, DeadLetter, InferredColumn, SchemaInference, Source, SourceContext, SourceRead,
+    cpu_bound,
 };
 
 /// Re-exported so connectors and sinks use the engine's exact versions.

@@ -123,6 +123,29 @@ impl std::fmt::Display for InferredColumn {
     }
 }
 
+/// Runs `work` on the rayon pool (one thread per core) and waits for it without holding an
+/// async worker thread: what a [`Source::read`] (or any step) does with the CPU. Several
+/// reads awaiting it at once run in parallel; `work` may itself use rayon's parallel
+/// iterators. A panic in `work` resumes in the caller.
+pub async fn cpu_bound<T, F>(work: F) -> T
+where
+    F: FnOnce() -> T + Send + 'static,
+    T: Send + 'static,
+{
+    let (done, result) = tokio::sync::oneshot::channel();
+    rayon::spawn(move || {
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(work));
+        // The caller stopped waiting (its future was dropped): nothing to hand over.
+        let _ = done.send(outcome);
+    });
+    match result.await {
+        Ok(Ok(value)) => value,
+        Ok(Err(panic)) => std::panic::resume_unwind(panic),
+        // Unreachable: the closure above always sends (a panic is caught).
+        Err(_) => panic!("a cpu_bound task ended without a result"),
+    }
+}
+
 /// A partitioned, replayable input.
 ///
 /// # Contract
@@ -134,6 +157,9 @@ impl std::fmt::Display for InferredColumn {
 /// - [`Source::read`] is deterministic: the same `(partition, range)` always gives the same rows
 ///   and dead letters, or an error naming what changed.
 /// - Offsets only grow: `available()` never reports a `latest` below one it reported before.
+/// - A read does its CPU-bound work (decoding, generating) in [`cpu_bound`], never inline in
+///   the async fn: the driver reads a batch's partitions concurrently, and work done inline
+///   runs them one after another on one task while the other cores wait.
 ///
 /// # Errors
 /// Errors name the source, partition and offset or file at fault. A transient failure (a broker
@@ -221,4 +247,24 @@ pub fn attach_lineage(
         columns.push(Arc::new(StringArray::from(positions)));
     }
     Ok(RecordBatch::try_new(schema, columns)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn cpu_bound_work_runs_off_the_calling_thread_and_returns_its_result() {
+        let caller = std::thread::current().id();
+        let (value, worker) = cpu_bound(|| (6 * 7, std::thread::current().id())).await;
+        assert_eq!(value, 42);
+        assert_ne!(worker, caller);
+    }
+
+    #[tokio::test]
+    async fn a_panic_in_cpu_bound_work_resumes_in_the_caller() {
+        let caught = tokio::spawn(cpu_bound(|| -> u8 { panic!("decoder bug") })).await;
+        let panic = caught.unwrap_err().into_panic();
+        assert_eq!(panic.downcast_ref::<&str>(), Some(&"decoder bug"));
+    }
 }

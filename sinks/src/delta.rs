@@ -51,8 +51,6 @@ use deltalake::kernel::engine::arrow_conversion::TryIntoKernel;
 use deltalake::kernel::transaction::{CommitBuilder, CommitProperties};
 use deltalake::kernel::{Action, MetadataExt, StructType, Transaction};
 use deltalake::operations::write::SchemaMode;
-use deltalake::parquet::basic::Compression;
-use deltalake::parquet::file::properties::WriterProperties;
 use deltalake::protocol::{DeltaOperation, SaveMode};
 use deltalake::{DeltaTable, DeltaTableError};
 use futures::TryStreamExt;
@@ -70,6 +68,7 @@ use tracing::{info, warn};
 use url::Url;
 
 use crate::error::{Result, SinkError};
+use crate::parquet_write::{encode_parallel, plain_for_append, writer_properties, writers_for};
 
 /// The `[sink]` settings of `kind = "delta"`.
 #[derive(Debug, Clone, Deserialize)]
@@ -377,13 +376,36 @@ impl TableHandle {
             let mut table = table;
             table.update_state().await.map_err(|e| self.err(e))?;
             table
+        } else if writers_for(&batches) > 1 && added.is_none() && plain_for_append(&table) {
+            // A large batch: encoded by several writers at once, one commit (see
+            // `parquet_write`).
+            let writers = writers_for(&batches);
+            let adds = encode_parallel(&table, batches, writers, target_file_size)
+                .await
+                .map_err(|e| self.err(e))?;
+            let snapshot = table.snapshot().map_err(|e| self.err(e))?;
+            let operation = DeltaOperation::Write {
+                mode: SaveMode::Append,
+                partition_by: None,
+                predicate: None,
+            };
+            CommitBuilder::from(properties)
+                .with_actions(adds.into_iter().map(Action::Add).collect())
+                .build(Some(snapshot), table.log_store(), operation)
+                .await
+                .map_err(|e| self.err(e))?;
+            let mut table = table;
+            table.update_state().await.map_err(|e| self.err(e))?;
+            table
         } else {
             let mut write = table
                 .write(batches.into_iter().filter(|b| b.num_rows() > 0))
                 .with_save_mode(SaveMode::Append)
-                .with_target_file_size(target_file_size)
                 .with_writer_properties(writer_properties())
                 .with_commit_properties(properties);
+            if target_file_size.is_some() {
+                write = write.with_target_file_size(target_file_size);
+            }
             if added.is_some() {
                 write = write.with_schema_mode(SchemaMode::Merge);
             }
@@ -806,35 +828,6 @@ fn lineage_predicate(ranges: &BTreeMap<PartitionId, OffsetRange>) -> String {
     } else {
         parts.join(" OR ")
     }
-}
-
-/// Rows per Parquet row group in the files Sluice writes.
-///
-/// A Parquet writer holds its open row group encoded in memory until the group is full: at the
-/// library default of about a million rows, a backfill (or any large batch) held a row group of
-/// 20 MB or more beside the rows it was reading. 128 Ki rows keeps that to a few megabytes,
-/// while groups stay large enough for scans to read efficiently (DuckDB writes 122,880).
-const ROW_GROUP_ROWS: usize = 128 * 1024;
-
-/// Bytes a column's dictionary may reach in a row group before the column falls back to plain
-/// encoding.
-///
-/// At the library default (1 MiB) a column of unique 8-byte values (ids, timestamps) fills the
-/// dictionary just as a 128 Ki-row group ends, so it never falls back and costs ~25 % more than
-/// plain: files grew 36 % on the backfill benchmark. At 256 KiB such a column falls back after
-/// 32 Ki values, and low-cardinality columns (pages, countries, codes) keep their dictionaries:
-/// files are within 5 % of the million-row groups'.
-const DICTIONARY_PAGE_BYTES: usize = 256 * 1024;
-
-/// How Sluice's writes (appends, merges, replacements, the rewrites of deletes) encode Parquet:
-/// delta-rs's defaults (Snappy, dictionaries, statistics) with bounded row groups.
-fn writer_properties() -> WriterProperties {
-    WriterProperties::builder()
-        .set_created_by(format!("sluice {} (delta-rs)", env!("CARGO_PKG_VERSION")))
-        .set_compression(Compression::SNAPPY)
-        .set_max_row_group_row_count(Some(ROW_GROUP_ROWS))
-        .set_dictionary_page_size_limit(DICTIONARY_PAGE_BYTES)
-        .build()
 }
 
 /// Commits between Delta checkpoints of the tables Sluice creates (`delta.checkpointInterval`;
@@ -1277,6 +1270,150 @@ pub fn parse_size(text: &str) -> Result<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use arrow::array::{Array, Int64Array};
+    use sluice_engine::Sink;
+
+    /// `rows` rows of (`id` 0.., `v` = id × 3): 16 bytes of Arrow each.
+    fn numbers(rows: i64) -> RecordBatch {
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("id", DataType::Int64, false),
+            Field::new("v", DataType::Int64, false),
+        ]));
+        RecordBatch::try_new(
+            schema,
+            vec![
+                Arc::new(Int64Array::from_iter_values(0..rows)),
+                Arc::new(Int64Array::from_iter_values((0..rows).map(|i| i * 3))),
+            ],
+        )
+        .unwrap()
+    }
+
+    fn commit(batch_id: i64, output: Vec<RecordBatch>) -> BatchCommit {
+        BatchCommit {
+            batch_id: BatchId(batch_id),
+            output,
+            dead_letters: Vec::new(),
+            late: Vec::new(),
+            manifest: serde_json::json!({}),
+        }
+    }
+
+    /// A batch of 70 MB of Arrow (above twice `MIN_ARROW_BYTES_PER_WRITER`): on two cores or
+    /// more it is encoded by several writers into several files, all in the batch's one
+    /// commit with its txn; every row is there once, and every file has Delta statistics.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_large_batch_is_encoded_by_several_writers_into_one_commit() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("out");
+        let mut sink = DeltaSink::new(DeltaSinkConfig::new(path.to_str().unwrap())).unwrap();
+        let rows: i64 = 4_400_000;
+        let large = numbers(rows);
+        let writers = crate::parquet_write::writers_for(std::slice::from_ref(&large));
+        let cores = std::thread::available_parallelism().unwrap().get();
+        assert_eq!(
+            writers,
+            cores.min(2),
+            "70 MB: two writers on two cores or more"
+        );
+        sink.open("job", OutputTables::append(large.schema()))
+            .await
+            .unwrap();
+        // Sliced as a query's output arrives: several batches, cut anywhere.
+        let output = vec![
+            large.slice(0, 1_000_003),
+            large.slice(1_000_003, 2_999_990),
+            large.slice(3_999_993, (rows - 3_999_993) as usize),
+        ];
+        let outcome = sink.commit(commit(0, output)).await.unwrap();
+        let CommitOutcome::Committed { rows: n, files, .. } = outcome else {
+            panic!("{outcome:?}");
+        };
+        assert_eq!(n, rows as u64);
+        assert_eq!(files, writers as u64, "one file per writer");
+        // A small batch after it stays one file.
+        let outcome = sink.commit(commit(1, vec![numbers(10)])).await.unwrap();
+        assert!(
+            matches!(outcome, CommitOutcome::Committed { files: 1, .. }),
+            "{outcome:?}"
+        );
+        assert_eq!(sink.committed_batch("job").await.unwrap(), Some(BatchId(1)));
+
+        let mut ids = Vec::new();
+        for b in sink.read_output().await.unwrap() {
+            let id = b
+                .column_by_name("id")
+                .unwrap()
+                .as_any()
+                .downcast_ref::<Int64Array>()
+                .unwrap();
+            let v = b
+                .column_by_name("v")
+                .unwrap()
+                .as_any()
+                .downcast_ref::<Int64Array>()
+                .unwrap();
+            for i in 0..id.len() {
+                assert_eq!(v.value(i), id.value(i) * 3);
+                ids.push(id.value(i));
+            }
+        }
+        ids.sort_unstable();
+        let mut expected: Vec<i64> = (0..rows).chain(0..10).collect();
+        expected.sort_unstable();
+        assert!(ids == expected, "every row once: {} rows read", ids.len());
+
+        // Every add of the large commit carries statistics, and they cover the rows.
+        let commit_file = path.join("_delta_log/00000000000000000001.json");
+        let log = std::fs::read_to_string(&commit_file).unwrap();
+        let mut records = 0;
+        for line in log.lines() {
+            let action: serde_json::Value = serde_json::from_str(line).unwrap();
+            if let Some(add) = action.get("add") {
+                let stats: serde_json::Value =
+                    serde_json::from_str(add["stats"].as_str().unwrap()).unwrap();
+                records += stats["numRecords"].as_i64().unwrap();
+                assert!(stats["minValues"]["id"].is_i64(), "{stats}");
+            }
+        }
+        assert_eq!(records, rows);
+        assert!(log.contains(r#""appId":"job""#), "{log}");
+    }
+
+    /// A table with a CHECK constraint takes delta-rs's write, which enforces it, even for a
+    /// batch large enough to be encoded in parallel.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_large_batch_into_a_constrained_table_keeps_the_constraint() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("out");
+        std::fs::create_dir_all(&path).unwrap();
+        let url = Url::from_directory_path(&path).unwrap();
+        let schema: StructType = numbers(0).schema().as_ref().try_into_kernel().unwrap();
+        let table = DeltaTable::try_from_url(url.clone())
+            .await
+            .unwrap()
+            .create()
+            .with_columns(schema.fields().cloned())
+            .await
+            .unwrap();
+        let table = table
+            .add_constraint()
+            .with_constraint("v_small", "v < 9000000")
+            .await
+            .unwrap();
+        assert!(!crate::parquet_write::plain_for_append(&table));
+        let mut sink = DeltaSink::new(DeltaSinkConfig::new(path.to_str().unwrap())).unwrap();
+        sink.open("job", OutputTables::append(numbers(0).schema()))
+            .await
+            .unwrap();
+        let error = sink
+            .commit(commit(0, vec![numbers(4_400_000)]))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("failed validation check"), "{error}");
+        assert_eq!(sink.committed_batch("job").await.unwrap(), None);
+    }
 
     #[test]
     fn sizes_parse() {

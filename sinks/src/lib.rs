@@ -9,4 +9,6 @@
 pub mod delta;
 
 mod error;
+mod parquet_write;
+
 pub use error::{Result, SinkError};

@@ -52,7 +52,7 @@ use sluice_engine::checkpoint::CheckpointStore;
 use sluice_engine::source::{attach_lineage, with_lineage_fields};
 use sluice_engine::{
     AvailableRange, DeadLetter, InferredColumn, OffsetRange, PartitionId, SchemaInference, Source,
-    SourceContext, SourceRead,
+    SourceContext, SourceRead, cpu_bound,
 };
 use tokio::sync::Mutex;
 use url::Url;
@@ -376,92 +376,13 @@ impl FilesSource {
         Ok((Arc::new(schema), inference))
     }
 
-    /// Decodes one file into rows with lineage, and dead letters.
-    fn decode(
-        &self,
-        schema: &SchemaRef,
-        evolution: SchemaEvolution,
-        file: &RecordedFile,
-        offset: i64,
-        bytes: Bytes,
-    ) -> Result<SourceRead> {
-        let lines_of = |bytes: &Bytes, skip_header: bool| -> Vec<Line> {
-            let mut lines = split_lines(bytes);
-            if skip_header && !lines.is_empty() {
-                lines.remove(0);
-            }
-            lines.retain(|l| !bytes[l.start..l.end].iter().all(u8::is_ascii_whitespace));
-            lines
-        };
-        // A truncated or corrupt `.gz`: its complete lines are kept, the cut-off rest is one
-        // dead letter.
-        let (bytes, cut_off) = match decompress(&file.name, bytes) {
-            (bytes, None) => (bytes, None),
-            (bytes, Some(error)) => match bytes.iter().rposition(|b| *b == b'\n') {
-                Some(end) => {
-                    let line = bytes[..=end].iter().filter(|b| **b == b'\n').count() + 1;
-                    let rest = bytes.slice(end + 1..).to_vec();
-                    (bytes.slice(..=end), Some((line, rest, error)))
-                }
-                None => return Ok(whole_file_dead_letter(file, offset, error)),
-            },
-        };
-        let (decoded, bad) = match self.config.format {
-            FileFormat::Json => {
-                let lines = lines_of(&bytes, false);
-                let strict = evolution.strict();
-                let (good, bad) = decode_json_lines(schema, &bytes, &lines, strict);
-                if evolution == SchemaEvolution::Rescue {
-                    let (rescued, bad) = rescue_lines(schema, bad);
-                    (good.into_iter().chain(rescued).collect(), bad)
-                } else {
-                    (good, bad)
-                }
-            }
-            FileFormat::Csv => {
-                let lines = lines_of(&bytes, self.config.header);
-                decode_csv_lines(schema, self.delimiter, &bytes, &lines)
-            }
-            FileFormat::Parquet => match decode_parquet(schema, bytes) {
-                Ok(batches) => {
-                    let mut row = 0;
-                    let mut out = Vec::new();
-                    for b in batches {
-                        let numbers: Vec<usize> = (row + 1..=row + b.num_rows()).collect();
-                        row += b.num_rows();
-                        out.push((b, numbers));
-                    }
-                    (out, Vec::new())
-                }
-                Err(e) => return Ok(whole_file_dead_letter(file, offset, e)),
-            },
-        };
-        let mut read = SourceRead::default();
-        for (batch, numbers) in decoded {
-            let positions = numbers
-                .iter()
-                .map(|n| format!("{}:{n}", file.name))
-                .collect();
-            read.batches
-                .push(attach_lineage(batch, PARTITION, offset, Some(positions))?);
+    /// How this source's files are decoded.
+    fn decoding(&self) -> Decoding {
+        Decoding {
+            format: self.config.format,
+            header: self.config.header,
+            delimiter: self.delimiter,
         }
-        let cut_off = cut_off.map(|(line, raw, error)| {
-            let error = format!(
-                "the file ends early ({error}): line {line} and whatever followed it are lost; \
-                 the lines before it are read"
-            );
-            (line, raw, error)
-        });
-        for (line, raw, error) in bad.into_iter().chain(cut_off) {
-            read.dead_letters.push(DeadLetter {
-                partition: PARTITION.into(),
-                offset,
-                position: format!("{}:{line}", file.name),
-                raw,
-                error,
-            });
-        }
-        Ok(read)
     }
 }
 
@@ -582,13 +503,19 @@ impl Source for FilesSource {
                 )
                 .await
                 .map_err(wrap)?;
-                let decoded: Vec<Result<SourceRead>> = group
-                    .par_iter()
-                    .zip(fetched)
-                    .map(|((offset, file), bytes)| {
-                        self.decode(&schema, opened.evolution, file, *offset, bytes)
-                    })
-                    .collect();
+                let (decoding, evolution) = (self.decoding(), opened.evolution);
+                let schema = Arc::clone(&schema);
+                let files: Vec<((i64, RecordedFile), Bytes)> =
+                    group.iter().cloned().zip(fetched).collect();
+                let decoded: Vec<Result<SourceRead>> = cpu_bound(move || {
+                    files
+                        .into_par_iter()
+                        .map(|((offset, file), bytes)| {
+                            decoding.decode(&schema, evolution, &file, offset, bytes)
+                        })
+                        .collect()
+                })
+                .await;
                 for part in decoded {
                     let part = part.map_err(wrap)?;
                     read.batches.extend(part.batches);
@@ -627,6 +554,105 @@ impl Source for FilesSource {
 
     fn max_per_batch(&self) -> Option<u64> {
         Some(self.config.max_files_per_batch.max(1))
+    }
+}
+
+/// What decoding a file needs of the source's settings: a copy, so the decode runs on the
+/// rayon pool (`cpu_bound`) while the source stays with the driver.
+#[derive(Debug, Clone, Copy)]
+struct Decoding {
+    format: FileFormat,
+    header: bool,
+    delimiter: u8,
+}
+
+impl Decoding {
+    /// Decodes one file into rows with lineage, and dead letters.
+    fn decode(
+        &self,
+        schema: &SchemaRef,
+        evolution: SchemaEvolution,
+        file: &RecordedFile,
+        offset: i64,
+        bytes: Bytes,
+    ) -> Result<SourceRead> {
+        let lines_of = |bytes: &Bytes, skip_header: bool| -> Vec<Line> {
+            let mut lines = split_lines(bytes);
+            if skip_header && !lines.is_empty() {
+                lines.remove(0);
+            }
+            lines.retain(|l| !bytes[l.start..l.end].iter().all(u8::is_ascii_whitespace));
+            lines
+        };
+        // A truncated or corrupt `.gz`: its complete lines are kept, the cut-off rest is one
+        // dead letter.
+        let (bytes, cut_off) = match decompress(&file.name, bytes) {
+            (bytes, None) => (bytes, None),
+            (bytes, Some(error)) => match bytes.iter().rposition(|b| *b == b'\n') {
+                Some(end) => {
+                    let line = bytes[..=end].iter().filter(|b| **b == b'\n').count() + 1;
+                    let rest = bytes.slice(end + 1..).to_vec();
+                    (bytes.slice(..=end), Some((line, rest, error)))
+                }
+                None => return Ok(whole_file_dead_letter(file, offset, error)),
+            },
+        };
+        let (decoded, bad) = match self.format {
+            FileFormat::Json => {
+                let lines = lines_of(&bytes, false);
+                let strict = evolution.strict();
+                let (good, bad) = decode_json_lines(schema, &bytes, &lines, strict);
+                if evolution == SchemaEvolution::Rescue {
+                    let (rescued, bad) = rescue_lines(schema, bad);
+                    (good.into_iter().chain(rescued).collect(), bad)
+                } else {
+                    (good, bad)
+                }
+            }
+            FileFormat::Csv => {
+                let lines = lines_of(&bytes, self.header);
+                decode_csv_lines(schema, self.delimiter, &bytes, &lines)
+            }
+            FileFormat::Parquet => match decode_parquet(schema, bytes) {
+                Ok(batches) => {
+                    let mut row = 0;
+                    let mut out = Vec::new();
+                    for b in batches {
+                        let numbers: Vec<usize> = (row + 1..=row + b.num_rows()).collect();
+                        row += b.num_rows();
+                        out.push((b, numbers));
+                    }
+                    (out, Vec::new())
+                }
+                Err(e) => return Ok(whole_file_dead_letter(file, offset, e)),
+            },
+        };
+        let mut read = SourceRead::default();
+        for (batch, numbers) in decoded {
+            let positions = numbers
+                .iter()
+                .map(|n| format!("{}:{n}", file.name))
+                .collect();
+            read.batches
+                .push(attach_lineage(batch, PARTITION, offset, Some(positions))?);
+        }
+        let cut_off = cut_off.map(|(line, raw, error)| {
+            let error = format!(
+                "the file ends early ({error}): line {line} and whatever followed it are lost; \
+                 the lines before it are read"
+            );
+            (line, raw, error)
+        });
+        for (line, raw, error) in bad.into_iter().chain(cut_off) {
+            read.dead_letters.push(DeadLetter {
+                partition: PARTITION.into(),
+                offset,
+                position: format!("{}:{line}", file.name),
+                raw,
+                error,
+            });
+        }
+        Ok(read)
     }
 }
 
