@@ -17,6 +17,7 @@ use sluice::connectors::nexmark::{NexmarkSource, NexmarkSourceConfig, NexmarkTab
 use sluice::engine::checkpoint::CheckpointStore;
 use sluice::engine::query::{BatchWatermark, QuerySettings, StreamingQuery};
 use sluice::engine::source::{SOURCE_OFFSET, SOURCE_PARTITION};
+use sluice::engine::state_store::StateLog;
 use sluice::engine::{
     BatchCommit, BatchId, OffsetRange, OutputTables, Sink, Source, SourceContext,
 };
@@ -300,8 +301,61 @@ fn window_aggregation_step(c: &mut Criterion) {
     group.finish();
 }
 
+/// Writing a base state file of 1 M groups (a user key, a window start, a count, a sum and a
+/// max): what a batch that compacts a large state pays (columns encoded in parallel).
+fn state_base_write(c: &mut Criterion) {
+    const GROUPS: usize = 1_000_000;
+    let rt = runtime();
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("user_id", DataType::Utf8, false),
+        Field::new("window_start", DataType::Int64, false),
+        Field::new("count", DataType::Int64, false),
+        Field::new("sum", DataType::Float64, true),
+        Field::new("max", DataType::Float64, true),
+    ]));
+    let n = GROUPS as i64;
+    let state = RecordBatch::try_new(
+        Arc::clone(&schema),
+        vec![
+            Arc::new(StringArray::from_iter_values(
+                (0..n).map(|i| format!("user-{:08}", (i * 7919) % n)),
+            )),
+            Arc::new(Int64Array::from_iter_values(
+                (0..n).map(|i| 1_704_067_200_000_000 + (i % 60) * 60_000_000),
+            )),
+            Arc::new(Int64Array::from_iter_values((0..n).map(|i| i % 97 + 1))),
+            Arc::new(Float64Array::from_iter_values(
+                (0..n).map(|i| i as f64 * 0.25),
+            )),
+            Arc::new(Float64Array::from_iter_values(
+                (0..n).map(|i| (i % 1000) as f64),
+            )),
+        ],
+    )
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let checkpoint =
+        CheckpointStore::open(&url::Url::from_directory_path(dir.path()).unwrap()).unwrap();
+    let mut next = 0;
+    let mut group = c.benchmark_group("state");
+    group.sample_size(10);
+    group.throughput(Throughput::Elements(GROUPS as u64));
+    group.bench_function("base_write_1m_groups", |b| {
+        b.iter(|| {
+            // A fresh log each time: its first write is always a base.
+            let mut log = StateLog::new(&checkpoint, next);
+            next += 1;
+            let rows = std::slice::from_ref(&state);
+            rt.block_on(log.write(BatchId(0), &schema, rows, rows))
+                .unwrap()
+        })
+    });
+    group.finish();
+}
+
 criterion_group!(
     benches,
+    state_base_write,
     nexmark_generator,
     decode_json_files,
     decode_bad_lines,

@@ -26,17 +26,21 @@
 //! another run's.
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use parquet::arrow::ArrowWriter;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use parquet::arrow::arrow_writer::{ArrowLeafColumn, compute_leaves};
 use parquet::basic::{Compression, ZstdLevel};
 use parquet::file::properties::WriterProperties;
+use rayon::prelude::*;
 
 use crate::checkpoint::CheckpointStore;
 use crate::error::{Error, Result};
 use crate::offsets::BatchId;
+use crate::source::cpu_bound;
 
 /// One state file and the rows it holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -222,14 +226,8 @@ impl StateLog {
     }
 
     async fn put(&self, name: &str, schema: &SchemaRef, batches: &[RecordBatch]) -> Result<u64> {
-        let props = WriterProperties::builder()
-            .set_compression(Compression::ZSTD(ZstdLevel::default()))
-            .build();
-        let mut writer = ArrowWriter::try_new(Vec::new(), schema.clone(), Some(props))?;
-        for b in batches {
-            writer.write(b)?;
-        }
-        let bytes = writer.into_inner()?;
+        let (schema, batches) = (Arc::clone(schema), batches.to_vec());
+        let bytes = cpu_bound(move || encode(&schema, &batches, STATE_ROW_GROUP_ROWS)).await?;
         let len = bytes.len() as u64;
         if !self.store.put_if_absent(name, bytes).await? {
             return Err(Error::InvalidJob(format!(
@@ -240,6 +238,77 @@ impl StateLog {
         }
         Ok(len)
     }
+}
+
+/// Rows per row group of a state file (Parquet's default): each group's columns are encoded in
+/// parallel. Smaller groups were slower: every group builds its dictionaries afresh (measured:
+/// 128 Ki-row groups made a 1 M-group base 20 % slower to write than one writer's 1 Mi-row
+/// groups).
+const STATE_ROW_GROUP_ROWS: usize = 1024 * 1024;
+
+/// `batches` as one Parquet file in row groups of `group_rows` (zstd: state is read back only at restart, so it is
+/// compressed harder than tables are), each row group's columns encoded in parallel on the
+/// rayon pool — a state holds a few columns (keys, window, partial aggregates), so a base of a
+/// large state is written in about the time of its largest column.
+fn encode(schema: &SchemaRef, batches: &[RecordBatch], group_rows: usize) -> Result<Vec<u8>> {
+    let props = WriterProperties::builder()
+        .set_compression(Compression::ZSTD(ZstdLevel::default()))
+        .build();
+    let writer = ArrowWriter::try_new(Vec::new(), Arc::clone(schema), Some(props))?;
+    let (mut file, column_writers) = writer.into_serialized_writer()?;
+    for (index, group) in row_groups(batches, group_rows).iter().enumerate() {
+        let writers = column_writers.create_column_writers(index)?;
+        // Each writer's leaves (a nested column has several), in the writers' order.
+        let mut leaves: Vec<Vec<ArrowLeafColumn>> = writers.iter().map(|_| Vec::new()).collect();
+        for batch in group {
+            let mut slot = 0;
+            for (field, column) in schema.fields().iter().zip(batch.columns()) {
+                for leaf in compute_leaves(field, column)? {
+                    leaves[slot].push(leaf);
+                    slot += 1;
+                }
+            }
+        }
+        let chunks = writers
+            .into_par_iter()
+            .zip(leaves)
+            .map(|(mut writer, leaves)| {
+                for leaf in &leaves {
+                    writer.write(leaf)?;
+                }
+                writer.close()
+            })
+            .collect::<parquet::errors::Result<Vec<_>>>()?;
+        let mut row_group = file.next_row_group()?;
+        for chunk in chunks {
+            chunk.append_to_row_group(&mut row_group)?;
+        }
+        row_group.close()?;
+    }
+    Ok(file.into_inner()?)
+}
+
+/// `batches` cut into consecutive groups of `rows` rows (the last one shorter), slicing
+/// batches where a group ends inside one.
+fn row_groups(batches: &[RecordBatch], rows: usize) -> Vec<Vec<RecordBatch>> {
+    let mut groups: Vec<Vec<RecordBatch>> = Vec::new();
+    let mut filled = rows;
+    for batch in batches {
+        let mut start = 0;
+        while start < batch.num_rows() {
+            if filled == rows {
+                groups.push(Vec::new());
+                filled = 0;
+            }
+            let take = (rows - filled).min(batch.num_rows() - start);
+            if let Some(group) = groups.last_mut() {
+                group.push(batch.slice(start, take));
+            }
+            filled += take;
+            start += take;
+        }
+    }
+    groups
 }
 
 #[cfg(test)]
@@ -257,6 +326,64 @@ mod tests {
 
     fn checkpoint(dir: &tempfile::TempDir) -> CheckpointStore {
         CheckpointStore::open(&Url::from_directory_path(dir.path()).unwrap()).unwrap()
+    }
+
+    /// The column-parallel encoder writes what Arrow's own writer would: every row, in order,
+    /// with the exact Arrow types (time zones, nested structs and lists), across row groups
+    /// that end inside input batches.
+    #[test]
+    fn a_state_file_reads_back_as_written_across_row_groups_and_nested_columns() {
+        use arrow::array::{ArrayRef, ListArray, StructArray, TimestampMicrosecondArray};
+        use arrow::datatypes::{Int64Type, TimeUnit};
+        let batch = |from: i64, n: i64| {
+            let ids: ArrayRef = Arc::new(Int64Array::from_iter_values(from..from + n));
+            let ts: ArrayRef = Arc::new(
+                TimestampMicrosecondArray::from_iter_values((from..from + n).map(|i| i * 1000))
+                    .with_timezone("UTC"),
+            );
+            let sums: ArrayRef = Arc::new(Int64Array::from_iter(
+                (from..from + n).map(|i| (i % 7 != 0).then_some(i * 2)),
+            ));
+            let partial: ArrayRef = Arc::new(StructArray::from(vec![(
+                Arc::new(Field::new("sum", DataType::Int64, true)),
+                sums,
+            )]));
+            let lists: ArrayRef = Arc::new(ListArray::from_iter_primitive::<Int64Type, _, _>(
+                (from..from + n).map(|i| (i % 5 != 0).then(|| vec![Some(i); (i % 3) as usize])),
+            ));
+            RecordBatch::try_from_iter(vec![
+                ("id", ids),
+                ("ts", ts),
+                ("partial", partial),
+                ("seen", lists),
+            ])
+            .unwrap()
+        };
+        let rows = 1000;
+        let group = rows as i64;
+        let input = vec![
+            batch(0, group - 3),
+            batch(group - 3, 10),
+            batch(group + 7, group + 1),
+        ];
+        let schema = input[0].schema();
+        let bytes = encode(&schema, &input, rows).unwrap();
+        let reader = ParquetRecordBatchReaderBuilder::try_new(bytes::Bytes::from(bytes)).unwrap();
+        assert_eq!(reader.metadata().num_row_groups(), 3);
+        let read: Vec<RecordBatch> = reader.build().unwrap().map(|b| b.unwrap()).collect();
+        assert_eq!(read[0].schema(), schema);
+        assert!(matches!(
+            schema.field(1).data_type(),
+            DataType::Timestamp(TimeUnit::Microsecond, Some(_))
+        ));
+        let expected = arrow::compute::concat_batches(&schema, &input).unwrap();
+        let got = arrow::compute::concat_batches(&schema, &read).unwrap();
+        assert_eq!(got, expected);
+        let sizes: Vec<usize> = row_groups(&input, rows)
+            .iter()
+            .map(|g| g.iter().map(RecordBatch::num_rows).sum())
+            .collect();
+        assert_eq!(sizes, [rows, rows, 8]);
     }
 
     #[tokio::test]
