@@ -1010,6 +1010,7 @@ pub(crate) fn is_one_csv_record(line: &[u8], delimiter: u8, fields: usize) -> bo
 /// and a `\r` or `\n` outside quotes ends the record (only line breaks may follow it). Stricter
 /// than the reader where it would drop bytes: text after a record's end.
 fn csv_record_shape(line: &[u8], delimiter: u8, fields: usize) -> std::result::Result<(), String> {
+    let line = without_bom(line);
     let line_break = |b: &u8| matches!(b, b'\r' | b'\n');
     // The reader skips line breaks before a record; a line of nothing else holds none.
     let Some(mut at) = line.iter().position(|b| !line_break(b)) else {
@@ -1095,7 +1096,7 @@ fn decode_csv_shaped(
     // Line by line, so a line holding no record, two records, or the start of a record the next
     // line ends is caught at its line rather than decoded into rows given to the wrong lines.
     for l in lines {
-        let line = &bytes[l.start..l.end];
+        let line = without_bom(&bytes[l.start..l.end]);
         let before = decoder.capacity();
         feed_csv(&mut decoder, line)?;
         feed_csv(&mut decoder, b"\n")?;
@@ -1125,6 +1126,17 @@ fn decode_csv_shaped(
         });
     }
     rows_of(schema, columns, batch.num_rows(), bad_rows)
+}
+
+/// `line` without the UTF-8 byte order marks it starts with: not data in a CSV line (a file
+/// saved by Excel starts with one, and files concatenated keep theirs). The CSV reader drops
+/// one only at the start of what a decoder is first fed, which would make a line's value depend
+/// on where a run of lines begins; dropping them from every line gives each line one reading.
+fn without_bom(mut line: &[u8]) -> &[u8] {
+    while let Some(rest) = line.strip_prefix(b"\xEF\xBB\xBF") {
+        line = rest;
+    }
+    line
 }
 
 /// Feeds all of `buf` to a CSV decoder.
@@ -1417,6 +1429,35 @@ mod tests {
         };
         assert_eq!(rows(a), rows(b), "the good rows differ");
         assert_eq!(a.1, b.1, "the bad lines differ");
+    }
+
+    /// A byte order mark at the start of a CSV line is not data, wherever the line falls in a
+    /// run: the line decodes alike alone and among others (the CSV reader drops one only at
+    /// the start of a decoder's input).
+    #[test]
+    fn a_csv_line_starting_with_a_byte_order_mark_reads_the_same_anywhere() {
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("id", DataType::Int64, true),
+            Field::new("name", DataType::Utf8, true),
+        ]));
+        for text in [
+            "1,a\n\u{feff}2,b\n\u{feff}x,c\n\u{feff}\"d,e\",f\n",
+            "\u{feff}\u{feff}x,c\n1,a\n",
+        ] {
+            let bytes = text.as_bytes();
+            let lines = split_lines(bytes);
+            exercise_csv_against_halving(&schema, bytes, &lines);
+        }
+        let bytes = "1,a\n\u{feff}2,b".as_bytes();
+        let (good, bad) = decode_csv_lines(&schema, b',', bytes, &split_lines(bytes));
+        assert!(bad.is_empty(), "{bad:?}");
+        assert_eq!(good.iter().map(|(b, _)| b.num_rows()).sum::<usize>(), 2);
+    }
+
+    fn exercise_csv_against_halving(schema: &SchemaRef, bytes: &[u8], lines: &[Line]) {
+        let sorted = decode_csv_lines(schema, b',', bytes, lines);
+        let halved = decode_lines(bytes, lines, |c| decode_csv(schema, b',', bytes, c));
+        assert_same_decoding(&sorted, &halved);
     }
 
     #[test]

@@ -126,7 +126,9 @@ impl std::fmt::Display for InferredColumn {
 /// Runs `work` on the rayon pool (one thread per core) and waits for it without holding an
 /// async worker thread: what a [`Source::read`] (or any step) does with the CPU. Several
 /// reads awaiting it at once run in parallel; `work` may itself use rayon's parallel
-/// iterators. A panic in `work` resumes in the caller.
+/// iterators. A panic in `work` resumes in the caller. Dropping the returned future (a sibling
+/// read failed, the job stops) does not stop `work`: it runs to its end and its result is
+/// dropped.
 pub async fn cpu_bound<T, F>(work: F) -> T
 where
     F: FnOnce() -> T + Send + 'static,

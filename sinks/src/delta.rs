@@ -68,7 +68,9 @@ use tracing::{info, warn};
 use url::Url;
 
 use crate::error::{Result, SinkError};
-use crate::parquet_write::{encode_parallel, plain_for_append, writer_properties, writers_for};
+use crate::parquet_write::{
+    casts_losslessly, encode_parallel, plain_for_append, writer_properties, writers_for,
+};
 
 /// The `[sink]` settings of `kind = "delta"`.
 #[derive(Debug, Clone, Deserialize)]
@@ -376,13 +378,23 @@ impl TableHandle {
             let mut table = table;
             table.update_state().await.map_err(|e| self.err(e))?;
             table
-        } else if writers_for(&batches) > 1 && added.is_none() && plain_for_append(&table) {
+        } else if writers_for(&batches) > 1
+            && added.is_none()
+            && plain_for_append(&table)
+            && batches
+                .iter()
+                .all(|b| casts_losslessly(&b.schema(), &table_schema))
+        {
             // A large batch: encoded by several writers at once, one commit (see
             // `parquet_write`).
             let writers = writers_for(&batches);
             let adds = encode_parallel(&table, batches, writers, target_file_size)
                 .await
                 .map_err(|e| self.err(e))?;
+            let (files, bytes) = (
+                adds.len() as u64,
+                adds.iter().map(|a| a.size.max(0) as u64).sum(),
+            );
             let snapshot = table.snapshot().map_err(|e| self.err(e))?;
             let operation = DeltaOperation::Write {
                 mode: SaveMode::Append,
@@ -396,7 +408,8 @@ impl TableHandle {
                 .map_err(|e| self.err(e))?;
             let mut table = table;
             table.update_state().await.map_err(|e| self.err(e))?;
-            table
+            *self.table.lock().await = Some(table);
+            return Ok((rows, files, bytes));
         } else {
             let mut write = table
                 .write(batches.into_iter().filter(|b| b.num_rows() > 0))
@@ -1325,6 +1338,7 @@ mod tests {
             large.slice(1_000_003, 2_999_990),
             large.slice(3_999_993, (rows - 3_999_993) as usize),
         ];
+        assert_eq!(crate::parquet_write::writers_for(&output), writers);
         let outcome = sink.commit(commit(0, output)).await.unwrap();
         let CommitOutcome::Committed { rows: n, files, .. } = outcome else {
             panic!("{outcome:?}");

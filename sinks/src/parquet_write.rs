@@ -12,7 +12,7 @@
 //! Encoding Parquet is the most expensive step of a stateless batch, and one writer is one
 //! thread. An append whose rows hold at least 2 × [`MIN_ARROW_BYTES_PER_WRITER`] of Arrow
 //! memory is cut into contiguous row ranges, one per core (each at least
-//! [`MIN_ARROW_BYTES_PER_WRITER`]), each encoded by its own writer on its own task into its own
+//! [`MIN_ARROW_BYTES_PER_WRITER`]), each encoded by its own writer on its own blocking thread into its own
 //! files; their `add` actions go into the batch's one commit. A smaller batch stays one writer
 //! and one file, so a streaming job's small batches do not make more small files. Rows keep
 //! their order within each file, and the files of a commit cover the rows in order.
@@ -21,12 +21,14 @@
 //! nullability but not what some table features demand of a writer (CHECK constraints,
 //! invariants, generated or identity columns, column mapping, row tracking). It is taken only
 //! on tables whose protocol asks nothing more of an append ([`plain_for_append`]), and only when
-//! the batch adds no columns; everything else goes through delta-rs's `write` operation, which
-//! enforces them.
+//! the batch adds no columns and its types go into the table's without loss
+//! ([`casts_losslessly`]); everything else goes through delta-rs's `write` operation, which
+//! enforces constraints and refuses truncating casts.
 
 use std::num::NonZeroU64;
 
 use arrow::array::RecordBatch;
+use arrow::datatypes::{DataType, Schema};
 use deltalake::DeltaTable;
 use deltalake::kernel::Add;
 use deltalake::kernel::schema::cast::cast_record_batch;
@@ -72,10 +74,42 @@ pub(crate) fn writer_properties() -> WriterProperties {
 }
 
 /// How many writers encode `batches` (1: not worth splitting). See the module docs.
+///
+/// Counts the bytes the rows occupy, not the buffers they point into: a query's output is
+/// often slices of one input buffer, which `get_array_memory_size` would count once per slice.
 pub(crate) fn writers_for(batches: &[RecordBatch]) -> usize {
-    let bytes: usize = batches.iter().map(RecordBatch::get_array_memory_size).sum();
+    let bytes: usize = batches
+        .iter()
+        .flat_map(RecordBatch::columns)
+        .map(|c| {
+            c.to_data()
+                .get_slice_memory_size()
+                .unwrap_or_else(|_| c.get_array_memory_size())
+        })
+        .sum();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     (bytes / MIN_ARROW_BYTES_PER_WRITER).clamp(1, cores.max(1))
+}
+
+/// Whether every column of `batch` goes into the table's column of its name without losing
+/// anything: the same type (up to nullability and nested field names), or text and binary in
+/// another layout. Anything else — a float into an integer column, a finer timestamp, a
+/// smaller decimal — is left to delta-rs's `write`, which refuses what would truncate.
+pub(crate) fn casts_losslessly(batch: &Schema, table: &Schema) -> bool {
+    batch.fields().iter().all(|f| {
+        table.field_with_name(f.name()).is_ok_and(|t| {
+            let (from, to) = (f.data_type(), t.data_type());
+            from.equals_datatype(to)
+                || matches!(
+                    (from, to),
+                    (DataType::Utf8View | DataType::LargeUtf8, DataType::Utf8)
+                        | (
+                            DataType::BinaryView | DataType::LargeBinary,
+                            DataType::Binary
+                        )
+                )
+        })
+    })
 }
 
 /// Whether an append to `table` needs nothing beyond matching types and nullability: writer
@@ -112,10 +146,10 @@ pub(crate) fn plain_for_append(table: &DeltaTable) -> bool {
 }
 
 /// Encodes `batches` (rows in order) into new data files of `table` with `writers` writers
-/// running concurrently, each on its own task over a contiguous range of the rows, and returns
+/// running concurrently, each on a blocking thread over a contiguous range of the rows, and returns
 /// their `add` actions in row order. Nothing is committed: the caller commits the actions.
-/// The batches are cast to the table's column types first (as delta-rs's `write` does);
-/// a value that does not fit is an error.
+/// The batches are cast to the table's column types first; call it only for batches that
+/// cast losslessly ([`casts_losslessly`]).
 ///
 /// # Errors
 /// If a batch does not match the table's columns, or a file cannot be written.
@@ -128,22 +162,28 @@ pub(crate) async fn encode_parallel(
     let snapshot = table.snapshot()?;
     let schema = snapshot.snapshot().arrow_schema();
     let target = target_file_size.unwrap_or_else(|| snapshot.table_config().target_file_size());
+    // Each writer on a blocking thread (encoding is CPU work; its uploads are awaited there),
+    // so the runtime's workers stay free for the status server and the uploads.
+    let runtime = tokio::runtime::Handle::current();
     let mut tasks = tokio::task::JoinSet::new();
     for (index, rows) in row_ranges(batches, writers).into_iter().enumerate() {
         let mut writer = RecordBatchWriter::for_table(table)?
             .with_writer_properties(writer_properties())
             .with_target_file_size(target.get());
         let schema = schema.clone();
-        tasks.spawn(async move {
-            for batch in rows {
-                let batch = if batch.schema() == schema {
-                    batch
-                } else {
-                    cast_record_batch(&batch, schema.clone(), false, false)?
-                };
-                writer.write(batch).await?;
-            }
-            Ok::<_, DeltaTableError>((index, writer.flush().await?))
+        let runtime = runtime.clone();
+        tasks.spawn_blocking(move || {
+            runtime.block_on(async move {
+                for batch in rows {
+                    let batch = if batch.schema() == schema {
+                        batch
+                    } else {
+                        cast_record_batch(&batch, schema.clone(), false, false)?
+                    };
+                    writer.write(batch).await?;
+                }
+                Ok::<_, DeltaTableError>((index, writer.flush().await?))
+            })
         });
     }
     let mut files = Vec::new();
@@ -236,8 +276,47 @@ mod tests {
     }
 
     #[test]
-    fn small_batches_get_one_writer() {
+    fn small_batches_get_one_writer_even_as_slices_of_a_large_buffer() {
         assert_eq!(writers_for(&[batch(0..1000)]), 1);
         assert_eq!(writers_for(&[]), 1);
+        // 80 MB of buffer, but the slices hold 8 MB of rows between them.
+        let large = batch(0..10_000_000);
+        let slices: Vec<RecordBatch> = (0..10)
+            .map(|i| large.slice(i * 1_000_000, 100_000))
+            .collect();
+        assert_eq!(writers_for(&slices), 1);
+    }
+
+    #[test]
+    fn only_lossless_type_differences_take_the_parallel_path() {
+        let schema = |t: DataType| Schema::new(vec![Field::new("x", t, true)]);
+        let ts = |unit, tz: Option<&str>| DataType::Timestamp(unit, tz.map(Into::into));
+        use arrow::datatypes::TimeUnit::{Microsecond, Nanosecond};
+        let yes = [
+            (DataType::Int64, DataType::Int64),
+            (DataType::Utf8View, DataType::Utf8),
+            (DataType::LargeUtf8, DataType::Utf8),
+            (ts(Microsecond, Some("UTC")), ts(Microsecond, Some("UTC"))),
+        ];
+        for (from, to) in yes {
+            assert!(
+                casts_losslessly(&schema(from.clone()), &schema(to.clone())),
+                "{from} → {to}"
+            );
+        }
+        let no = [
+            (DataType::Float64, DataType::Int64),
+            (DataType::Int64, DataType::Int32),
+            (ts(Nanosecond, Some("UTC")), ts(Microsecond, Some("UTC"))),
+            (DataType::Decimal128(10, 4), DataType::Decimal128(10, 2)),
+        ];
+        for (from, to) in no {
+            assert!(
+                !casts_losslessly(&schema(from.clone()), &schema(to.clone())),
+                "{from} → {to}"
+            );
+        }
+        let other = Schema::new(vec![Field::new("y", DataType::Int64, true)]);
+        assert!(!casts_losslessly(&schema(DataType::Int64), &other));
     }
 }
