@@ -1132,7 +1132,7 @@ fn decode_csv_shaped(
 /// saved by Excel starts with one, and files concatenated keep theirs). The CSV reader drops
 /// one only at the start of what a decoder is first fed, which would make a line's value depend
 /// on where a run of lines begins; dropping them from every line gives each line one reading.
-fn without_bom(mut line: &[u8]) -> &[u8] {
+pub(crate) fn without_bom(mut line: &[u8]) -> &[u8] {
     while let Some(rest) = line.strip_prefix(b"\xEF\xBB\xBF") {
         line = rest;
     }

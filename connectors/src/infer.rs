@@ -335,6 +335,12 @@ pub(crate) fn infer_csv(
             let position = format!("{text_name}:{line}");
             tallies.records += 1;
             for (i, cell) in record.iter().enumerate() {
+                // A byte order mark starting a line is not data (as the decoder reads it).
+                let cell = if i == 0 {
+                    cell.trim_start_matches('\u{feff}')
+                } else {
+                    cell
+                };
                 let name = names
                     .get(i)
                     .cloned()

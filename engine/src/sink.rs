@@ -244,3 +244,28 @@ pub trait Sink: Send + Sync {
         Ok(Vec::new())
     }
 }
+
+/// `batches` cut into consecutive groups of `rows` rows (the last one shorter; `rows` at least
+/// 1), slicing a batch (zero-copy) where a group ends inside it: how rows are spread over
+/// writers and Parquet row groups. Every row is in one group, in order.
+pub fn row_groups(batches: &[RecordBatch], rows: usize) -> Vec<Vec<RecordBatch>> {
+    let rows = rows.max(1);
+    let mut groups: Vec<Vec<RecordBatch>> = Vec::new();
+    let mut filled = rows;
+    for batch in batches {
+        let mut start = 0;
+        while start < batch.num_rows() {
+            if filled == rows {
+                groups.push(Vec::new());
+                filled = 0;
+            }
+            let take = (rows - filled).min(batch.num_rows() - start);
+            if let Some(group) = groups.last_mut() {
+                group.push(batch.slice(start, take));
+            }
+            filled += take;
+            start += take;
+        }
+    }
+    groups
+}

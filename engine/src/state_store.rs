@@ -40,6 +40,7 @@ use rayon::prelude::*;
 use crate::checkpoint::CheckpointStore;
 use crate::error::{Error, Result};
 use crate::offsets::BatchId;
+use crate::sink::row_groups;
 use crate::source::cpu_bound;
 
 /// One state file and the rows it holds.
@@ -286,29 +287,6 @@ fn encode(schema: &SchemaRef, batches: &[RecordBatch], group_rows: usize) -> Res
         row_group.close()?;
     }
     Ok(file.into_inner()?)
-}
-
-/// `batches` cut into consecutive groups of `rows` rows (the last one shorter), slicing
-/// batches where a group ends inside one.
-fn row_groups(batches: &[RecordBatch], rows: usize) -> Vec<Vec<RecordBatch>> {
-    let mut groups: Vec<Vec<RecordBatch>> = Vec::new();
-    let mut filled = rows;
-    for batch in batches {
-        let mut start = 0;
-        while start < batch.num_rows() {
-            if filled == rows {
-                groups.push(Vec::new());
-                filled = 0;
-            }
-            let take = (rows - filled).min(batch.num_rows() - start);
-            if let Some(group) = groups.last_mut() {
-                group.push(batch.slice(start, take));
-            }
-            filled += take;
-            start += take;
-        }
-    }
-    groups
 }
 
 #[cfg(test)]

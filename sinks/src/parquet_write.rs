@@ -37,6 +37,7 @@ use deltalake::parquet::file::properties::WriterProperties;
 use deltalake::table::config::TablePropertiesExt;
 use deltalake::writer::{DeltaWriter, RecordBatchWriter};
 use deltalake::{DeltaResult, DeltaTableError};
+use sluice_engine::sink::row_groups;
 
 /// Rows per Parquet row group in the files Sluice writes.
 ///
@@ -77,6 +78,8 @@ pub(crate) fn writer_properties() -> WriterProperties {
 ///
 /// Counts the bytes the rows occupy, not the buffers they point into: a query's output is
 /// often slices of one input buffer, which `get_array_memory_size` would count once per slice.
+/// (Approximate for lists and dictionaries, counted whole, and views, counted without their
+/// text: it only decides how many files a batch becomes.)
 pub(crate) fn writers_for(batches: &[RecordBatch]) -> usize {
     let bytes: usize = batches
         .iter()
@@ -92,13 +95,17 @@ pub(crate) fn writers_for(batches: &[RecordBatch]) -> usize {
 }
 
 /// Whether every column of `batch` goes into the table's column of its name without losing
-/// anything: the same type (up to nullability and nested field names), or text and binary in
-/// another layout. Anything else — a float into an integer column, a finer timestamp, a
+/// anything: the same type (nested types exactly), or text and binary in another layout. Anything else — a float into an integer column, a finer timestamp, a
 /// smaller decimal — is left to delta-rs's `write`, which refuses what would truncate.
 pub(crate) fn casts_losslessly(batch: &Schema, table: &Schema) -> bool {
     batch.fields().iter().all(|f| {
         table.field_with_name(f.name()).is_ok_and(|t| {
             let (from, to) = (f.data_type(), t.data_type());
+            // Nested: exactly the table's type (the cast matches struct and map children by
+            // name, which `equals_datatype` ignores).
+            if from.is_nested() || to.is_nested() {
+                return from == to;
+            }
             from.equals_datatype(to)
                 || matches!(
                     (from, to),
@@ -151,6 +158,9 @@ pub(crate) fn plain_for_append(table: &DeltaTable) -> bool {
 /// The batches are cast to the table's column types first; call it only for batches that
 /// cast losslessly ([`casts_losslessly`]).
 ///
+/// On an error the writers not yet started are cancelled; files already written stay in the
+/// table's folder unreferenced, as after a failed delta-rs write, until `VACUUM`.
+///
 /// # Errors
 /// If a batch does not match the table's columns, or a file cannot be written.
 pub(crate) async fn encode_parallel(
@@ -201,31 +211,11 @@ pub(crate) async fn encode_parallel(
     Ok(files.into_iter().flat_map(|(_, adds)| adds).collect())
 }
 
-/// `batches` cut into `parts` contiguous ranges of (nearly) equal row counts, slicing batches
-/// where a range ends inside one (zero-copy). Empty ranges are left out.
+/// `batches` cut into `parts` contiguous ranges of (nearly) equal row counts (fewer if there
+/// are fewer rows), slicing batches where a range ends inside one (zero-copy).
 fn row_ranges(batches: Vec<RecordBatch>, parts: usize) -> Vec<Vec<RecordBatch>> {
     let total: usize = batches.iter().map(RecordBatch::num_rows).sum();
-    let parts = parts.max(1);
-    let per_part = total.div_ceil(parts).max(1);
-    let mut ranges: Vec<Vec<RecordBatch>> = vec![Vec::new()];
-    let mut filled = 0;
-    for batch in batches {
-        let mut start = 0;
-        while start < batch.num_rows() {
-            if filled == per_part {
-                ranges.push(Vec::new());
-                filled = 0;
-            }
-            let take = (per_part - filled).min(batch.num_rows() - start);
-            if let Some(range) = ranges.last_mut() {
-                range.push(batch.slice(start, take));
-            }
-            filled += take;
-            start += take;
-        }
-    }
-    ranges.retain(|r| !r.is_empty());
-    ranges
+    row_groups(&batches, total.div_ceil(parts.max(1)))
 }
 
 #[cfg(test)]

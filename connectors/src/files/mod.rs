@@ -57,7 +57,7 @@ use sluice_engine::{
 use tokio::sync::Mutex;
 use url::Url;
 
-use crate::decode::{Line, decode_csv_lines, decode_json_lines, split_lines};
+use crate::decode::{Line, decode_csv_lines, decode_json_lines, split_lines, without_bom};
 use crate::error::{ConnectorError, Result};
 use crate::evolve::{SchemaEvolution, fields_to_add, rescue_lines};
 use crate::infer::{INFER_RECORDS, infer_csv, infer_json};
@@ -581,7 +581,11 @@ impl Decoding {
             if skip_header && !lines.is_empty() {
                 lines.remove(0);
             }
-            lines.retain(|l| !bytes[l.start..l.end].iter().all(u8::is_ascii_whitespace));
+            lines.retain(|l| {
+                !without_bom(&bytes[l.start..l.end])
+                    .iter()
+                    .all(u8::is_ascii_whitespace)
+            });
             lines
         };
         // A truncated or corrupt `.gz`: its complete lines are kept, the cut-off rest is one
