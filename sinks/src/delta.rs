@@ -349,13 +349,9 @@ impl TableHandle {
             let columns = added_column_names(&table_schema, merged);
             info!(table = %self.url, columns = %columns.join(", "), "columns added to the table in this commit");
         }
+        let writers = writers_for(&batches);
         let table = if rows == 0 {
             let snapshot = table.snapshot().map_err(|e| self.err(e))?;
-            let operation = DeltaOperation::Write {
-                mode: SaveMode::Append,
-                partition_by: None,
-                predicate: None,
-            };
             let mut actions = vec![];
             if let Some(merged) = &added {
                 let normalized = deltalake::kernel::schema::cast::normalize_for_delta(merged);
@@ -370,15 +366,8 @@ impl TableHandle {
                     .map_err(|e| self.err(e.into()))?;
                 actions.push(Action::Metadata(metadata));
             }
-            CommitBuilder::from(properties)
-                .with_actions(actions)
-                .build(Some(snapshot), table.log_store(), operation)
-                .await
-                .map_err(|e| self.err(e))?;
-            let mut table = table;
-            table.update_state().await.map_err(|e| self.err(e))?;
-            table
-        } else if writers_for(&batches) > 1
+            self.commit_appended(table, actions, properties).await?
+        } else if writers > 1
             && added.is_none()
             && plain_for_append(&table)
             && batches
@@ -387,7 +376,6 @@ impl TableHandle {
         {
             // A large batch: encoded by several writers at once, one commit (see
             // `parquet_write`).
-            let writers = writers_for(&batches);
             let adds = encode_parallel(&table, batches, writers, target_file_size)
                 .await
                 .map_err(|e| self.err(e))?;
@@ -395,19 +383,8 @@ impl TableHandle {
                 adds.len() as u64,
                 adds.iter().map(|a| a.size.max(0) as u64).sum(),
             );
-            let snapshot = table.snapshot().map_err(|e| self.err(e))?;
-            let operation = DeltaOperation::Write {
-                mode: SaveMode::Append,
-                partition_by: None,
-                predicate: None,
-            };
-            CommitBuilder::from(properties)
-                .with_actions(adds.into_iter().map(Action::Add).collect())
-                .build(Some(snapshot), table.log_store(), operation)
-                .await
-                .map_err(|e| self.err(e))?;
-            let mut table = table;
-            table.update_state().await.map_err(|e| self.err(e))?;
+            let actions = adds.into_iter().map(Action::Add).collect();
+            let table = self.commit_appended(table, actions, properties).await?;
             *self.table.lock().await = Some(table);
             return Ok((rows, files, bytes));
         } else {
@@ -427,6 +404,29 @@ impl TableHandle {
         let (files, bytes) = self.added_files(&table).await?;
         *self.table.lock().await = Some(table);
         Ok((rows, files, bytes))
+    }
+
+    /// Commits `actions` (added files, a schema change, or nothing but the txn) as an append to
+    /// `table` with `properties`, and returns the table at its latest version.
+    async fn commit_appended(
+        &self,
+        mut table: DeltaTable,
+        actions: Vec<Action>,
+        properties: CommitProperties,
+    ) -> Result<DeltaTable> {
+        let snapshot = table.snapshot().map_err(|e| self.err(e))?;
+        let operation = DeltaOperation::Write {
+            mode: SaveMode::Append,
+            partition_by: None,
+            predicate: None,
+        };
+        CommitBuilder::from(properties)
+            .with_actions(actions)
+            .build(Some(snapshot), table.log_store(), operation)
+            .await
+            .map_err(|e| self.err(e))?;
+        table.update_state().await.map_err(|e| self.err(e))?;
+        Ok(table)
     }
 
     /// Upserts `batches` on the `key` columns (MERGE: matching rows updated, others inserted)
