@@ -32,6 +32,7 @@ pub mod error;
 pub mod event_time;
 pub mod expectations;
 pub mod fault;
+mod group_table;
 pub mod input;
 pub mod job;
 pub mod late;

@@ -157,28 +157,27 @@ impl StateLog {
     }
 
     /// Records batch `batch_id`'s state: its `changes` as a delta, or — when the deltas would
-    /// outweigh the live state, or [`MAX_DELTA_FILES`] are live — the `full` state as a new
-    /// base.
+    /// outweigh the `live_rows` of the state, or [`MAX_DELTA_FILES`] are live — the `full`
+    /// state as a new base (`full` is only called then: gathering the whole state is O(state)).
     ///
     /// # Errors
-    /// If a file cannot be written.
+    /// If a file cannot be written, or `full` fails.
     pub async fn write(
         &mut self,
         batch_id: BatchId,
         schema: &SchemaRef,
         changes: &[RecordBatch],
-        full: &[RecordBatch],
+        live_rows: u64,
+        full: impl FnOnce() -> Result<Vec<RecordBatch>>,
     ) -> Result<StateWrite> {
-        let rows = |b: &[RecordBatch]| b.iter().map(|b| b.num_rows() as u64).sum::<u64>();
-        let change_rows = rows(changes);
+        let change_rows = changes.iter().map(|b| b.num_rows() as u64).sum::<u64>();
         let delta_rows: u64 = self.deltas.iter().map(|d| d.rows).sum::<u64>() + change_rows;
-        let live_rows = rows(full);
         let mut write = StateWrite::default();
         let compact =
             self.base.is_none() || delta_rows > live_rows || self.deltas.len() >= MAX_DELTA_FILES;
         if change_rows > 0 && compact {
             let name = format!("{:020}-e{}-base.parquet", batch_id.0, self.epoch);
-            write.bytes_written = self.put(&name, schema, full).await?;
+            write.bytes_written = self.put(&name, schema, &full()?).await?;
             write.compacted = true;
             self.base = Some(StateFile {
                 name,
@@ -373,25 +372,30 @@ mod tests {
         let full = [rows(&[1, 2, 3, 4])];
         // First batch: no base yet, so the full state is written.
         let w = log
-            .write(BatchId(0), &schema, &[rows(&[1])], &full)
+            .write(BatchId(0), &schema, &[rows(&[1])], 4, || Ok(full.to_vec()))
             .await
             .unwrap();
         assert!(w.compacted);
         // Small changes go to deltas while they hold no more rows than the live state.
         for b in 1..=3 {
             let w = log
-                .write(BatchId(b), &schema, &[rows(&[9])], &full)
+                .write(BatchId(b), &schema, &[rows(&[9])], 4, || Ok(full.to_vec()))
                 .await
                 .unwrap();
             assert!(!w.compacted, "batch {b}");
         }
         assert_eq!(log.live_files().len(), 4);
         // Nothing changed: nothing written.
-        let w = log.write(BatchId(4), &schema, &[], &full).await.unwrap();
+        let w = log
+            .write(BatchId(4), &schema, &[], 4, || Ok(full.to_vec()))
+            .await
+            .unwrap();
         assert_eq!(w.bytes_written, 0);
         // 3 + 2 delta rows > 4 live rows: compaction.
         let w = log
-            .write(BatchId(5), &schema, &[rows(&[7, 8])], &full)
+            .write(BatchId(5), &schema, &[rows(&[7, 8])], 4, || {
+                Ok(full.to_vec())
+            })
             .await
             .unwrap();
         assert!(w.compacted);
@@ -423,7 +427,13 @@ mod tests {
             // 5000 live rows for the first 10 batches, then 50: the big windows closed.
             let live = if b < 10 { &big[..] } else { &big[..50] };
             let w = log
-                .write(BatchId(b), &schema, &[rows(&[b])], &[rows(live)])
+                .write(
+                    BatchId(b),
+                    &schema,
+                    &[rows(&[b])],
+                    live.len() as u64,
+                    || Ok(vec![rows(live)]),
+                )
                 .await
                 .unwrap();
             most = most.max(w.live_files.len());
@@ -449,16 +459,19 @@ mod tests {
         let mut paused = StateLog::new(&checkpoint, 4);
         let mut twin = StateLog::new(&checkpoint, 3);
         let committed = paused
-            .write(BatchId(7), &schema, &full, &full)
+            .write(BatchId(7), &schema, &full, 2, || Ok(full.to_vec()))
             .await
             .unwrap();
-        let lost = twin.write(BatchId(7), &schema, &full, &full).await.unwrap();
+        let lost = twin
+            .write(BatchId(7), &schema, &full, 2, || Ok(full.to_vec()))
+            .await
+            .unwrap();
         assert_ne!(committed.live_files, lost.live_files);
         // Batch 7 commits with the paused run's manifest; the next run takes over from it.
         let mut next_run = StateLog::new(&checkpoint, 5);
         next_run.restore(&committed.live_files).await.unwrap();
         let eight = next_run
-            .write(BatchId(8), &schema, &[rows(&[3])], &full)
+            .write(BatchId(8), &schema, &[rows(&[3])], 2, || Ok(full.to_vec()))
             .await
             .unwrap();
         // The paused run wakes up and collects after its commit of 7.

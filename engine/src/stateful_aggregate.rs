@@ -38,7 +38,7 @@
 //! must partition by it (Nexmark q5, q7). In update mode it sees only the changed groups, so it
 //! may only project. Planning checks both.
 
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use arrow::array::{
@@ -59,6 +59,7 @@ use datafusion::prelude::SessionContext;
 
 use crate::aggregate_state::AggregateState;
 use crate::error::{Error, Result};
+use crate::group_table::GroupTable;
 use crate::late::Lateness;
 use crate::offsets::BatchId;
 use crate::query::{FailedRow, QueryOutput, is_data_error};
@@ -140,10 +141,13 @@ pub(crate) struct StatefulAggregate {
     purge_index: usize,
     /// The group columns that are plain columns, by name: the default upsert key.
     group_columns: Vec<String>,
-    /// The state: one row per live (window, group), as partial aggregate states.
-    state: Vec<RecordBatch>,
-    /// This batch's partial rows: what changed, and the state delta to write.
+    /// The state: one row per live (window, group), as partial aggregate states, by group.
+    groups: GroupTable,
+    /// This batch's partial rows: the state delta to write.
     changes: Vec<RecordBatch>,
+    /// The merged state rows of the groups this batch changed (not for sessions): what update
+    /// mode emits.
+    changed: Vec<RecordBatch>,
     upper: LogicalPlan,
     finished: Arc<MemTable>,
     finished_schema: SchemaRef,
@@ -263,7 +267,8 @@ pub(crate) async fn plan_stateful(
 
     let operator = AggregateState::plan(&ctx.state(), &aggregate).await?;
     let state_schema = operator.state_schema();
-    let group_count = agg.group_expr.len();
+    // Every group column of the state: a grouping set's expressions and its grouping id too.
+    let group_count = agg.group_expr_len()?;
     let purge_column = match &grouping {
         Grouping::Window { column, .. } => column.name().to_string(),
         // A max's partial state is one column, named after the aggregate; the last one.
@@ -333,6 +338,10 @@ pub(crate) async fn plan_stateful(
         .data;
     check_upper(&upper, settings.mode)?;
 
+    let session = matches!(
+        &grouping,
+        Grouping::Window { window, .. } if matches!(window.kind, WindowKind::Session { .. })
+    );
     Ok(Some(StatefulAggregate {
         grouping,
         source,
@@ -342,8 +351,13 @@ pub(crate) async fn plan_stateful(
         group_count,
         purge_index,
         group_columns,
-        state: Vec::new(),
+        groups: if session || group_count == 0 {
+            GroupTable::unkeyed(purge_index)
+        } else {
+            GroupTable::keyed(Arc::clone(&state_schema), group_count, purge_index)?
+        },
         changes: Vec::new(),
+        changed: Vec::new(),
         upper,
         finished,
         finished_schema,
@@ -616,16 +630,38 @@ impl StatefulAggregate {
         &self.operator
     }
 
-    /// Merges a batch's partial states into the state.
+    /// Merges a batch's partial states into the state: only the groups the batch touches are
+    /// taken out, merged with their partial rows and put back (see [`crate::group_table`]).
+    /// Sessions merge with every overlapping session of their key, so they are merged with the
+    /// whole state (O(state) a batch), as is an aggregate without group columns (one row).
     pub(crate) async fn accumulate(&mut self, partials: Vec<RecordBatch>) -> Result<()> {
+        self.changed.clear();
         if partials.iter().all(|b| b.num_rows() == 0) {
             self.changes.clear();
             return Ok(());
         }
-        let mut all = std::mem::take(&mut self.state);
-        all.extend(partials.iter().cloned());
-        let merged = self.operator.merge(all).await?;
-        self.state = self.merge_sessions(merged).await?;
+        if !self.groups.is_keyed() {
+            let mut all = self.groups.take_all()?;
+            all.extend(partials.iter().cloned());
+            let merged = self.operator.merge(all).await?;
+            let merged = self.merge_sessions(merged).await?;
+            if self.mode == OutputMode::Update {
+                self.changed.clone_from(&merged);
+            }
+            self.groups.reset(merged)?;
+        } else {
+            let mut pending = partials.clone();
+            while pending.iter().any(|b| b.num_rows() > 0) {
+                let mut touched = self.groups.take(&pending)?;
+                touched.append(&mut pending);
+                let merged = self.operator.merge(touched).await?;
+                if self.mode == OutputMode::Update {
+                    self.changed.extend(merged.iter().cloned());
+                }
+                // A group DataFusion emitted twice comes back, to be merged with its first row.
+                pending = self.groups.insert(merged)?;
+            }
+        }
         self.changes = partials;
         Ok(())
     }
@@ -727,16 +763,12 @@ impl StatefulAggregate {
                 let Some(watermark) = watermark else {
                     return Ok(QueryOutput::default());
                 };
-                let state = std::mem::take(&mut self.state);
-                let (closed, open) = self.split_purged(state, watermark)?;
-                self.state = open;
-                closed
+                self.groups.remove_below(self.purge_bound(watermark))?
             }
             OutputMode::Update => {
-                let changed = self.changed_groups()?;
+                let changed = std::mem::take(&mut self.changed);
                 if let Some(watermark) = watermark {
-                    let state = std::mem::take(&mut self.state);
-                    self.state = self.split_purged(state, watermark)?.1;
+                    self.groups.remove_below(self.purge_bound(watermark))?;
                 }
                 changed
             }
@@ -759,7 +791,8 @@ impl StatefulAggregate {
     /// the output mode, and the state is left empty.
     pub(crate) async fn emit_all(&mut self, ctx: &SessionContext) -> Result<QueryOutput> {
         self.changes.clear();
-        let all = std::mem::take(&mut self.state);
+        self.changed.clear();
+        let all = self.groups.take_all()?;
         if all.iter().all(|b| b.num_rows() == 0) {
             return Ok(QueryOutput::default());
         }
@@ -952,37 +985,6 @@ impl StatefulAggregate {
         })
     }
 
-    /// The state rows of the groups this batch changed.
-    fn changed_groups(&self) -> Result<Vec<RecordBatch>> {
-        if self.changes.is_empty() {
-            return Ok(Vec::new());
-        }
-        let schema = self.operator.state_schema();
-        let fields = schema.fields()[..self.group_count]
-            .iter()
-            .map(|f| SortField::new(f.data_type().clone()))
-            .collect();
-        let converter = RowConverter::new(fields)?;
-        let mut changed = HashSet::new();
-        for b in &self.changes {
-            let rows = converter.convert_columns(&b.columns()[..self.group_count])?;
-            changed.extend(rows.iter().map(|r| r.as_ref().to_vec()));
-        }
-        let mut out = Vec::new();
-        for b in &self.state {
-            let rows = converter.convert_columns(&b.columns()[..self.group_count])?;
-            let keep: BooleanArray = rows
-                .iter()
-                .map(|r| Some(changed.contains(r.as_ref())))
-                .collect();
-            let picked = filter_record_batch(b, &keep)?;
-            if picked.num_rows() > 0 {
-                out.push(picked);
-            }
-        }
-        Ok(out)
-    }
-
     /// Splits state rows into those that leave the state under `watermark` and the rest.
     fn split_purged(
         &self,
@@ -1022,12 +1024,8 @@ impl StatefulAggregate {
     /// Rows and in-memory bytes of the state.
     pub(crate) fn state_size(&self) -> StateSize {
         StateSize {
-            rows: self.state.iter().map(|b| b.num_rows() as u64).sum(),
-            bytes: self
-                .state
-                .iter()
-                .map(|b| b.get_array_memory_size() as u64)
-                .sum(),
+            rows: self.groups.live_rows() as u64,
+            bytes: self.groups.memory_bytes() as u64,
         }
     }
 
@@ -1040,17 +1038,18 @@ impl StatefulAggregate {
         watermark: Option<i64>,
     ) -> Result<()> {
         let rows = log.restore(files).await?;
-        self.state = if rows.is_empty() {
+        let state = if rows.is_empty() {
             Vec::new()
         } else {
             let merged = self.operator.merge(rows).await?;
             self.merge_sessions(merged).await?
         };
+        self.groups.reset(state)?;
         if let Some(watermark) = watermark {
-            let state = std::mem::take(&mut self.state);
-            self.state = self.split_purged(state, watermark)?.1;
+            self.groups.remove_below(self.purge_bound(watermark))?;
         }
         self.changes.clear();
+        self.changed.clear();
         self.log = Some(log);
         Ok(())
     }
@@ -1062,11 +1061,13 @@ impl StatefulAggregate {
             .log
             .as_mut()
             .ok_or_else(|| Error::InvalidJob("state written before it was restored".into()))?;
+        let groups = &self.groups;
         log.write(
             batch_id,
             &self.operator.state_schema(),
             &self.changes,
-            &self.state,
+            groups.live_rows() as u64,
+            || groups.rows(),
         )
         .await
     }

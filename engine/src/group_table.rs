@@ -1,0 +1,756 @@
+//! The live groups of a stateful aggregate, found by key: what makes a batch cost what it
+//! touches rather than what the state holds.
+//!
+//! Each batch's partial aggregate rows must be merged with the state of their groups. Merging
+//! them with the whole state (one hash aggregation over state and batch) costs O(state) a batch:
+//! with a million open groups and ten thousand events a batch, nearly all of that work
+//! re-aggregates groups the batch never touched. A keyed [`GroupTable`] holds the state as Arrow
+//! chunks — one live row per group, its partial aggregate state — and a hash index from each
+//! group's key (its group columns in Arrow's row format, which is one-to-one with the values
+//! DataFusion's grouping tells apart) to that row. A batch
+//!
+//! ```text
+//!  partial rows ─┬─ take(their keys) ──► the touched groups' rows, removed ─┐
+//!                └──────────────────────────────────────────────────────────┴─ merge ─► insert
+//! ```
+//!
+//! so it costs in proportion to the groups it touches.
+//!
+//! **Purge.** Groups leave by their purge column (the window, or a running aggregate's newest
+//! event); a null purge value counts as below every bound. Each chunk knows a lower bound of its
+//! live purge values, so a purge that closes nothing reads no rows; chunks made by a merge are
+//! sorted by purge value, so a purge reads only the rows it removes (a binary search finds them).
+//!
+//! **Chunks.** Each insert adds chunks and each take or purge leaves dead rows behind. When
+//! dead rows outnumber live ones, every chunk's live rows are merged into new chunks; when more
+//! than [`MAX_CHUNKS`] small chunks have piled up since the last one a merge cut at the size
+//! limit, only the newest chunks are merged, as many as together hold at least as many live rows
+//! as the chunk before them (so, like a binary counter, a row is copied O(log(state / batch))
+//! times over its life, and no merge copies the whole state unless the newest chunks have grown
+//! as large as it). Merged chunks hold at most [`CHUNK_ROWS`] rows and about [`CHUNK_BYTES`],
+//! far below Arrow's 32-bit offsets. Memory held: the live rows, at most as many dead ones, the
+//! keys in row format and the index.
+//!
+//! An **unkeyed** table (session windows, whose groups merge with every overlapping session of
+//! their key; an aggregate without group columns, one row) has no index: its owner merges the
+//! whole state each batch and replaces it.
+
+use std::hash::{BuildHasher, RandomState};
+
+use arrow::array::{Array, AsArray, BooleanArray, PrimitiveArray, RecordBatch, UInt32Array};
+use arrow::compute::{filter_record_batch, interleave_record_batch, take_record_batch};
+use arrow::datatypes::{SchemaRef, TimestampMicrosecondType};
+use arrow::row::{RowConverter, Rows, SortField};
+use hashbrown::HashTable;
+use hashbrown::hash_table::Entry;
+
+use crate::error::{Error, Result};
+
+/// More chunks than this start a merge of the newest ones.
+pub(crate) const MAX_CHUNKS: usize = if cfg!(test) { 4 } else { 32 };
+/// A merged chunk holds at most this many rows …
+pub(crate) const CHUNK_ROWS: usize = if cfg!(test) { 8 } else { 1 << 20 };
+/// … and about this many bytes.
+pub(crate) const CHUNK_BYTES: usize = 256 << 20;
+
+/// Where a group's live row is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Location {
+    chunk: u32,
+    row: u32,
+}
+
+/// Rows inserted or merged together, and which of them are still live.
+struct Chunk {
+    rows: RecordBatch,
+    /// The group keys of `rows` in row format (`None` in an unkeyed table).
+    keys: Option<Rows>,
+    live: Vec<bool>,
+    live_rows: usize,
+    /// Sorted by purge value, nulls first (made by a merge).
+    sorted: bool,
+    /// Sorted chunks: every row before this one has been purged.
+    purged_to: usize,
+    /// No live row has a non-null purge value below this (`None`: none has one).
+    purge_floor: Option<i64>,
+    /// Cut at the size limit by a merge: not merged again until dead rows outnumber live ones.
+    full: bool,
+    /// A live row may have a null purge value.
+    null_purge: bool,
+}
+
+impl Chunk {
+    fn new(
+        rows: RecordBatch,
+        keys: Option<Rows>,
+        purge_column: usize,
+        sorted: bool,
+    ) -> Result<Self> {
+        let values = purge_values(&rows, purge_column)?;
+        let n = rows.num_rows();
+        Ok(Chunk {
+            purge_floor: arrow::compute::min(values),
+            null_purge: values.null_count() > 0,
+            keys,
+            live: vec![true; n],
+            live_rows: n,
+            sorted,
+            purged_to: 0,
+            full: false,
+            rows,
+        })
+    }
+}
+
+/// One live row per group (partial aggregate states), found by the group's key.
+pub(crate) struct GroupTable {
+    /// The first `key_columns` columns are the group key.
+    key_columns: usize,
+    /// The timestamp column whose value decides when a group leaves.
+    purge_column: usize,
+    /// `None`: an unkeyed table.
+    converter: Option<RowConverter>,
+    hasher: RandomState,
+    chunks: Vec<Chunk>,
+    index: HashTable<Location>,
+    live_rows: usize,
+    dead_rows: usize,
+}
+
+impl std::fmt::Debug for GroupTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GroupTable")
+            .field("keyed", &self.converter.is_some())
+            .field("live_rows", &self.live_rows)
+            .field("dead_rows", &self.dead_rows)
+            .field("chunks", &self.chunks.len())
+            .finish()
+    }
+}
+
+impl GroupTable {
+    /// An empty table of rows in `schema`, keyed by its first `key_columns` columns (unkeyed if
+    /// 0), purged by the timestamp column `purge_column`.
+    ///
+    /// # Errors
+    /// If the key columns cannot be put in row format.
+    pub(crate) fn keyed(
+        schema: SchemaRef,
+        key_columns: usize,
+        purge_column: usize,
+    ) -> Result<Self> {
+        let converter = if key_columns == 0 {
+            None
+        } else {
+            Some(RowConverter::new(
+                schema.fields()[..key_columns]
+                    .iter()
+                    .map(|f| SortField::new(f.data_type().clone()))
+                    .collect(),
+            )?)
+        };
+        Ok(GroupTable {
+            key_columns,
+            purge_column,
+            converter,
+            hasher: RandomState::new(),
+            chunks: Vec::new(),
+            index: HashTable::new(),
+            live_rows: 0,
+            dead_rows: 0,
+        })
+    }
+
+    /// An empty unkeyed table: rows are inserted and replaced whole, never taken by key.
+    pub(crate) fn unkeyed(purge_column: usize) -> Self {
+        GroupTable {
+            key_columns: 0,
+            purge_column,
+            converter: None,
+            hasher: RandomState::new(),
+            chunks: Vec::new(),
+            index: HashTable::new(),
+            live_rows: 0,
+            dead_rows: 0,
+        }
+    }
+
+    /// Whether groups can be taken by key.
+    pub(crate) fn is_keyed(&self) -> bool {
+        self.converter.is_some()
+    }
+
+    /// Live groups.
+    pub(crate) fn live_rows(&self) -> usize {
+        self.live_rows
+    }
+
+    /// Bytes held: the chunks' Arrow buffers (dead rows too), their keys and the index.
+    pub(crate) fn memory_bytes(&self) -> usize {
+        self.chunks
+            .iter()
+            .map(|c| c.rows.get_array_memory_size() + c.keys.as_ref().map_or(0, Rows::size))
+            .sum::<usize>()
+            + self.index.allocation_size()
+    }
+
+    /// Replaces the contents with `rows`, one row per group.
+    ///
+    /// # Errors
+    /// As [`GroupTable::insert`]; a group in `rows` twice is an error here.
+    pub(crate) fn reset(&mut self, rows: Vec<RecordBatch>) -> Result<()> {
+        self.chunks.clear();
+        self.index = HashTable::new();
+        self.live_rows = 0;
+        self.dead_rows = 0;
+        let twice = self.insert(rows)?;
+        if twice.iter().any(|b| b.num_rows() > 0) {
+            return Err(Error::InvalidJob(
+                "internal error: the aggregate's state holds a group twice".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Removes the groups that have a row in `partials` and returns their rows, each once.
+    ///
+    /// # Errors
+    /// If the table is unkeyed, or the keys cannot be converted or the rows gathered.
+    pub(crate) fn take(&mut self, partials: &[RecordBatch]) -> Result<Vec<RecordBatch>> {
+        let Some(converter) = &self.converter else {
+            return Err(Error::InvalidJob(
+                "internal error: groups taken by key from an unkeyed state".into(),
+            ));
+        };
+        let mut found = Vec::new();
+        for batch in partials.iter().filter(|b| b.num_rows() > 0) {
+            let keys = converter.convert_columns(&batch.columns()[..self.key_columns])?;
+            let chunks = &self.chunks;
+            for key in keys.iter() {
+                let hash = self.hasher.hash_one(key.as_ref());
+                let same = |l: &Location| key_at(chunks, *l) == key.as_ref();
+                if let Ok(entry) = self.index.find_entry(hash, same) {
+                    found.push(entry.remove().0);
+                }
+            }
+        }
+        let mut by_chunk: Vec<Vec<u32>> = vec![Vec::new(); self.chunks.len()];
+        for l in &found {
+            by_chunk[l.chunk as usize].push(l.row);
+        }
+        let mut out = Vec::new();
+        for (chunk, rows) in self.chunks.iter_mut().zip(by_chunk) {
+            if rows.is_empty() {
+                continue;
+            }
+            for &row in &rows {
+                chunk.live[row as usize] = false;
+            }
+            chunk.live_rows -= rows.len();
+            out.push(take_record_batch(&chunk.rows, &UInt32Array::from(rows))?);
+        }
+        self.live_rows -= found.len();
+        self.dead_rows += found.len();
+        self.compact_if_due()?;
+        Ok(out)
+    }
+
+    /// Adds `rows`, one chunk per batch. In a keyed table, a row whose group is present already
+    /// (in the table, or earlier in `rows`) is not added but returned, for the caller to merge
+    /// with that group's row and insert again (DataFusion may emit a group more than once).
+    ///
+    /// # Errors
+    /// If the purge column is not a timestamp or the keys cannot be converted.
+    pub(crate) fn insert(&mut self, rows: Vec<RecordBatch>) -> Result<Vec<RecordBatch>> {
+        let mut twice = Vec::new();
+        for batch in rows.into_iter().filter(|b| b.num_rows() > 0) {
+            let keys = match &self.converter {
+                Some(c) => Some(c.convert_columns(&batch.columns()[..self.key_columns])?),
+                None => None,
+            };
+            let n = batch.num_rows();
+            let chunk = location_part(self.chunks.len())?;
+            self.chunks
+                .push(Chunk::new(batch, keys, self.purge_column, false)?);
+            self.live_rows += n;
+            if self.converter.is_none() {
+                continue;
+            }
+            let mut repeated = Vec::new();
+            for row in 0..n {
+                let here = Location {
+                    chunk,
+                    row: location_part(row)?,
+                };
+                let (chunks, hasher) = (&self.chunks, &self.hasher);
+                let key = key_at(chunks, here);
+                let hash = hasher.hash_one(key);
+                let same = |l: &Location| key_at(chunks, *l) == key;
+                let rehash = |l: &Location| hasher.hash_one(key_at(chunks, *l));
+                match self.index.entry(hash, same, rehash) {
+                    Entry::Occupied(_) => repeated.push(here.row),
+                    Entry::Vacant(slot) => {
+                        slot.insert(here);
+                    }
+                }
+            }
+            if !repeated.is_empty() {
+                let last = &mut self.chunks[chunk as usize];
+                for &row in &repeated {
+                    last.live[row as usize] = false;
+                }
+                last.live_rows -= repeated.len();
+                self.live_rows -= repeated.len();
+                self.dead_rows += repeated.len();
+                twice.push(take_record_batch(&last.rows, &UInt32Array::from(repeated))?);
+            }
+        }
+        self.compact_if_due()?;
+        Ok(twice)
+    }
+
+    /// Removes the groups whose purge value is below `bound` (or null) and returns their rows.
+    ///
+    /// # Errors
+    /// If the purge column is not a timestamp.
+    pub(crate) fn remove_below(&mut self, bound: i64) -> Result<Vec<RecordBatch>> {
+        let mut out = Vec::new();
+        let mut removed = 0;
+        for (index, chunk) in self.chunks.iter_mut().enumerate() {
+            let below = chunk.null_purge || chunk.purge_floor.is_some_and(|floor| floor < bound);
+            if chunk.live_rows == 0 || !below {
+                continue;
+            }
+            let values = purge_values(&chunk.rows, self.purge_column)?;
+            let is_below = |row: usize| values.is_null(row) || values.value(row) < bound;
+            let n = chunk.rows.num_rows();
+            // Sorted: the rows below are a run from `purged_to`, found by binary search.
+            let (from, to) = if chunk.sorted {
+                let (mut lo, mut hi) = (chunk.purged_to, n);
+                while lo < hi {
+                    let mid = lo + (hi - lo) / 2;
+                    if is_below(mid) {
+                        lo = mid + 1;
+                    } else {
+                        hi = mid;
+                    }
+                }
+                (chunk.purged_to, lo)
+            } else {
+                (0, n)
+            };
+            let mut rows = Vec::new();
+            let mut floor: Option<i64> = None;
+            for row in from..to {
+                if !chunk.live[row] {
+                    continue;
+                }
+                if is_below(row) {
+                    rows.push(location_part(row)?);
+                } else {
+                    floor = Some(floor.map_or(values.value(row), |f| f.min(values.value(row))));
+                }
+            }
+            if chunk.sorted {
+                chunk.purged_to = to;
+                floor = (to..n).find(|r| chunk.live[*r]).map(|r| values.value(r));
+            }
+            chunk.purge_floor = floor;
+            chunk.null_purge = false;
+            if rows.is_empty() {
+                continue;
+            }
+            let chunk_index = location_part(index)?;
+            for &row in &rows {
+                chunk.live[row as usize] = false;
+                if let Some(keys) = &chunk.keys {
+                    let hash = self.hasher.hash_one(keys.row(row as usize).as_ref());
+                    let here = Location {
+                        chunk: chunk_index,
+                        row,
+                    };
+                    if let Ok(entry) = self.index.find_entry(hash, |l| *l == here) {
+                        entry.remove();
+                    }
+                }
+            }
+            chunk.live_rows -= rows.len();
+            removed += rows.len();
+            out.push(take_record_batch(&chunk.rows, &UInt32Array::from(rows))?);
+        }
+        self.live_rows -= removed;
+        self.dead_rows += removed;
+        self.compact_if_due()?;
+        Ok(out)
+    }
+
+    /// The live rows (chunks without dead rows are not copied).
+    ///
+    /// # Errors
+    /// If filtering fails.
+    pub(crate) fn rows(&self) -> Result<Vec<RecordBatch>> {
+        let mut out = Vec::new();
+        for chunk in &self.chunks {
+            if chunk.live_rows == chunk.rows.num_rows() {
+                out.push(chunk.rows.clone());
+            } else if chunk.live_rows > 0 {
+                let live = BooleanArray::from(chunk.live.clone());
+                out.push(filter_record_batch(&chunk.rows, &live)?);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Removes every group and returns the rows.
+    ///
+    /// # Errors
+    /// If filtering fails.
+    pub(crate) fn take_all(&mut self) -> Result<Vec<RecordBatch>> {
+        let rows = self.rows()?;
+        self.chunks.clear();
+        self.index = HashTable::new();
+        self.live_rows = 0;
+        self.dead_rows = 0;
+        Ok(rows)
+    }
+
+    /// Merges chunks when dead rows outnumber live ones (all of them), or when more than
+    /// [`MAX_CHUNKS`] chunks below the size limit follow the last one at it (the newest ones, as
+    /// many as hold at least the live rows of the chunk before them). An unkeyed table, replaced
+    /// whole by its owner, only drops its dead rows.
+    fn compact_if_due(&mut self) -> Result<()> {
+        if self.dead_rows > self.live_rows {
+            return self.merge_from(0);
+        }
+        if self.converter.is_none() {
+            return Ok(());
+        }
+        loop {
+            let open = open_tail(&self.chunks);
+            if open <= MAX_CHUNKS {
+                return Ok(());
+            }
+            let first_open = self.chunks.len() - open;
+            let mut start = self.chunks.len() - 1;
+            let mut newest = self.chunks[start].live_rows;
+            while start > first_open && self.chunks[start - 1].live_rows <= newest {
+                start -= 1;
+                newest += self.chunks[start].live_rows;
+            }
+            // At least two chunks, or nothing would shrink.
+            self.merge_from(start.min(self.chunks.len() - 2))?;
+        }
+    }
+
+    /// Replaces `chunks[start..]` with their live rows, sorted by purge value (nulls first) and
+    /// cut into chunks of at most [`CHUNK_ROWS`] rows and about [`CHUNK_BYTES`]; the keys are
+    /// moved in row format, not converted again, and the index is pointed at the new places.
+    fn merge_from(&mut self, start: usize) -> Result<()> {
+        let merged = &self.chunks[start..];
+        let mut live: Vec<(Option<i64>, usize, usize)> = Vec::new();
+        let mut bytes = 0;
+        for (offset, chunk) in merged.iter().enumerate() {
+            let values = purge_values(&chunk.rows, self.purge_column)?;
+            bytes +=
+                chunk.rows.get_array_memory_size() * chunk.live_rows / chunk.rows.num_rows().max(1);
+            for row in (0..chunk.rows.num_rows()).filter(|r| chunk.live[*r]) {
+                let value = values.is_valid(row).then(|| values.value(row));
+                live.push((value, offset, row));
+            }
+        }
+        live.sort_by_key(|(value, _, _)| *value);
+        let per_row = bytes / live.len().max(1);
+        let rows_per_chunk = (CHUNK_BYTES / per_row.max(1)).clamp(1, CHUNK_ROWS);
+        let batches: Vec<&RecordBatch> = merged.iter().map(|c| &c.rows).collect();
+        let mut made = Vec::new();
+        for piece in live.chunks(rows_per_chunk) {
+            let places: Vec<(usize, usize)> = piece.iter().map(|(_, c, r)| (*c, *r)).collect();
+            let rows = interleave_record_batch(&batches, &places)?;
+            let keys = match &self.converter {
+                Some(converter) => {
+                    let data: usize = places
+                        .iter()
+                        .map(|(c, r)| key_of(&merged[*c], *r).len())
+                        .sum();
+                    let mut keys = converter.empty_rows(places.len(), data);
+                    for (c, r) in &places {
+                        if let Some(from) = &merged[*c].keys {
+                            keys.push(from.row(*r));
+                        }
+                    }
+                    Some(keys)
+                }
+                None => None,
+            };
+            let mut chunk = Chunk::new(rows, keys, self.purge_column, true)?;
+            chunk.full = piece.len() == rows_per_chunk;
+            made.push((chunk, places));
+        }
+        // Point the index at the new places, then swap the chunks in.
+        if self.converter.is_some() {
+            for (number, (chunk, places)) in made.iter().enumerate() {
+                let new_chunk = location_part(start + number)?;
+                for (new_row, (old_chunk, old_row)) in places.iter().enumerate() {
+                    let old = Location {
+                        chunk: location_part(start + old_chunk)?,
+                        row: location_part(*old_row)?,
+                    };
+                    let hash = self.hasher.hash_one(key_of(chunk, new_row));
+                    let entry = self.index.find_mut(hash, |l| *l == old).ok_or_else(|| {
+                        Error::InvalidJob(
+                            "internal error: a live group of the aggregate's state is not indexed"
+                                .into(),
+                        )
+                    })?;
+                    *entry = Location {
+                        chunk: new_chunk,
+                        row: location_part(new_row)?,
+                    };
+                }
+            }
+        }
+        let dropped: usize = merged.iter().map(|c| c.rows.num_rows() - c.live_rows).sum();
+        self.chunks.truncate(start);
+        self.chunks.extend(made.into_iter().map(|(chunk, _)| chunk));
+        self.dead_rows -= dropped;
+        Ok(())
+    }
+}
+
+/// How many chunks below the size limit follow the last one at it.
+fn open_tail(chunks: &[Chunk]) -> usize {
+    chunks.iter().rev().take_while(|c| !c.full).count()
+}
+
+/// The key bytes of the row at `l`.
+fn key_at(chunks: &[Chunk], l: Location) -> &[u8] {
+    key_of(&chunks[l.chunk as usize], l.row as usize)
+}
+
+fn key_of(chunk: &Chunk, row: usize) -> &[u8] {
+    chunk.keys.as_ref().map_or(&[], |keys| keys.row(row).data())
+}
+
+fn purge_values(
+    rows: &RecordBatch,
+    column: usize,
+) -> Result<&PrimitiveArray<TimestampMicrosecondType>> {
+    rows.column(column)
+        .as_primitive_opt::<TimestampMicrosecondType>()
+        .ok_or_else(|| {
+            Error::UnsupportedQuery(format!(
+                "the state's column {} is not a timestamp",
+                rows.schema().field(column).name()
+            ))
+        })
+}
+
+/// A chunk or row number as stored in the index.
+fn location_part(n: usize) -> Result<u32> {
+    u32::try_from(n).map_err(|_| {
+        Error::InvalidJob("the aggregate's state holds more than 2³² chunks or rows in one".into())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::{Int64Array, StringArray, TimestampMicrosecondArray};
+    use arrow::datatypes::{DataType, Field, Int64Type, Schema, TimeUnit};
+    use proptest::prelude::*;
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
+
+    /// A group is (k, w) — a key and a window — and carries the newest time `t` seen (the purge
+    /// column, as a running aggregate's) and a sum `v`.
+    fn schema() -> SchemaRef {
+        let time = DataType::Timestamp(TimeUnit::Microsecond, Some("UTC".into()));
+        Arc::new(Schema::new(vec![
+            Field::new("k", DataType::Utf8, true),
+            Field::new("w", time.clone(), false),
+            Field::new("t", time, true),
+            Field::new("v", DataType::Int64, false),
+        ]))
+    }
+
+    type Key = (Option<u8>, i64);
+    type Value = (Option<i64>, i64);
+
+    fn rows(values: &[(Key, Value)]) -> RecordBatch {
+        RecordBatch::try_new(
+            schema(),
+            vec![
+                Arc::new(StringArray::from_iter(
+                    values.iter().map(|r| r.0.0.map(|k| format!("k{k}"))),
+                )),
+                Arc::new(
+                    TimestampMicrosecondArray::from_iter_values(values.iter().map(|r| r.0.1))
+                        .with_timezone("UTC"),
+                ),
+                Arc::new(
+                    TimestampMicrosecondArray::from_iter(values.iter().map(|r| r.1.0))
+                        .with_timezone("UTC"),
+                ),
+                Arc::new(Int64Array::from_iter_values(values.iter().map(|r| r.1.1))),
+            ],
+        )
+        .unwrap()
+    }
+
+    /// Rows as (key, value) pairs; a group's rows merged (newest `t`, summed `v`) if `merge`,
+    /// else a group twice is a failure.
+    fn contents(batches: &[RecordBatch], merge: bool) -> BTreeMap<Key, Value> {
+        let mut out: BTreeMap<Key, Value> = BTreeMap::new();
+        for b in batches {
+            let k = b.column(0).as_string::<i32>();
+            let w = b.column(1).as_primitive::<TimestampMicrosecondType>();
+            let t = b.column(2).as_primitive::<TimestampMicrosecondType>();
+            let v = b.column(3).as_primitive::<Int64Type>();
+            for i in 0..b.num_rows() {
+                let key = (
+                    k.is_valid(i).then(|| k.value(i)[1..].parse().unwrap()),
+                    w.value(i),
+                );
+                let value = (t.is_valid(i).then(|| t.value(i)), v.value(i));
+                match out.get_mut(&key) {
+                    Some(old) if merge => *old = (old.0.max(value.0), old.1 + value.1),
+                    Some(_) => panic!("group {key:?} twice"),
+                    None => {
+                        out.insert(key, value);
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    fn as_rows(groups: &BTreeMap<Key, Value>) -> Vec<(Key, Value)> {
+        groups.iter().map(|(k, v)| (*k, *v)).collect()
+    }
+
+    #[derive(Debug, Clone)]
+    enum Step {
+        /// A batch's partial rows, in pieces (a group may be in several, as from several
+        /// partitions); `split` cuts the merged rows in two before inserting them, so a group
+        /// may come back to be merged again.
+        Add(Vec<Vec<(Key, Value)>>, usize),
+        /// Remove the groups whose `t` is below this (or null).
+        Purge(i64),
+    }
+
+    fn step() -> impl Strategy<Value = Step> {
+        let row = (
+            (proptest::option::weighted(0.9, 0..30u8), 0..3i64),
+            (proptest::option::weighted(0.9, 0..20i64), 1..5i64),
+        );
+        prop_oneof![
+            4 => (
+                proptest::collection::vec(proptest::collection::vec(row, 0..12), 1..4),
+                0..12usize,
+            )
+                .prop_map(|(pieces, split)| Step::Add(pieces, split)),
+            1 => (0..22i64).prop_map(Step::Purge),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(96))]
+        /// Taking the touched groups, merging and inserting them back (again for a group
+        /// inserted twice), and purging keep exactly what a map of the groups keeps, through
+        /// merges of the newest chunks, full merges and size-capped chunks.
+        #[test]
+        fn the_table_holds_what_a_map_of_the_groups_holds(
+            steps in proptest::collection::vec(step(), 1..80),
+        ) {
+            let mut table = GroupTable::keyed(schema(), 2, 2).unwrap();
+            let mut model: BTreeMap<Key, Value> = BTreeMap::new();
+            for step in steps {
+                match step {
+                    Step::Add(pieces, split) => {
+                        let partials: Vec<RecordBatch> = pieces.iter().map(|p| rows(p)).collect();
+                        let mut pending = partials;
+                        let mut first_take = true;
+                        while pending.iter().any(|b| b.num_rows() > 0) {
+                            let taken = table.take(&pending).unwrap();
+                            let old = contents(&taken, false);
+                            // The first take finds the groups as they were (later ones, what
+                            // the first insert put back).
+                            for (key, value) in old.iter().filter(|_| first_take) {
+                                prop_assert_eq!(model.get(key), Some(value));
+                            }
+                            let mut all = taken;
+                            all.append(&mut pending);
+                            let merged = as_rows(&contents(&all, true));
+                            let cut = split.min(merged.len());
+                            let (first, second) = merged.split_at(cut);
+                            let mut second = second.to_vec();
+                            if let Some(a) = first.first().filter(|_| first_take && split % 3 == 0) {
+                                // The group again in the second half (adding nothing): inserted
+                                // twice, it must come back.
+                                second.push((a.0, (a.1.0, 0)));
+                            }
+                            pending = table.insert(vec![rows(first), rows(&second)]).unwrap();
+                            first_take = false;
+                        }
+                        for (key, value) in contents(&pieces.iter().map(|p| rows(p)).collect::<Vec<_>>(), true) {
+                            let entry = model.entry(key).or_insert((None, 0));
+                            *entry = (entry.0.max(value.0), entry.1 + value.1);
+                        }
+                    }
+                    Step::Purge(bound) => {
+                        let gone = contents(&table.remove_below(bound).unwrap(), false);
+                        let want: BTreeMap<Key, Value> = model
+                            .iter()
+                            .filter(|(_, (t, _))| t.is_none_or(|t| t < bound))
+                            .map(|(k, v)| (*k, *v))
+                            .collect();
+                        prop_assert_eq!(gone, want);
+                        model.retain(|_, (t, _)| t.is_some_and(|t| t >= bound));
+                    }
+                }
+                prop_assert_eq!(table.live_rows(), model.len());
+                prop_assert_eq!(contents(&table.rows().unwrap(), false), model.clone());
+                prop_assert!(open_tail(&table.chunks) <= MAX_CHUNKS);
+                prop_assert!(table.chunks.iter().all(|c| !c.sorted || c.rows.num_rows() <= CHUNK_ROWS));
+            }
+        }
+    }
+
+    #[test]
+    fn a_group_inserted_again_comes_back_and_reset_refuses_it() {
+        let mut table = GroupTable::keyed(schema(), 2, 2).unwrap();
+        let one = ((Some(1), 0), (Some(5), 1));
+        assert!(table.insert(vec![rows(&[one])]).unwrap().is_empty());
+        let back = table
+            .insert(vec![rows(&[((Some(1), 0), (Some(6), 2))])])
+            .unwrap();
+        assert_eq!(contents(&back, false).len(), 1);
+        assert_eq!(
+            contents(&table.rows().unwrap(), false)[&(Some(1), 0)],
+            (Some(5), 1)
+        );
+        let err = table.reset(vec![rows(&[one, one])]).unwrap_err();
+        assert!(err.to_string().contains("twice"), "{err}");
+    }
+
+    #[test]
+    fn an_unkeyed_table_refuses_take_and_purges_like_a_keyed_one() {
+        let mut table = GroupTable::unkeyed(2);
+        assert!(table.take(&[rows(&[])]).is_err());
+        table
+            .reset(vec![rows(&[
+                ((Some(1), 0), (Some(5), 1)),
+                ((Some(1), 0), (None, 2)),
+            ])])
+            .unwrap();
+        assert_eq!(table.live_rows(), 2);
+        let gone = table.remove_below(3).unwrap();
+        assert_eq!(
+            gone.iter().map(RecordBatch::num_rows).sum::<usize>(),
+            1,
+            "the null"
+        );
+        assert_eq!(table.remove_below(6).unwrap()[0].num_rows(), 1);
+        assert_eq!(table.live_rows(), 0);
+    }
+}
