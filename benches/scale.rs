@@ -3,6 +3,7 @@
 //! ```text
 //! cargo bench --bench scale -- files-planning [--files 1000,10000,100000]
 //! cargo bench --bench scale -- backfill-memory [--events-per-hour 1000000]
+//! cargo bench --bench scale -- state-size [--state-rows 10000,100000,1000000] [--batch-events 10000]
 //! ```
 //!
 //! - `files-planning`: the files source's planning step (`available()`: list the directory,
@@ -15,18 +16,30 @@
 //!   the backfill, split into anonymous memory (what holds data) and the binary's resident code,
 //!   next to that hour's data as Arrow. Goal: the anonymous memory a run holds beyond the opened
 //!   job ≤ 2× the hour, and the same figures for a longer history.
+//! - `state-size`: one batch of a stateful query (its rows aggregated and merged into the state,
+//!   emitted, its state delta written) with 10k, 100k and 1M groups already open — per-user
+//!   hourly windows (append) and a running per-user aggregate (update) — p50 per batch side by
+//!   side. Goal: within 2× of each other (a batch costs what it touches, not what is held).
 //!
-//! Both append their figures as JSON lines (with the git commit) to `benches/results/scale.jsonl`.
+//! All append their figures as JSON lines (with the git commit) to `benches/results/scale.jsonl`.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use arrow::array::{Float64Array, Int64Array, RecordBatch, StringArray, TimestampMicrosecondArray};
+use arrow::datatypes::{DataType, Field, Schema};
 use sluice::connectors::files::{FileFormat, FilesSource, FilesSourceConfig};
 use sluice::engine::checkpoint::CheckpointStore;
-use sluice::engine::{Source, SourceContext};
+use sluice::engine::event_time::event_time_type;
+use sluice::engine::query::{BatchWatermark, QuerySettings, StreamingQuery};
+use sluice::engine::source::{SOURCE_OFFSET, SOURCE_PARTITION};
+use sluice::engine::state_store::StateLog;
+use sluice::engine::{BatchId, OutputMode, Source, SourceContext};
 
 fn results() -> PathBuf {
     repo_root().join("benches/results/scale.jsonl")
@@ -86,9 +99,19 @@ fn main() {
             let hours = option("--hours").map_or(24, |n| n.parse().unwrap());
             backfill_memory(per_hour, hours);
         }
+        "state-size" => {
+            let sizes: Vec<usize> = option("--state-rows")
+                .unwrap_or_else(|| "10000,100000,1000000".into())
+                .split(',')
+                .map(|n| n.replace('_', "").parse().unwrap())
+                .collect();
+            let batch =
+                option("--batch-events").map_or(10_000, |n| n.replace('_', "").parse().unwrap());
+            state_size(&sizes, batch);
+        }
         other => panic!(
             "unknown benchmark '{other}': files-planning [--files N,N] | backfill-memory \
-             [--events-per-hour N] [--hours N]"
+             [--events-per-hour N] [--hours N] | state-size [--state-rows N,N] [--batch-events N]"
         ),
     }
 }
@@ -408,6 +431,143 @@ async fn hour_as_arrow(input: &Path) -> u64 {
         }
     }
     bytes
+}
+
+/// Click events `users` (user ids, in that order) at `at` µs, as a source batch.
+fn clicks(users: &[i64], at: &[i64], first_offset: i64) -> RecordBatch {
+    let n = users.len();
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("user_id", DataType::Utf8, false),
+        Field::new("amount", DataType::Float64, false),
+        Field::new("ts", event_time_type(), false),
+        Field::new(SOURCE_PARTITION, DataType::Utf8, false),
+        Field::new(SOURCE_OFFSET, DataType::Int64, false),
+    ]));
+    RecordBatch::try_new(
+        schema,
+        vec![
+            Arc::new(StringArray::from_iter_values(
+                users.iter().map(|u| format!("user-{u:08}")),
+            )),
+            Arc::new(Float64Array::from_iter_values(
+                users.iter().map(|u| (u % 100) as f64 + 0.5),
+            )),
+            Arc::new(TimestampMicrosecondArray::from(at.to_vec()).with_timezone("UTC")),
+            Arc::new(StringArray::from(vec!["0"; n])),
+            Arc::new(Int64Array::from_iter_values(
+                first_offset..first_offset + n as i64,
+            )),
+        ],
+    )
+    .unwrap()
+}
+
+/// Per-batch time of a stateful query against how much state it holds: the state is filled
+/// with `size` groups (one per user, all in one open hour), then batches of `batch` events of
+/// users spread over all of them are run (aggregate, merge, emit, write the state's delta).
+fn state_size(sizes: &[usize], batch: usize) {
+    const HOUR: i64 = 3_600_000_000;
+    const BATCHES: usize = 150;
+    // 2024-05-01T00:00:00Z: every event falls in the hour after it.
+    let start = 1_714_521_600_000_000i64;
+    let jobs = [
+        (
+            "windowed (append)",
+            "SELECT window_start, user_id, count(*) AS clicks, sum(amount) AS total \
+             FROM tumble(clicks, ts, INTERVAL '1' HOUR) GROUP BY window_start, window_end, user_id",
+            OutputMode::Append,
+            None,
+        ),
+        (
+            "running (update)",
+            "SELECT user_id, count(*) AS clicks, sum(amount) AS total FROM clicks GROUP BY user_id",
+            OutputMode::Update,
+            Some(Duration::from_secs(86_400)),
+        ),
+    ];
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    println!(
+        "one batch of {batch} events (aggregate, merge into state, emit, write state) with N groups open:"
+    );
+    print!("{:>20}", "state rows");
+    for &n in sizes {
+        print!(" {n:>18}");
+    }
+    println!("   (ms per batch: p50 / mean, the mean with the amortised merges and base files)");
+    for (name, sql, mode, state_ttl) in jobs {
+        print!("{name:>20}");
+        for &n in sizes {
+            let settings = QuerySettings {
+                event_time: BTreeMap::from([("clicks".to_string(), "ts".to_string())]),
+                output_mode: mode,
+                state_ttl,
+                ..QuerySettings::default()
+            };
+            let dir = tempfile::tempdir().unwrap();
+            let checkpoint =
+                CheckpointStore::open(&url::Url::from_directory_path(dir.path()).unwrap()).unwrap();
+            let per_batch = rt.block_on(async {
+                let schema = clicks(&[], &[], 0).schema();
+                let mut query = StreamingQuery::plan(sql, &[("clicks".into(), schema)], &settings)
+                    .await
+                    .unwrap();
+                query
+                    .restore_state(StateLog::new(&checkpoint, 1), &[], None)
+                    .await
+                    .unwrap();
+                // A watermark inside the hour, 1 ms further each batch: purges are looked for,
+                // but no window closes and no group expires.
+                let watermark_at = |b: i64| start + HOUR / 2 + b * 1000;
+                let watermark = BatchWatermark {
+                    before: Some(watermark_at(0)),
+                    after: Some(watermark_at(0)),
+                };
+                let (mut id, mut offset) = (0, 0);
+                for from in (0..n).step_by(100_000) {
+                    let users: Vec<i64> = (from as i64..(from + 100_000).min(n) as i64).collect();
+                    let at: Vec<i64> = users.iter().map(|u| start + HOUR / 2 + u % 1000).collect();
+                    let input =
+                        BTreeMap::from([("clicks".to_string(), clicks(&users, &at, offset))]);
+                    offset += users.len() as i64;
+                    query.execute_isolating(&input, watermark).await.unwrap();
+                    query.write_state(BatchId(id)).await.unwrap();
+                    id += 1;
+                }
+                let mut per_batch = Vec::new();
+                for b in 0..BATCHES as i64 {
+                    // Users spread over all open groups (a multiplicative hash of the row).
+                    let users: Vec<i64> = (0..batch as i64)
+                        .map(|i| ((b * batch as i64 + i) * 2_654_435_761) % n as i64)
+                        .collect();
+                    let at: Vec<i64> = users.iter().map(|u| watermark_at(b) + u % 1000).collect();
+                    let watermark = BatchWatermark {
+                        before: Some(watermark_at(b)),
+                        after: Some(watermark_at(b + 1)),
+                    };
+                    let input =
+                        BTreeMap::from([("clicks".to_string(), clicks(&users, &at, offset))]);
+                    offset += batch as i64;
+                    let t = Instant::now();
+                    query.execute_isolating(&input, watermark).await.unwrap();
+                    query.write_state(BatchId(id)).await.unwrap();
+                    per_batch.push(t.elapsed());
+                    id += 1;
+                }
+                let mean = per_batch.iter().sum::<Duration>() / per_batch.len() as u32;
+                (p50(per_batch), mean, query.state_size().unwrap().rows)
+            });
+            let (p50, mean, rows) = per_batch;
+            assert_eq!(rows, n as u64, "every user one open group");
+            let ms = |d: Duration| d.as_secs_f64() * 1e3;
+            print!(" {:>8.2} / {:>7.2}", ms(p50), ms(mean));
+            record(serde_json::json!({
+                "bench": "state-size", "commit": git_commit(), "job": name,
+                "state_rows": n, "batch_events": batch, "batches": BATCHES,
+                "p50_ms_per_batch": ms(p50), "mean_ms_per_batch": ms(mean),
+            }));
+        }
+        println!();
+    }
 }
 
 /// The repository's root folder, looked up at run time: a bench binary cached from a clone at
