@@ -9,6 +9,10 @@
 //! the state rows/bytes at the start, middle and end of the run, and appends the same as one
 //! JSON line (with the git commit) to `benches/results/nexmark.jsonl`.
 //!
+//! Memory: the peak RSS above the opened job (the binary, runtime and session before the first
+//! batch) is set against the largest batch's input as Arrow plus the largest state, the goal
+//! being at most 2× — a batch is held about once as input and once on its way out.
+//!
 //! Throughput counts every generated event (persons and auctions too), as Nexmark reports do.
 //! The run includes generating, decoding, the query, state and the Delta commits — everything a
 //! job does — but not process start-up.
@@ -111,15 +115,24 @@ fn percentile(sorted: &[u64], p: f64) -> u64 {
 
 /// Peak resident set size of this process, bytes (Linux `VmHWM`).
 fn peak_rss() -> u64 {
+    status_kib("VmHWM:") * 1024
+}
+
+/// Resident set size of this process now, bytes (Linux `VmRSS`).
+fn rss_now() -> u64 {
+    status_kib("VmRSS:") * 1024
+}
+
+fn status_kib(field: &str) -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
             s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
+                .find(|l| l.starts_with(field))
                 .and_then(|l| l.split_whitespace().nth(1))
                 .and_then(|kb| kb.parse::<u64>().ok())
         })
-        .map_or(0, |kb| kb * 1024)
+        .unwrap_or(0)
 }
 
 fn dir_size(path: &Path) -> u64 {
@@ -156,7 +169,7 @@ fn main() {
     let path = job_file(&args, dir.path());
     let rt = tokio::runtime::Runtime::new().unwrap();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let (summary, elapsed) = rt.block_on(async {
+    let (summary, elapsed, opened_rss) = rt.block_on(async {
         let (job, _) = sluice::job_file::load(&path, Some(Trigger::AvailableNow))
             .await
             .unwrap();
@@ -176,9 +189,10 @@ fn main() {
                 }
             });
         }
+        let opened_rss = rss_now();
         let started = Instant::now();
         let summary = job.run().await.unwrap();
-        (summary, started.elapsed())
+        (summary, started.elapsed(), opened_rss)
     });
     let secs = elapsed.as_secs_f64();
     let events_per_sec = args.events as f64 / secs;
@@ -186,6 +200,21 @@ fn main() {
     millis.sort_unstable();
     let (p50, p99) = (percentile(&millis, 0.5), percentile(&millis, 0.99));
     let rss = peak_rss();
+    let largest_input = summary
+        .batches
+        .iter()
+        .map(|b| b.input_bytes)
+        .max()
+        .unwrap_or(0);
+    let largest_state = summary
+        .batches
+        .iter()
+        .map(|b| b.state_bytes)
+        .max()
+        .unwrap_or(0);
+    let held = largest_input + largest_state;
+    let above_opened = rss.saturating_sub(opened_rss);
+    let memory_ratio = above_opened as f64 / held.max(1) as f64;
     let out = dir.path().join("out");
     let bytes = dir_size(&out);
     let state_at = |i: usize| {
@@ -226,6 +255,17 @@ fn main() {
         "  state rows/bytes: start {}/{}, middle {}/{}, end {}/{}",
         start.0, start.1, middle.0, middle.1, end.0, end.1
     );
+    let mib = |b: u64| b as f64 / 1048576.0;
+    println!(
+        "  memory: peak RSS {:.0} MiB, {:.0} MiB above the opened job's {:.0} MiB; largest batch \
+         {:.0} MiB as Arrow + largest state {:.0} MiB = {:.0} MiB; ratio {memory_ratio:.2} (goal ≤ 2)",
+        mib(rss),
+        mib(above_opened),
+        mib(opened_rss),
+        mib(largest_input),
+        mib(largest_state),
+        mib(held)
+    );
     let record = serde_json::json!({
         "commit": git_commit(),
         "at": chrono::Utc::now().to_rfc3339(),
@@ -241,6 +281,10 @@ fn main() {
         "batch_ms_p50": p50,
         "batch_ms_p99": p99,
         "peak_rss_bytes": rss,
+        "opened_rss_bytes": opened_rss,
+        "largest_batch_arrow_bytes": largest_input,
+        "largest_state_bytes": largest_state,
+        "memory_ratio": memory_ratio,
         "bytes_written": bytes,
         "rows_out": summary.rows_out,
         "state_rows": [start.0, middle.0, end.0],

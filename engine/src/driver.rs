@@ -107,6 +107,8 @@ pub struct BatchStats {
     pub state_rows: u64,
     /// State bytes in memory after the batch.
     pub state_bytes: u64,
+    /// Bytes of the rows read, as decoded Arrow (what the batch holds in memory at least once).
+    pub input_bytes: u64,
 }
 
 /// What `sluice validate` prints: the source schemas and the optimised plan.
@@ -265,6 +267,8 @@ struct Batch {
     counters: BatchCounters,
     /// Rows read, per source.
     rows_in_by_source: BTreeMap<String, u64>,
+    /// Arrow bytes of the rows read.
+    input_bytes: u64,
     dead_letters: Vec<RecordBatch>,
     late: Vec<RecordBatch>,
     times: StepTimes,
@@ -300,6 +304,7 @@ impl Batch {
             max_event_time: SourceOffsets::new(),
             counters: BatchCounters::default(),
             rows_in_by_source: BTreeMap::new(),
+            input_bytes: 0,
             dead_letters: Vec::new(),
             late: Vec::new(),
             times: StepTimes::default(),
@@ -614,6 +619,7 @@ impl Pipeline {
                 });
             }
             batch.counters.rows_in += rows.num_rows() as u64;
+            batch.input_bytes += rows.get_array_memory_size() as u64;
             batch
                 .rows_in_by_source
                 .insert(s.name.clone(), rows.num_rows() as u64);
@@ -928,6 +934,7 @@ impl Pipeline {
             counters,
             times,
             rows_in_by_source,
+            input_bytes,
             ..
         } = batch;
         watermark.saw_data(
@@ -955,6 +962,7 @@ impl Pipeline {
             rows_out: counters.rows_out,
             state_rows: counters.state_rows,
             state_bytes: counters.state_bytes,
+            input_bytes,
         });
         let (files, bytes, version) = match outcome {
             CommitOutcome::Committed {
