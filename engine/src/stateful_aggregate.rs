@@ -102,6 +102,16 @@ enum Grouping {
     Running { ttl: i64 },
 }
 
+impl Grouping {
+    /// Whether the groups are session windows.
+    fn is_session(&self) -> bool {
+        matches!(
+            self,
+            Grouping::Window { window, .. } if matches!(window.kind, WindowKind::Session { .. })
+        )
+    }
+}
+
 /// State rows and bytes, reported per batch.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StateSize {
@@ -338,10 +348,7 @@ pub(crate) async fn plan_stateful(
         .data;
     check_upper(&upper, settings.mode)?;
 
-    let session = matches!(
-        &grouping,
-        Grouping::Window { window, .. } if matches!(window.kind, WindowKind::Session { .. })
-    );
+    let session = grouping.is_session();
     Ok(Some(StatefulAggregate {
         grouping,
         source,
@@ -667,10 +674,7 @@ impl StatefulAggregate {
     }
 
     fn is_session(&self) -> bool {
-        matches!(
-            &self.grouping,
-            Grouping::Window { window, .. } if matches!(window.kind, WindowKind::Session { .. })
-        )
+        self.grouping.is_session()
     }
 
     /// Sessions: merges the overlapping sessions of each key into one (bounds widened, partial
