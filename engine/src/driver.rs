@@ -619,7 +619,7 @@ impl Pipeline {
                 });
             }
             batch.counters.rows_in += rows.num_rows() as u64;
-            batch.input_bytes += rows.get_array_memory_size() as u64;
+            batch.input_bytes += crate::memory::batch_bytes(&rows) as u64;
             batch
                 .rows_in_by_source
                 .insert(s.name.clone(), rows.num_rows() as u64);

@@ -21,23 +21,17 @@
 //! live purge values, so a purge that closes nothing reads no rows; chunks made by a merge are
 //! sorted by purge value, so a purge reads only the rows it removes (a binary search finds them).
 //!
-//! **Chunks.** Each insert adds chunks and each take or purge leaves dead rows behind. When
-//! dead rows outnumber live ones, every chunk's live rows are merged into new chunks; when more
-//! than [`MAX_CHUNKS`] small chunks have piled up since the last one a merge cut at the size
-//! limit, only the newest chunks are merged, as many as together hold at least as many live rows
-//! as the chunk before them (like a binary counter, so that a row is copied O(log(state /
-//! batch)) times over its life). Merged chunks hold at most [`CHUNK_ROWS`] rows and about
-//! [`CHUNK_BYTES`]. Memory held: the live rows, at most as many dead ones, the keys in row
+//! **Chunks.** Each insert adds chunks and each take or purge leaves dead rows behind. A chunk
+//! has a stable id (the index points at `(id, row)`), so a chunk whose rows are all dead is
+//! simply dropped. When dead rows outnumber live ones, every chunk's live rows are merged into
+//! new chunks. When more than [`MAX_CHUNKS`] chunks below the size limit are left, the smallest
+//! are merged — the smallest two, then each next smallest while it holds no more live rows than
+//! those taken so far — so a merge at least doubles the chunk each of its rows lives in, and a
+//! row is copied O(log(state / batch)) times over its life, never the whole state for a small
+//! batch. Merged chunks hold at most [`CHUNK_ROWS`] rows and about [`CHUNK_BYTES`] (cut by the
+//! average row; a piece whose variable-width values would overflow Arrow's 32-bit offsets is
+//! cut in two again). Memory held: the live rows, at most as many dead ones, the keys in row
 //! format and the index.
-//!
-//! **Known gaps** (found in review, not fixed yet): chunks a purge emptied still count toward
-//! [`MAX_CHUNKS`], and when the newest chunk is smaller than the one before it the last two are
-//! merged whatever their size — with groups that live for hundreds of batches and a state under
-//! [`CHUNK_ROWS`], that copies the whole state every batch. The way out is stable chunk ids in
-//! the index, so empty chunks can be dropped and the cheapest adjacent run merged. The size cut
-//! uses the average row, so a run of very large rows (sorted together by purge value) can still
-//! make a piece past Arrow's 32-bit offsets. And `memory_bytes` counts a buffer shared by
-//! several slices once per slice (DataFusion hands its output out as slices of one buffer).
 //!
 //! An **unkeyed** table (session windows, whose groups merge with every overlapping session of
 //! their key; an aggregate without group columns, one row) has no index: its owner merges the
@@ -48,20 +42,22 @@ use std::hash::{BuildHasher, RandomState};
 use arrow::array::{Array, AsArray, BooleanArray, PrimitiveArray, RecordBatch, UInt32Array};
 use arrow::compute::{filter_record_batch, interleave_record_batch, take_record_batch};
 use arrow::datatypes::{SchemaRef, TimestampMicrosecondType};
+use arrow::error::ArrowError;
 use arrow::row::{RowConverter, Rows, SortField};
 use hashbrown::HashTable;
 use hashbrown::hash_table::Entry;
 
 use crate::error::{Error, Result};
+use crate::memory::batch_bytes;
 
-/// More chunks than this start a merge of the newest ones.
+/// More chunks below the size limit than this start a merge of the smallest ones.
 pub(crate) const MAX_CHUNKS: usize = if cfg!(test) { 4 } else { 32 };
 /// A merged chunk holds at most this many rows …
 pub(crate) const CHUNK_ROWS: usize = if cfg!(test) { 8 } else { 1 << 20 };
 /// … and about this many bytes.
 pub(crate) const CHUNK_BYTES: usize = 256 << 20;
 
-/// Where a group's live row is.
+/// Where a group's live row is: a chunk's id and the row in it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Location {
     chunk: u32,
@@ -108,6 +104,10 @@ impl Chunk {
             rows,
         })
     }
+
+    fn dead_rows(&self) -> usize {
+        self.rows.num_rows() - self.live_rows
+    }
 }
 
 /// One live row per group (partial aggregate states), found by the group's key.
@@ -119,7 +119,9 @@ pub(crate) struct GroupTable {
     /// `None`: an unkeyed table.
     converter: Option<RowConverter>,
     hasher: RandomState,
-    chunks: Vec<Chunk>,
+    /// The chunks by id; `None` is a free id (in `free_ids`).
+    chunks: Vec<Option<Chunk>>,
+    free_ids: Vec<u32>,
     index: HashTable<Location>,
     live_rows: usize,
     dead_rows: usize,
@@ -131,7 +133,7 @@ impl std::fmt::Debug for GroupTable {
             .field("keyed", &self.converter.is_some())
             .field("live_rows", &self.live_rows)
             .field("dead_rows", &self.dead_rows)
-            .field("chunks", &self.chunks.len())
+            .field("chunks", &self.chunks().count())
             .finish()
     }
 }
@@ -147,26 +149,17 @@ impl GroupTable {
         key_columns: usize,
         purge_column: usize,
     ) -> Result<Self> {
-        let converter = if key_columns == 0 {
-            None
-        } else {
-            Some(RowConverter::new(
+        let mut table = GroupTable::unkeyed(purge_column);
+        if key_columns > 0 {
+            table.key_columns = key_columns;
+            table.converter = Some(RowConverter::new(
                 schema.fields()[..key_columns]
                     .iter()
                     .map(|f| SortField::new(f.data_type().clone()))
                     .collect(),
-            )?)
-        };
-        Ok(GroupTable {
-            key_columns,
-            purge_column,
-            converter,
-            hasher: RandomState::new(),
-            chunks: Vec::new(),
-            index: HashTable::new(),
-            live_rows: 0,
-            dead_rows: 0,
-        })
+            )?);
+        }
+        Ok(table)
     }
 
     /// An empty unkeyed table: rows are inserted and replaced whole, never taken by key.
@@ -177,6 +170,7 @@ impl GroupTable {
             converter: None,
             hasher: RandomState::new(),
             chunks: Vec::new(),
+            free_ids: Vec::new(),
             index: HashTable::new(),
             live_rows: 0,
             dead_rows: 0,
@@ -195,9 +189,8 @@ impl GroupTable {
 
     /// Bytes held: the chunks' Arrow buffers (dead rows too), their keys and the index.
     pub(crate) fn memory_bytes(&self) -> usize {
-        self.chunks
-            .iter()
-            .map(|c| c.rows.get_array_memory_size() + c.keys.as_ref().map_or(0, Rows::size))
+        self.chunks()
+            .map(|c| batch_bytes(&c.rows) + c.keys.as_ref().map_or(0, Rows::size))
             .sum::<usize>()
             + self.index.allocation_size()
     }
@@ -207,10 +200,7 @@ impl GroupTable {
     /// # Errors
     /// As [`GroupTable::insert`]; a group in `rows` twice is an error here.
     pub(crate) fn reset(&mut self, rows: Vec<RecordBatch>) -> Result<()> {
-        self.chunks.clear();
-        self.index = HashTable::new();
-        self.live_rows = 0;
-        self.dead_rows = 0;
+        self.clear();
         let twice = self.insert(rows)?;
         if twice.iter().any(|b| b.num_rows() > 0) {
             return Err(Error::InvalidJob(
@@ -225,41 +215,26 @@ impl GroupTable {
     /// # Errors
     /// If the table is unkeyed, or the keys cannot be converted or the rows gathered.
     pub(crate) fn take(&mut self, partials: &[RecordBatch]) -> Result<Vec<RecordBatch>> {
-        let Some(converter) = &self.converter else {
-            return Err(Error::InvalidJob(
-                "internal error: groups taken by key from an unkeyed state".into(),
-            ));
-        };
-        let mut found = Vec::new();
-        for batch in partials.iter().filter(|b| b.num_rows() > 0) {
-            let keys = converter.convert_columns(&batch.columns()[..self.key_columns])?;
-            let chunks = &self.chunks;
-            for key in keys.iter() {
-                let hash = self.hasher.hash_one(key.as_ref());
-                let same = |l: &Location| key_at(chunks, *l) == key.as_ref();
-                if let Ok(entry) = self.index.find_entry(hash, same) {
-                    found.push(entry.remove().0);
-                }
-            }
-        }
-        let mut by_chunk: Vec<Vec<u32>> = vec![Vec::new(); self.chunks.len()];
-        for l in &found {
-            by_chunk[l.chunk as usize].push(l.row);
-        }
-        let mut out = Vec::new();
-        for (chunk, rows) in self.chunks.iter_mut().zip(by_chunk) {
-            if rows.is_empty() {
-                continue;
-            }
-            for &row in &rows {
-                chunk.live[row as usize] = false;
-            }
-            chunk.live_rows -= rows.len();
-            out.push(take_record_batch(&chunk.rows, &UInt32Array::from(rows))?);
-        }
-        self.live_rows -= found.len();
-        self.dead_rows += found.len();
+        let found = self.unindex(partials)?;
+        let out = self.gather(&found)?;
         self.compact_if_due()?;
+        Ok(out)
+    }
+
+    /// The rows of the groups that have a row in `partials`, each once, left in the table.
+    ///
+    /// # Errors
+    /// As [`GroupTable::take`].
+    pub(crate) fn lookup(&self, partials: &[RecordBatch]) -> Result<Vec<RecordBatch>> {
+        let mut found = self.find(partials)?;
+        found.sort_unstable_by_key(|l| (l.chunk, l.row));
+        found.dedup();
+        let mut out = Vec::new();
+        for run in found.chunk_by(|a, b| a.chunk == b.chunk) {
+            let chunk = self.chunk(run[0].chunk)?;
+            let rows = UInt32Array::from_iter_values(run.iter().map(|l| l.row));
+            out.push(take_record_batch(&chunk.rows, &rows)?);
+        }
         Ok(out)
     }
 
@@ -277,9 +252,7 @@ impl GroupTable {
                 None => None,
             };
             let n = batch.num_rows();
-            let chunk = location_part(self.chunks.len())?;
-            self.chunks
-                .push(Chunk::new(batch, keys, self.purge_column, false)?);
+            let id = self.add_chunk(Chunk::new(batch, keys, self.purge_column, false)?)?;
             self.live_rows += n;
             if self.converter.is_none() {
                 continue;
@@ -287,7 +260,7 @@ impl GroupTable {
             let mut repeated = Vec::new();
             for row in 0..n {
                 let here = Location {
-                    chunk,
+                    chunk: id,
                     row: location_part(row)?,
                 };
                 let (chunks, hasher) = (&self.chunks, &self.hasher);
@@ -296,22 +269,13 @@ impl GroupTable {
                 let same = |l: &Location| key_at(chunks, *l) == key;
                 let rehash = |l: &Location| hasher.hash_one(key_at(chunks, *l));
                 match self.index.entry(hash, same, rehash) {
-                    Entry::Occupied(_) => repeated.push(here.row),
+                    Entry::Occupied(_) => repeated.push(here),
                     Entry::Vacant(slot) => {
                         slot.insert(here);
                     }
                 }
             }
-            if !repeated.is_empty() {
-                let last = &mut self.chunks[chunk as usize];
-                for &row in &repeated {
-                    last.live[row as usize] = false;
-                }
-                last.live_rows -= repeated.len();
-                self.live_rows -= repeated.len();
-                self.dead_rows += repeated.len();
-                twice.push(take_record_batch(&last.rows, &UInt32Array::from(repeated))?);
-            }
+            twice.extend(self.gather(&repeated)?);
         }
         self.compact_if_due()?;
         Ok(twice)
@@ -324,7 +288,8 @@ impl GroupTable {
     pub(crate) fn remove_below(&mut self, bound: i64) -> Result<Vec<RecordBatch>> {
         let mut out = Vec::new();
         let mut removed = 0;
-        for (index, chunk) in self.chunks.iter_mut().enumerate() {
+        for (id, slot) in self.chunks.iter_mut().enumerate() {
+            let Some(chunk) = slot else { continue };
             let below = chunk.null_purge || chunk.purge_floor.is_some_and(|floor| floor < bound);
             if chunk.live_rows == 0 || !below {
                 continue;
@@ -368,15 +333,12 @@ impl GroupTable {
             if rows.is_empty() {
                 continue;
             }
-            let chunk_index = location_part(index)?;
+            let id = location_part(id)?;
             for &row in &rows {
                 chunk.live[row as usize] = false;
                 if let Some(keys) = &chunk.keys {
                     let hash = self.hasher.hash_one(keys.row(row as usize).as_ref());
-                    let here = Location {
-                        chunk: chunk_index,
-                        row,
-                    };
+                    let here = Location { chunk: id, row };
                     if let Ok(entry) = self.index.find_entry(hash, |l| *l == here) {
                         entry.remove();
                     }
@@ -398,8 +360,8 @@ impl GroupTable {
     /// If filtering fails.
     pub(crate) fn rows(&self) -> Result<Vec<RecordBatch>> {
         let mut out = Vec::new();
-        for chunk in &self.chunks {
-            if chunk.live_rows == chunk.rows.num_rows() {
+        for chunk in self.chunks() {
+            if chunk.dead_rows() == 0 {
                 out.push(chunk.rows.clone());
             } else if chunk.live_rows > 0 {
                 let live = BooleanArray::from(chunk.live.clone());
@@ -415,52 +377,157 @@ impl GroupTable {
     /// If filtering fails.
     pub(crate) fn take_all(&mut self) -> Result<Vec<RecordBatch>> {
         let rows = self.rows()?;
-        self.chunks.clear();
-        self.index = HashTable::new();
-        self.live_rows = 0;
-        self.dead_rows = 0;
+        self.clear();
         Ok(rows)
     }
 
-    /// Merges chunks when dead rows outnumber live ones (all of them), or when more than
-    /// [`MAX_CHUNKS`] chunks below the size limit follow the last one at it (the newest ones, as
-    /// many as hold at least the live rows of the chunk before them). An unkeyed table, replaced
-    /// whole by its owner, only drops its dead rows.
+    fn clear(&mut self) {
+        self.chunks.clear();
+        self.free_ids.clear();
+        self.index = HashTable::new();
+        self.live_rows = 0;
+        self.dead_rows = 0;
+    }
+
+    fn chunks(&self) -> impl Iterator<Item = &Chunk> {
+        self.chunks.iter().flatten()
+    }
+
+    fn chunk(&self, id: u32) -> Result<&Chunk> {
+        self.chunks
+            .get(id as usize)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| internal("a group is indexed in a chunk that is gone"))
+    }
+
+    /// Stores `chunk` under a free id.
+    fn add_chunk(&mut self, chunk: Chunk) -> Result<u32> {
+        if let Some(id) = self.free_ids.pop() {
+            self.chunks[id as usize] = Some(chunk);
+            return Ok(id);
+        }
+        self.chunks.push(Some(chunk));
+        location_part(self.chunks.len() - 1)
+    }
+
+    /// Where the groups that have a row in `partials` live, each once, removed from the index
+    /// (a group is found once however often `partials` repeats it).
+    fn unindex(&mut self, partials: &[RecordBatch]) -> Result<Vec<Location>> {
+        let Some(converter) = &self.converter else {
+            return Err(internal("groups taken by key from an unkeyed state"));
+        };
+        let mut found = Vec::new();
+        for batch in partials.iter().filter(|b| b.num_rows() > 0) {
+            let keys = converter.convert_columns(&batch.columns()[..self.key_columns])?;
+            let chunks = &self.chunks;
+            for key in keys.iter() {
+                let hash = self.hasher.hash_one(key.as_ref());
+                let same = |l: &Location| key_at(chunks, *l) == key.as_ref();
+                if let Ok(entry) = self.index.find_entry(hash, same) {
+                    found.push(entry.remove().0);
+                }
+            }
+        }
+        Ok(found)
+    }
+
+    /// Where the groups that have a row in `partials` live (repeated as `partials` repeats them).
+    fn find(&self, partials: &[RecordBatch]) -> Result<Vec<Location>> {
+        let Some(converter) = &self.converter else {
+            return Err(internal("groups looked up by key in an unkeyed state"));
+        };
+        let mut found = Vec::new();
+        for batch in partials.iter().filter(|b| b.num_rows() > 0) {
+            let keys = converter.convert_columns(&batch.columns()[..self.key_columns])?;
+            for key in keys.iter() {
+                let hash = self.hasher.hash_one(key.as_ref());
+                let same = |l: &Location| key_at(&self.chunks, *l) == key.as_ref();
+                if let Some(l) = self.index.find(hash, same) {
+                    found.push(*l);
+                }
+            }
+        }
+        Ok(found)
+    }
+
+    /// Marks the rows at `found` (no longer indexed) dead and returns them, one batch per chunk.
+    fn gather(&mut self, found: &[Location]) -> Result<Vec<RecordBatch>> {
+        let mut found = found.to_vec();
+        found.sort_unstable_by_key(|l| (l.chunk, l.row));
+        let mut out = Vec::new();
+        for run in found.chunk_by(|a, b| a.chunk == b.chunk) {
+            let chunk = self.chunks[run[0].chunk as usize]
+                .as_mut()
+                .ok_or_else(|| internal("a group is indexed in a chunk that is gone"))?;
+            for l in run {
+                chunk.live[l.row as usize] = false;
+            }
+            chunk.live_rows -= run.len();
+            let rows = UInt32Array::from_iter_values(run.iter().map(|l| l.row));
+            out.push(take_record_batch(&chunk.rows, &rows)?);
+        }
+        self.live_rows -= found.len();
+        self.dead_rows += found.len();
+        Ok(out)
+    }
+
+    /// Drops chunks without live rows, then merges chunks when dead rows outnumber live ones
+    /// (all of them) or when more than [`MAX_CHUNKS`] chunks below the size limit are left (the
+    /// smallest, see the module docs). An unkeyed table, replaced whole by its owner, only drops
+    /// its dead rows.
     fn compact_if_due(&mut self) -> Result<()> {
+        for id in 0..self.chunks.len() {
+            if let Some(chunk) = self.chunks[id].take_if(|c| c.live_rows == 0) {
+                self.dead_rows -= chunk.dead_rows();
+                self.free_ids.push(location_part(id)?);
+            }
+        }
         if self.dead_rows > self.live_rows {
-            return self.merge_from(0);
+            let all: Vec<u32> = (0..self.chunks.len())
+                .filter(|id| self.chunks[*id].is_some())
+                .map(location_part)
+                .collect::<Result<_>>()?;
+            return self.merge(&all);
         }
         if self.converter.is_none() {
             return Ok(());
         }
         loop {
-            let open = open_tail(&self.chunks);
-            if open <= MAX_CHUNKS {
+            let mut open: Vec<(usize, u32)> = Vec::new();
+            for (id, chunk) in self.chunks.iter().enumerate() {
+                if let Some(chunk) = chunk.as_ref().filter(|c| !c.full) {
+                    open.push((chunk.live_rows, location_part(id)?));
+                }
+            }
+            if open.len() <= MAX_CHUNKS {
                 return Ok(());
             }
-            let first_open = self.chunks.len() - open;
-            let mut start = self.chunks.len() - 1;
-            let mut newest = self.chunks[start].live_rows;
-            while start > first_open && self.chunks[start - 1].live_rows <= newest {
-                start -= 1;
-                newest += self.chunks[start].live_rows;
+            open.sort_unstable();
+            let mut taken = 2;
+            let mut rows = open[0].0 + open[1].0;
+            while taken < open.len() && open[taken].0 <= rows {
+                rows += open[taken].0;
+                taken += 1;
             }
-            // At least two chunks, or nothing would shrink.
-            self.merge_from(start.min(self.chunks.len() - 2))?;
+            let ids: Vec<u32> = open[..taken].iter().map(|(_, id)| *id).collect();
+            self.merge(&ids)?;
         }
     }
 
-    /// Replaces `chunks[start..]` with their live rows, sorted by purge value (nulls first) and
-    /// cut into chunks of at most [`CHUNK_ROWS`] rows and about [`CHUNK_BYTES`]; the keys are
-    /// moved in row format, not converted again, and the index is pointed at the new places.
-    fn merge_from(&mut self, start: usize) -> Result<()> {
-        let merged = &self.chunks[start..];
+    /// Replaces the chunks `ids` with chunks of their live rows, sorted by purge value (nulls
+    /// first) and cut at [`CHUNK_ROWS`] rows and about [`CHUNK_BYTES`]; the keys are moved in
+    /// row format, not converted again, and the index is pointed at the new places.
+    fn merge(&mut self, ids: &[u32]) -> Result<()> {
+        let merged: Vec<Chunk> = ids
+            .iter()
+            .map(|id| self.chunks[*id as usize].take())
+            .collect::<Option<_>>()
+            .ok_or_else(|| internal("a merge of a chunk that is gone"))?;
         let mut live: Vec<(Option<i64>, usize, usize)> = Vec::new();
         let mut bytes = 0;
         for (offset, chunk) in merged.iter().enumerate() {
             let values = purge_values(&chunk.rows, self.purge_column)?;
-            bytes +=
-                chunk.rows.get_array_memory_size() * chunk.live_rows / chunk.rows.num_rows().max(1);
+            bytes += batch_bytes(&chunk.rows) * chunk.live_rows / chunk.rows.num_rows().max(1);
             for row in (0..chunk.rows.num_rows()).filter(|r| chunk.live[*r]) {
                 let value = values.is_valid(row).then(|| values.value(row));
                 live.push((value, offset, row));
@@ -469,70 +536,98 @@ impl GroupTable {
         live.sort_by_key(|(value, _, _)| *value);
         let per_row = bytes / live.len().max(1);
         let rows_per_chunk = (CHUNK_BYTES / per_row.max(1)).clamp(1, CHUNK_ROWS);
-        let batches: Vec<&RecordBatch> = merged.iter().map(|c| &c.rows).collect();
+        let places: Vec<(usize, usize)> = live.iter().map(|(_, c, r)| (*c, *r)).collect();
         let mut made = Vec::new();
-        for piece in live.chunks(rows_per_chunk) {
-            let places: Vec<(usize, usize)> = piece.iter().map(|(_, c, r)| (*c, *r)).collect();
-            let rows = interleave_record_batch(&batches, &places)?;
-            let keys = match &self.converter {
-                Some(converter) => {
-                    let data: usize = places
-                        .iter()
-                        .map(|(c, r)| key_of(&merged[*c], *r).len())
-                        .sum();
-                    let mut keys = converter.empty_rows(places.len(), data);
-                    for (c, r) in &places {
-                        if let Some(from) = &merged[*c].keys {
-                            keys.push(from.row(*r));
-                        }
-                    }
-                    Some(keys)
-                }
-                None => None,
-            };
-            let mut chunk = Chunk::new(rows, keys, self.purge_column, true)?;
-            chunk.full = piece.len() == rows_per_chunk;
-            made.push((chunk, places));
+        for piece in places.chunks(rows_per_chunk) {
+            self.cut(&merged, piece, piece.len() == rows_per_chunk, &mut made)?;
         }
-        // Point the index at the new places, then swap the chunks in.
+        // Ids for the new chunks, none of the merged ones': those are freed only once the index
+        // no longer names them.
+        let mut new_ids = Vec::with_capacity(made.len());
+        for _ in &made {
+            let id = match self.free_ids.pop() {
+                Some(id) => id,
+                None => {
+                    self.chunks.push(None);
+                    location_part(self.chunks.len() - 1)?
+                }
+            };
+            new_ids.push(id);
+        }
         if self.converter.is_some() {
-            for (number, (chunk, places)) in made.iter().enumerate() {
-                let new_chunk = location_part(start + number)?;
+            for ((chunk, places), new_id) in made.iter().zip(&new_ids) {
                 for (new_row, (old_chunk, old_row)) in places.iter().enumerate() {
                     let old = Location {
-                        chunk: location_part(start + old_chunk)?,
+                        chunk: ids[*old_chunk],
                         row: location_part(*old_row)?,
                     };
                     let hash = self.hasher.hash_one(key_of(chunk, new_row));
-                    let entry = self.index.find_mut(hash, |l| *l == old).ok_or_else(|| {
-                        Error::InvalidJob(
-                            "internal error: a live group of the aggregate's state is not indexed"
-                                .into(),
-                        )
-                    })?;
+                    let entry = self
+                        .index
+                        .find_mut(hash, |l| *l == old)
+                        .ok_or_else(|| internal("a live group of the state is not indexed"))?;
                     *entry = Location {
-                        chunk: new_chunk,
+                        chunk: *new_id,
                         row: location_part(new_row)?,
                     };
                 }
             }
         }
-        let dropped: usize = merged.iter().map(|c| c.rows.num_rows() - c.live_rows).sum();
-        self.chunks.truncate(start);
-        self.chunks.extend(made.into_iter().map(|(chunk, _)| chunk));
-        self.dead_rows -= dropped;
+        for ((chunk, _), id) in made.into_iter().zip(new_ids) {
+            self.chunks[id as usize] = Some(chunk);
+        }
+        self.free_ids.extend_from_slice(ids);
+        self.dead_rows -= merged.iter().map(Chunk::dead_rows).sum::<usize>();
+        Ok(())
+    }
+
+    /// Gathers the rows at `places` of `merged` into a chunk, cut in two again (recursively) if
+    /// their variable-width values overflow Arrow's 32-bit offsets. `full`: at the size limit.
+    fn cut(
+        &self,
+        merged: &[Chunk],
+        places: &[(usize, usize)],
+        full: bool,
+        made: &mut Vec<(Chunk, Vec<(usize, usize)>)>,
+    ) -> Result<()> {
+        let batches: Vec<&RecordBatch> = merged.iter().map(|c| &c.rows).collect();
+        let rows = match interleave_record_batch(&batches, places) {
+            Err(ArrowError::OffsetOverflowError(_)) if places.len() > 1 => {
+                let (first, second) = places.split_at(places.len() / 2);
+                self.cut(merged, first, true, made)?;
+                return self.cut(merged, second, true, made);
+            }
+            rows => rows?,
+        };
+        let keys = match &self.converter {
+            Some(converter) => {
+                let data: usize = places
+                    .iter()
+                    .map(|(c, r)| key_of(&merged[*c], *r).len())
+                    .sum();
+                let mut keys = converter.empty_rows(places.len(), data);
+                for (c, r) in places {
+                    if let Some(from) = &merged[*c].keys {
+                        keys.push(from.row(*r));
+                    }
+                }
+                Some(keys)
+            }
+            None => None,
+        };
+        let mut chunk = Chunk::new(rows, keys, self.purge_column, true)?;
+        chunk.full = full;
+        made.push((chunk, places.to_vec()));
         Ok(())
     }
 }
 
-/// How many chunks below the size limit follow the last one at it.
-fn open_tail(chunks: &[Chunk]) -> usize {
-    chunks.iter().rev().take_while(|c| !c.full).count()
-}
-
-/// The key bytes of the row at `l`.
-fn key_at(chunks: &[Chunk], l: Location) -> &[u8] {
-    key_of(&chunks[l.chunk as usize], l.row as usize)
+/// The key bytes of the row at `l` (none if its chunk is gone, which matches no key).
+fn key_at(chunks: &[Option<Chunk>], l: Location) -> &[u8] {
+    chunks
+        .get(l.chunk as usize)
+        .and_then(Option::as_ref)
+        .map_or(&[], |chunk| key_of(chunk, l.row as usize))
 }
 
 fn key_of(chunk: &Chunk, row: usize) -> &[u8] {
@@ -558,6 +653,10 @@ fn location_part(n: usize) -> Result<u32> {
     u32::try_from(n).map_err(|_| {
         Error::InvalidJob("the aggregate's state holds more than 2³² chunks or rows in one".into())
     })
+}
+
+fn internal(what: &str) -> Error {
+    Error::InvalidJob(format!("internal error in the aggregate's state: {what}"))
 }
 
 #[cfg(test)]
@@ -700,10 +799,18 @@ mod tests {
                             pending = table.insert(vec![rows(first), rows(&second)]).unwrap();
                             first_take = false;
                         }
-                        for (key, value) in contents(&pieces.iter().map(|p| rows(p)).collect::<Vec<_>>(), true) {
+                        let partials: Vec<RecordBatch> = pieces.iter().map(|p| rows(p)).collect();
+                        for (key, value) in contents(&partials, true) {
                             let entry = model.entry(key).or_insert((None, 0));
                             *entry = (entry.0.max(value.0), entry.1 + value.1);
                         }
+                        // The touched groups, each once, as merged.
+                        let touched = contents(&table.lookup(&partials).unwrap(), false);
+                        let want: BTreeMap<Key, Value> = contents(&partials, true)
+                            .keys()
+                            .map(|k| (*k, model[k]))
+                            .collect();
+                        prop_assert_eq!(touched, want);
                     }
                     Step::Purge(bound) => {
                         let gone = contents(&table.remove_below(bound).unwrap(), false);
@@ -718,8 +825,19 @@ mod tests {
                 }
                 prop_assert_eq!(table.live_rows(), model.len());
                 prop_assert_eq!(contents(&table.rows().unwrap(), false), model.clone());
-                prop_assert!(open_tail(&table.chunks) <= MAX_CHUNKS);
-                prop_assert!(table.chunks.iter().all(|c| !c.sorted || c.rows.num_rows() <= CHUNK_ROWS));
+                prop_assert!(table.chunks().filter(|c| !c.full).count() <= MAX_CHUNKS);
+                prop_assert!(table.chunks().all(|c| c.live_rows > 0), "no empty chunk is kept");
+                prop_assert!(table.chunks().all(|c| !c.sorted || c.rows.num_rows() <= CHUNK_ROWS));
+                prop_assert_eq!(
+                    table.chunks.len(),
+                    table.chunks().count() + table.free_ids.len(),
+                    "every id is a chunk or free"
+                );
+                prop_assert!(table.chunks.len() <= 64, "ids are reused: {}", table.chunks.len());
+                prop_assert_eq!(
+                    table.dead_rows,
+                    table.chunks().map(Chunk::dead_rows).sum::<usize>()
+                );
             }
         }
     }
@@ -739,6 +857,74 @@ mod tests {
         );
         let err = table.reset(vec![rows(&[one, one])]).unwrap_err();
         assert!(err.to_string().contains("twice"), "{err}");
+    }
+
+    /// Two values of 1.1 GiB sorted next to each other, among many small rows (so the cut by
+    /// the average row puts them in one piece): 2.2 GiB overflow a string column's 32-bit
+    /// offsets, and the piece is cut in two again until each fits.
+    #[test]
+    fn a_merge_cuts_a_piece_again_when_its_strings_overflow_32_bit_offsets() {
+        let time = DataType::Timestamp(TimeUnit::Microsecond, None);
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("k", DataType::Int64, false),
+            Field::new("t", time, false),
+            Field::new("s", DataType::Utf8, false),
+        ]));
+        let batch = |keys: std::ops::Range<i64>, t: i64, text: &str| {
+            let n = keys.end - keys.start;
+            RecordBatch::try_new(
+                Arc::clone(&schema),
+                vec![
+                    Arc::new(Int64Array::from_iter_values(keys)),
+                    Arc::new(TimestampMicrosecondArray::from_iter_values(
+                        (0..n).map(|_| t),
+                    )),
+                    Arc::new(StringArray::from_iter_values((0..n).map(|_| text))),
+                ],
+            )
+            .unwrap()
+        };
+        let big = "x".repeat(1_100 << 20);
+        let mut table = GroupTable::keyed(Arc::clone(&schema), 1, 1).unwrap();
+        let inserted = vec![
+            batch(0..1, 0, &big),
+            batch(1..2, 0, &big),
+            batch(2..3000, 1, "small"),
+        ];
+        assert!(table.insert(inserted).unwrap().is_empty());
+        drop(big);
+        let ids: Vec<u32> = (0..3).collect();
+        table.merge(&ids).unwrap();
+        let sizes: Vec<usize> = table
+            .rows()
+            .unwrap()
+            .iter()
+            .map(RecordBatch::num_rows)
+            .collect();
+        assert_eq!(sizes.iter().sum::<usize>(), 3000);
+        assert_eq!(table.live_rows(), 3000);
+        assert!(
+            table
+                .chunks()
+                .all(|c| c.rows.column(2).as_string::<i32>().value_data().len() < 1 << 31),
+            "{sizes:?}"
+        );
+        let looked_up = table.lookup(&[batch(0..2, 0, "")]).unwrap();
+        let lens: Vec<usize> = looked_up
+            .iter()
+            .flat_map(|b| {
+                b.column(2)
+                    .as_string::<i32>()
+                    .iter()
+                    .map(|v| v.unwrap().len())
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        assert_eq!(
+            lens,
+            vec![1_100 << 20; 2],
+            "both big rows are still there, whole"
+        );
     }
 
     #[test]

@@ -1,4 +1,9 @@
-//! Handing memory a bounded read has freed back to the system between its chunks.
+//! Memory: how much a batch's rows occupy, and handing memory a bounded read has freed back
+//! to the system between its chunks.
+//!
+//! A batch's size is counted as the bytes its rows use ([`batch_bytes`]), not the buffers they
+//! point into: a query's output is often slices of one buffer, which Arrow's
+//! `get_array_memory_size` counts whole once per slice.
 //!
 //! A backfill reads a long range chunk by chunk (its recomputation, its windows' span, the scan
 //! resolving a time range to offsets), each chunk decoded, queried and released on several
@@ -24,3 +29,18 @@ pub fn release_free_memory() {
 /// Returns the free pages of glibc's malloc arenas to the system; nothing elsewhere.
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 pub fn release_free_memory() {}
+
+/// Bytes of `batch`'s buffers that its rows use: a slice counts only its part of a buffer it
+/// shares with other slices. (Approximate for lists and dictionaries, counted whole, and views,
+/// counted without their text.)
+pub fn batch_bytes(batch: &arrow::array::RecordBatch) -> usize {
+    batch
+        .columns()
+        .iter()
+        .map(|c| {
+            c.to_data()
+                .get_slice_memory_size()
+                .unwrap_or_else(|_| c.get_array_memory_size())
+        })
+        .sum()
+}

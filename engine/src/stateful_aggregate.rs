@@ -662,11 +662,12 @@ impl StatefulAggregate {
                 let mut touched = self.groups.take(&pending)?;
                 touched.append(&mut pending);
                 let merged = self.operator.merge(touched).await?;
-                if self.mode == OutputMode::Update {
-                    self.changed.extend(merged.iter().cloned());
-                }
                 // A group DataFusion emitted twice comes back, to be merged with its first row.
                 pending = self.groups.insert(merged)?;
+            }
+            if self.mode == OutputMode::Update {
+                // Looked up once all is merged: a group merged twice has one final row.
+                self.changed = self.groups.lookup(&partials)?;
             }
         }
         self.changes = partials;

@@ -37,6 +37,7 @@ use deltalake::parquet::file::properties::WriterProperties;
 use deltalake::table::config::TablePropertiesExt;
 use deltalake::writer::{DeltaWriter, RecordBatchWriter};
 use deltalake::{DeltaResult, DeltaTableError};
+use sluice_engine::memory::batch_bytes;
 use sluice_engine::sink::row_groups;
 
 /// Rows per Parquet row group in the files Sluice writes.
@@ -76,20 +77,9 @@ pub(crate) fn writer_properties() -> WriterProperties {
 
 /// How many writers encode `batches` (1: not worth splitting). See the module docs.
 ///
-/// Counts the bytes the rows occupy, not the buffers they point into: a query's output is
-/// often slices of one input buffer, which `get_array_memory_size` would count once per slice.
-/// (Approximate for lists and dictionaries, counted whole, and views, counted without their
-/// text: it only decides how many files a batch becomes.)
+/// Counts the bytes the rows occupy ([`batch_bytes`]), not the buffers they point into.
 pub(crate) fn writers_for(batches: &[RecordBatch]) -> usize {
-    let bytes: usize = batches
-        .iter()
-        .flat_map(RecordBatch::columns)
-        .map(|c| {
-            c.to_data()
-                .get_slice_memory_size()
-                .unwrap_or_else(|_| c.get_array_memory_size())
-        })
-        .sum();
+    let bytes: usize = batches.iter().map(batch_bytes).sum();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     (bytes / MIN_ARROW_BYTES_PER_WRITER).clamp(1, cores.max(1))
 }
