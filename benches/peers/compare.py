@@ -210,6 +210,10 @@ def run_sluice(sluice, work, name, source_block, sql):
     return elapsed, out.stdout.strip().splitlines()[0], per_batch, steps
 
 
+def format_steps(steps):
+    return ", ".join(f"{k} {v:.1f} ms" for k, v in steps.items())
+
+
 def bid_source(bids, fmt, files_per_batch):
     schema = f'schema = "{BID_SCHEMA}"\n' if fmt == "json" else ""
     return f"""[sources.bid]
@@ -372,15 +376,16 @@ def main():
                 print(f"nexmark, {fmt} files:\n{header}")
                 for q in args.queries.split(","):
                     name = f"{fmt}_{q}"
-                    s_time, summary, _, _ = run_sluice(
+                    s_time, summary, _, steps = run_sluice(
                         args.sluice, work, name,
                         bid_source(folders[fmt], fmt, args.files_per_batch), QUERIES[q])
                     k_time, k_rows = run_spark(spark, work, folders[fmt], fmt, q,
                                                args.files_per_batch)
                     record(f"nexmark-{fmt}", q, args.events, s_time, k_time,
-                           format=fmt, files_per_batch=args.files_per_batch)
-                    print(f"{'':9}sluice: {summary} ({s_time:.1f} s); "
-                          f"spark: {k_rows} rows ({k_time:.1f} s)")
+                           format=fmt, files_per_batch=args.files_per_batch,
+                           sluice_p50_ms_per_step=steps)
+                    print(f"{'':9}sluice: {summary} ({s_time:.1f} s; steps p50: "
+                          f"{format_steps(steps)}); spark: {k_rows} rows ({k_time:.1f} s)")
         if "clicks" in suites:
             bad_folder, clean_folder = work / "clicks-bad", work / "clicks-clean"
             bad = write_clicks(bad_folder, args.clicks, 100, 100)
@@ -389,13 +394,14 @@ def main():
                   f"first set), 1-minute count+sum per user, 10 files per batch:\n{header}")
             for name, folder in [("1 % malformed", bad_folder), ("clean", clean_folder)]:
                 tag = "bad" if folder == bad_folder else "clean"
-                s_time, summary, _, _ = run_sluice(
+                s_time, summary, _, steps = run_sluice(
                     args.sluice, work, f"clicks_{tag}", click_source(folder, 10), CLICKS_SQL)
                 k_time, k_rows, _ = spark_clicks(spark, work, f"clicks_{tag}", folder, 10)
                 record("clicks", name, args.clicks, s_time, k_time, malformed_lines=(
-                    bad if tag == "bad" else 0), files_per_batch=10)
-                print(f"{'':9}sluice: {summary} ({s_time:.1f} s); "
-                      f"spark: {k_rows} rows ({k_time:.1f} s)")
+                    bad if tag == "bad" else 0), files_per_batch=10,
+                    sluice_p50_ms_per_step=steps)
+                print(f"{'':9}sluice: {summary} ({s_time:.1f} s; steps p50: "
+                      f"{format_steps(steps)}); spark: {k_rows} rows ({k_time:.1f} s)")
         if "overhead" in suites:
             folder = work / "clicks-small"
             write_clicks(folder, 100 * 100, 100, 0, seed=11)
@@ -407,7 +413,7 @@ def main():
                   f"{len(s_batches)} Sluice / {len(k_batches)} Spark batches:")
             print(f"{'':18} {'Sluice p50':>14} {'Spark p50':>14} {'ratio':>7}")
             print(f"{'per batch':18} {s_p50:11.1f} ms {k_p50:11.1f} ms {k_p50 / max(s_p50, 0.1):6.1f}×")
-            print("Sluice's steps, p50: " + ", ".join(f"{k} {v:.1f} ms" for k, v in steps.items()))
+            print(f"Sluice's steps, p50: {format_steps(steps)}")
             results.append({
                 "commit": commit, "at": datetime.now(timezone.utc).isoformat(),
                 "suite": "overhead", "query": "clicks 1-minute windows, 1 small file a batch",

@@ -37,15 +37,15 @@
 //! their key; an aggregate without group columns, one row) has no index: its owner merges the
 //! whole state each batch and replaces it.
 
-use std::hash::{BuildHasher, RandomState};
+use std::hash::BuildHasher;
 
 use arrow::array::{Array, AsArray, BooleanArray, PrimitiveArray, RecordBatch, UInt32Array};
 use arrow::compute::{filter_record_batch, interleave_record_batch, take_record_batch};
 use arrow::datatypes::{SchemaRef, TimestampMicrosecondType};
 use arrow::error::ArrowError;
 use arrow::row::{RowConverter, Rows, SortField};
-use hashbrown::HashTable;
 use hashbrown::hash_table::Entry;
+use hashbrown::{DefaultHashBuilder, HashTable};
 
 use crate::error::{Error, Result};
 use crate::memory::batch_bytes;
@@ -62,6 +62,14 @@ pub(crate) const CHUNK_BYTES: usize = 256 << 20;
 struct Location {
     chunk: u32,
     row: u32,
+}
+
+/// An index entry: a group's row and its key's hash (kept so that growing the index and
+/// comparing candidates need not read the key).
+#[derive(Debug, Clone, Copy)]
+struct Indexed {
+    hash: u64,
+    at: Location,
 }
 
 /// Rows inserted or merged together, and which of them are still live.
@@ -118,11 +126,11 @@ pub(crate) struct GroupTable {
     purge_column: usize,
     /// `None`: an unkeyed table.
     converter: Option<RowConverter>,
-    hasher: RandomState,
+    hasher: DefaultHashBuilder,
     /// The chunks by id; `None` is a free id (in `free_ids`).
     chunks: Vec<Option<Chunk>>,
     free_ids: Vec<u32>,
-    index: HashTable<Location>,
+    index: HashTable<Indexed>,
     live_rows: usize,
     dead_rows: usize,
 }
@@ -168,7 +176,7 @@ impl GroupTable {
             key_columns: 0,
             purge_column,
             converter: None,
-            hasher: RandomState::new(),
+            hasher: DefaultHashBuilder::default(),
             chunks: Vec::new(),
             free_ids: Vec::new(),
             index: HashTable::new(),
@@ -263,15 +271,14 @@ impl GroupTable {
                     chunk: id,
                     row: location_part(row)?,
                 };
-                let (chunks, hasher) = (&self.chunks, &self.hasher);
+                let chunks = &self.chunks;
                 let key = key_at(chunks, here);
-                let hash = hasher.hash_one(key);
-                let same = |l: &Location| key_at(chunks, *l) == key;
-                let rehash = |l: &Location| hasher.hash_one(key_at(chunks, *l));
-                match self.index.entry(hash, same, rehash) {
+                let hash = self.hasher.hash_one(key);
+                let same = |e: &Indexed| e.hash == hash && key_at(chunks, e.at) == key;
+                match self.index.entry(hash, same, |e| e.hash) {
                     Entry::Occupied(_) => repeated.push(here),
                     Entry::Vacant(slot) => {
-                        slot.insert(here);
+                        slot.insert(Indexed { hash, at: here });
                     }
                 }
             }
@@ -339,7 +346,7 @@ impl GroupTable {
                 if let Some(keys) = &chunk.keys {
                     let hash = self.hasher.hash_one(keys.row(row as usize).as_ref());
                     let here = Location { chunk: id, row };
-                    if let Ok(entry) = self.index.find_entry(hash, |l| *l == here) {
+                    if let Ok(entry) = self.index.find_entry(hash, |e| e.at == here) {
                         entry.remove();
                     }
                 }
@@ -422,9 +429,9 @@ impl GroupTable {
             let chunks = &self.chunks;
             for key in keys.iter() {
                 let hash = self.hasher.hash_one(key.as_ref());
-                let same = |l: &Location| key_at(chunks, *l) == key.as_ref();
+                let same = |e: &Indexed| e.hash == hash && key_at(chunks, e.at) == key.as_ref();
                 if let Ok(entry) = self.index.find_entry(hash, same) {
-                    found.push(entry.remove().0);
+                    found.push(entry.remove().0.at);
                 }
             }
         }
@@ -441,9 +448,10 @@ impl GroupTable {
             let keys = converter.convert_columns(&batch.columns()[..self.key_columns])?;
             for key in keys.iter() {
                 let hash = self.hasher.hash_one(key.as_ref());
-                let same = |l: &Location| key_at(&self.chunks, *l) == key.as_ref();
-                if let Some(l) = self.index.find(hash, same) {
-                    found.push(*l);
+                let same =
+                    |e: &Indexed| e.hash == hash && key_at(&self.chunks, e.at) == key.as_ref();
+                if let Some(e) = self.index.find(hash, same) {
+                    found.push(e.at);
                 }
             }
         }
@@ -564,9 +572,9 @@ impl GroupTable {
                     let hash = self.hasher.hash_one(key_of(chunk, new_row));
                     let entry = self
                         .index
-                        .find_mut(hash, |l| *l == old)
+                        .find_mut(hash, |e| e.at == old)
                         .ok_or_else(|| internal("a live group of the state is not indexed"))?;
-                    *entry = Location {
+                    entry.at = Location {
                         chunk: *new_id,
                         row: location_part(new_row)?,
                     };

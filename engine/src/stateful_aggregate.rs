@@ -658,15 +658,20 @@ impl StatefulAggregate {
             self.groups.reset(merged)?;
         } else {
             let mut pending = partials.clone();
+            let mut rounds = 0;
             while pending.iter().any(|b| b.num_rows() > 0) {
                 let mut touched = self.groups.take(&pending)?;
                 touched.append(&mut pending);
                 let merged = self.operator.merge(touched).await?;
+                if self.mode == OutputMode::Update {
+                    self.changed.clone_from(&merged);
+                }
                 // A group DataFusion emitted twice comes back, to be merged with its first row.
                 pending = self.groups.insert(merged)?;
+                rounds += 1;
             }
-            if self.mode == OutputMode::Update {
-                // Looked up once all is merged: a group merged twice has one final row.
+            if self.mode == OutputMode::Update && rounds > 1 {
+                // A group merged again has its final row in the table, not in one round's rows.
                 self.changed = self.groups.lookup(&partials)?;
             }
         }
