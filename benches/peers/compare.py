@@ -204,7 +204,7 @@ def run_sluice(sluice, work, name, source_block, sql):
     per_batch = [float(m) for m in re.findall(r"total_ms=([0-9.]+)", out.stderr)]
     steps = {
         step: statistics.median(float(m) for m in found)
-        for step in ("read", "execute", "checkpoint", "commit", "purge")
+        for step in ("plan", "read", "execute", "checkpoint", "commit", "purge")
         if (found := re.findall(rf"\b{step}_ms=([0-9.]+)", out.stderr))
     }
     return elapsed, out.stdout.strip().splitlines()[0], per_batch, steps

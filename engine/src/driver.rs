@@ -277,6 +277,7 @@ struct Batch {
 /// Wall time of the steps of one batch.
 #[derive(Debug, Default)]
 struct StepTimes {
+    plan: Duration,
     read: Duration,
     execute: Duration,
     checkpoint: Duration,
@@ -285,7 +286,7 @@ struct StepTimes {
 }
 
 impl Batch {
-    fn new(intent: BatchIntent, committed: &SourceOffsets) -> Batch {
+    fn new(intent: BatchIntent, committed: &SourceOffsets, started: Instant) -> Batch {
         let mut end_offsets = committed.clone();
         for (source, parts) in &intent.ranges {
             let ends = end_offsets.entry(source.clone()).or_default();
@@ -298,7 +299,7 @@ impl Batch {
             .unwrap_or_else(|| chrono::Utc::now().timestamp_micros());
         Batch {
             intent,
-            started: Instant::now(),
+            started,
             clock,
             end_offsets,
             max_event_time: SourceOffsets::new(),
@@ -307,7 +308,10 @@ impl Batch {
             input_bytes: 0,
             dead_letters: Vec::new(),
             late: Vec::new(),
-            times: StepTimes::default(),
+            times: StepTimes {
+                plan: started.elapsed(),
+                ..StepTimes::default()
+            },
         }
     }
 
@@ -404,19 +408,12 @@ impl Pipeline {
     async fn drive(&mut self, trigger: Trigger, mut stop: watch::Receiver<bool>) -> Result<()> {
         match trigger {
             Trigger::Once => {
-                if let Some(intent) = self.plan(None).await? {
-                    self.run_batch(intent).await?;
-                }
+                self.plan_and_run(None).await?;
             }
             Trigger::AvailableNow => {
                 let (target, to_read) = self.latest_offsets().await?;
                 self.progress.bounded_run(to_read);
-                while !*stop.borrow() {
-                    let Some(intent) = self.plan(Some(&target)).await? else {
-                        break;
-                    };
-                    self.run_batch(intent).await?;
-                }
+                while !*stop.borrow() && self.plan_and_run(Some(&target)).await? {}
             }
             Trigger::Interval(every) => {
                 let mut ticker = tokio::time::interval(every);
@@ -429,9 +426,7 @@ impl Pipeline {
                     if *stop.borrow() {
                         break;
                     }
-                    if let Some(intent) = self.plan(None).await? {
-                        self.run_batch(intent).await?;
-                    }
+                    self.plan_and_run(None).await?;
                 }
             }
         }
@@ -459,6 +454,17 @@ impl Pipeline {
             );
         }
         Ok((latest, to_read))
+    }
+
+    /// Plans the next batch (capped at `limit`) and runs it; `false` if there was nothing to
+    /// read.
+    async fn plan_and_run(&mut self, limit: Option<&SourceOffsets>) -> Result<bool> {
+        let started = Instant::now();
+        let Some(intent) = self.plan(limit).await? else {
+            return Ok(false);
+        };
+        self.run_batch(intent, started).await?;
+        Ok(true)
     }
 
     /// Step 1–2: the next batch's ranges — a pending intent if a crashed run left one, else
@@ -560,9 +566,9 @@ impl Pipeline {
         Ok(Some(intent))
     }
 
-    /// Steps 3–10 for one batch, in order.
-    async fn run_batch(&mut self, intent: BatchIntent) -> Result<()> {
-        let mut batch = Batch::new(intent, &self.committed);
+    /// Steps 3–10 for one batch, in order (`started`: when its planning began).
+    async fn run_batch(&mut self, intent: BatchIntent, started: Instant) -> Result<()> {
+        let mut batch = Batch::new(intent, &self.committed, started);
         let inputs = self.read(&mut batch).await?;
         let watermark = self.next_watermark(&batch);
         let output = self.execute(&mut batch, inputs, &watermark).await?;
@@ -1023,12 +1029,13 @@ impl Pipeline {
             state_bytes_written = counters.state_bytes_written,
             files_written = files,
             bytes_written = bytes,
-            read_ms = ms(times.read),
-            execute_ms = ms(times.execute),
-            checkpoint_ms = ms(times.checkpoint),
-            commit_ms = ms(times.commit),
-            purge_ms = ms(times.purge),
-            total_ms = ms(started.elapsed()),
+            plan_ms = log_ms(times.plan),
+            read_ms = log_ms(times.read),
+            execute_ms = log_ms(times.execute),
+            checkpoint_ms = log_ms(times.checkpoint),
+            commit_ms = log_ms(times.commit),
+            purge_ms = log_ms(times.purge),
+            total_ms = log_ms(started.elapsed()),
             "batch committed"
         );
     }
@@ -1211,4 +1218,9 @@ fn display_expectations(failures: &BTreeMap<String, u64>) -> String {
 
 fn ms(d: Duration) -> u64 {
     d.as_millis() as u64
+}
+
+/// Milliseconds to a tenth, for the per-batch log line (a step of a small batch takes about one).
+fn log_ms(d: Duration) -> f64 {
+    (d.as_secs_f64() * 1e4).round() / 10.0
 }

@@ -124,6 +124,15 @@ struct TableHandle {
     table: Mutex<Option<DeltaTable>>,
     /// Commits retried after a conflict, over the sink's tables.
     conflicts: Arc<AtomicU64>,
+    /// Per app id, its txn version as of a table version (see [`TableHandle::txn_version`]).
+    txns: std::sync::Mutex<BTreeMap<String, KnownTxn>>,
+}
+
+/// An app id's txn version (`None`: it has none) as of table version `as_of`.
+#[derive(Debug, Clone, Copy)]
+struct KnownTxn {
+    as_of: u64,
+    txn: Option<i64>,
 }
 
 impl DeltaSink {
@@ -181,6 +190,7 @@ impl TableHandle {
             url,
             table: Mutex::new(None),
             conflicts: Arc::clone(conflicts),
+            txns: std::sync::Mutex::new(BTreeMap::new()),
         }
     }
 
@@ -322,13 +332,57 @@ impl TableHandle {
         Ok(table.clone())
     }
 
-    async fn txn_version(&self, table: &DeltaTable, job_id: &str) -> Result<Option<i64>> {
-        table
-            .snapshot()
-            .map_err(|e| self.err(e))?
-            .transaction_version(table.log_store().as_ref(), job_id)
-            .await
-            .map_err(|e| self.err(e))
+    /// The version of `app_id`'s latest txn in `table` (at the version it holds).
+    ///
+    /// Asked twice per batch, and delta-kernel answers by replaying the log since its last
+    /// checkpoint. So the answer is kept with the table version it holds for, and a later
+    /// version reads only the commits since (one small JSON file a batch: usually the job's own
+    /// last commit); a table version below the kept one (the table was replaced) or a commit
+    /// file already cleaned up asks delta-kernel again.
+    async fn txn_version(&self, table: &DeltaTable, app_id: &str) -> Result<Option<i64>> {
+        let Some(version) = table.version() else {
+            return Ok(None);
+        };
+        let known = self.txns.lock().map_or(None, |k| k.get(app_id).copied());
+        let mut found = match known {
+            Some(known) if known.as_of <= version => Some(known.txn),
+            _ => None,
+        };
+        if let (Some(known), Some(txn)) = (known, found.as_mut()) {
+            for commit in known.as_of + 1..=version {
+                let entry = table
+                    .log_store()
+                    .read_commit_entry(commit)
+                    .await
+                    .map_err(|e| self.err(e))?;
+                let Some(entry) = entry else {
+                    found = None;
+                    break;
+                };
+                if let Some(v) = txn_in_commit(&entry, app_id) {
+                    *txn = Some(v);
+                }
+            }
+        }
+        let txn = match found {
+            Some(txn) => txn,
+            None => table
+                .snapshot()
+                .map_err(|e| self.err(e))?
+                .transaction_version(table.log_store().as_ref(), app_id)
+                .await
+                .map_err(|e| self.err(e))?,
+        };
+        if let Ok(mut known) = self.txns.lock() {
+            known.insert(
+                app_id.to_string(),
+                KnownTxn {
+                    as_of: version,
+                    txn,
+                },
+            );
+        }
+        Ok(txn)
     }
 
     /// Appends `batches` with `txn(job_id, batch_id)`, or commits the txn alone if there are no
@@ -706,6 +760,20 @@ impl TableHandle {
         }
         Ok((files, bytes))
     }
+}
+
+/// The version of the last txn action of `app_id` in one commit's JSON lines, if any.
+fn txn_in_commit(commit: &[u8], app_id: &str) -> Option<i64> {
+    let mut found = None;
+    for line in commit.split(|b| *b == b'\n') {
+        if let Ok(serde_json::Value::Object(action)) = serde_json::from_slice(line)
+            && let Some(txn) = action.get("txn")
+            && txn.get("appId").and_then(|a| a.as_str()) == Some(app_id)
+        {
+            found = txn.get("version").and_then(serde_json::Value::as_i64);
+        }
+    }
+    found
 }
 
 /// How many times a commit rejected because of a concurrent commit is tried in all.
@@ -1310,6 +1378,55 @@ mod tests {
             late: Vec::new(),
             manifest: serde_json::json!({}),
         }
+    }
+
+    /// The txn version kept between batches follows commits of another writer: a second
+    /// instance's commit is seen by the first (which then stops, not commits the batch again),
+    /// and past a Delta checkpoint the kept answer equals delta-kernel's replay of a fresh handle.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_kept_txn_version_sees_another_writers_commits() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("out");
+        let open = || async {
+            let mut sink = DeltaSink::new(DeltaSinkConfig::new(path.to_str().unwrap())).unwrap();
+            sink.open("job", OutputTables::append(numbers(1).schema()))
+                .await
+                .unwrap();
+            sink
+        };
+        let first = open().await;
+        for b in 0..2 {
+            first.commit(commit(b, vec![numbers(3)])).await.unwrap();
+        }
+        let second = open().await;
+        second.commit(commit(2, vec![numbers(3)])).await.unwrap();
+        let err = first.commit(commit(2, vec![numbers(3)])).await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                sluice_engine::Error::AnotherInstance {
+                    batch_id: BatchId(2),
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert_eq!(
+            first.committed_batch("job").await.unwrap(),
+            Some(BatchId(2))
+        );
+        // Past the checkpoint interval, other app ids in between.
+        for b in 3..3 + CHECKPOINT_INTERVAL as i64 + 2 {
+            second.commit(commit(b, vec![numbers(1)])).await.unwrap();
+            let table = first.output.latest().await.unwrap();
+            assert_eq!(
+                first.output.txn_version(&table, "other").await.unwrap(),
+                None
+            );
+        }
+        let last = Some(BatchId(4 + CHECKPOINT_INTERVAL as i64));
+        assert_eq!(first.committed_batch("job").await.unwrap(), last);
+        assert_eq!(open().await.committed_batch("job").await.unwrap(), last);
     }
 
     /// A batch of 70 MB of Arrow (above twice `MIN_ARROW_BYTES_PER_WRITER`): on two cores or
