@@ -31,16 +31,25 @@ pub fn release_free_memory() {
 pub fn release_free_memory() {}
 
 /// Bytes of `batch`'s buffers that its rows use: a slice counts only its part of a buffer it
-/// shares with other slices. (Approximate for lists and dictionaries, counted whole, and views,
-/// counted without their text.)
+/// shares with other slices. String and binary views count their data buffers whole (a view's
+/// text may be anywhere in them). Approximate for nested types.
 pub fn batch_bytes(batch: &arrow::array::RecordBatch) -> usize {
+    use arrow::datatypes::DataType;
     batch
         .columns()
         .iter()
         .map(|c| {
-            c.to_data()
+            let data = c.to_data();
+            let slice = data
                 .get_slice_memory_size()
-                .unwrap_or_else(|_| c.get_array_memory_size())
+                .unwrap_or_else(|_| c.get_array_memory_size());
+            let texts: usize = match c.data_type() {
+                DataType::Utf8View | DataType::BinaryView => {
+                    data.buffers().iter().skip(1).map(|b| b.len()).sum()
+                }
+                _ => 0,
+            };
+            slice + texts
         })
         .sum()
 }

@@ -638,7 +638,9 @@ impl StatefulAggregate {
     }
 
     /// Merges a batch's partial states into the state: only the groups the batch touches are
-    /// taken out, merged with their partial rows and put back (see [`crate::group_table`]).
+    /// taken out, merged with their partial rows and put back (see [`crate::group_table`]) —
+    /// unless the batch has at least as many partial rows as the state has groups, when the
+    /// whole state is merged with them (a lookup per group would cost more).
     /// Sessions merge with every overlapping session of their key, so they are merged with the
     /// whole state (O(state) a batch), as is an aggregate without group columns (one row).
     pub(crate) async fn accumulate(&mut self, partials: Vec<RecordBatch>) -> Result<()> {
@@ -657,10 +659,18 @@ impl StatefulAggregate {
             }
             self.groups.reset(merged)?;
         } else {
+            // A batch with at least as many partial rows as the state has groups merges with
+            // the whole state: as cheap as looking the groups up, then, and no dead rows left.
+            let partial_rows: usize = partials.iter().map(RecordBatch::num_rows).sum();
+            let whole_state = self.groups.live_rows() <= partial_rows;
             let mut pending = partials.clone();
             let mut rounds = 0;
             while pending.iter().any(|b| b.num_rows() > 0) {
-                let mut touched = self.groups.take(&pending)?;
+                let mut touched = if rounds == 0 && whole_state {
+                    self.groups.take_all()?
+                } else {
+                    self.groups.take(&pending)?
+                };
                 touched.append(&mut pending);
                 let merged = self.operator.merge(touched).await?;
                 if self.mode == OutputMode::Update {
@@ -670,8 +680,9 @@ impl StatefulAggregate {
                 pending = self.groups.insert(merged)?;
                 rounds += 1;
             }
-            if self.mode == OutputMode::Update && rounds > 1 {
-                // A group merged again has its final row in the table, not in one round's rows.
+            if self.mode == OutputMode::Update && (rounds > 1 || whole_state) {
+                // A group merged again has its final row in the table, not in one round's rows;
+                // a whole-state merge's rows hold groups the batch did not change.
                 self.changed = self.groups.lookup(&partials)?;
             }
         }
