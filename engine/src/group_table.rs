@@ -23,8 +23,9 @@
 //!
 //! **Chunks.** Each insert adds chunks and each take or purge leaves dead rows behind. A chunk
 //! has a stable id (the index points at `(id, row)`), so a chunk whose rows are all dead is
-//! simply dropped. Compaction runs after a take or an insert (a purge leaves it to them: the
-//! owner may next replace the whole state, which drops dead rows for free). When dead rows
+//! simply dropped. Compaction runs at the start of a take, not after an insert or a purge: the
+//! owner's next step may replace the whole state (`take_all`), which drops dead rows and needs
+//! no merged chunks, and rows a batch inserts are often purged by the same batch. When dead rows
 //! outnumber live ones, every chunk's live rows are merged into new chunks. When more than [`MAX_CHUNKS`] chunks below the size limit are left, the smallest
 //! are merged — from the smallest up to the first that holds no more live rows than those
 //! before it, then each next smallest while it holds no more than those taken — so a merge at
@@ -227,11 +228,11 @@ impl GroupTable {
     ///
     /// # Errors
     /// If the table is unkeyed, or the keys cannot be converted or the rows gathered.
+    /// Compacts first, if due (see the module docs).
     pub(crate) fn take(&mut self, partials: &[RecordBatch]) -> Result<Vec<RecordBatch>> {
-        let found = self.unindex(partials)?;
-        let out = self.gather(&found)?;
         self.compact_if_due()?;
-        Ok(out)
+        let found = self.unindex(partials)?;
+        self.gather(&found)
     }
 
     /// The rows of the groups that have a row in `partials`, each once, left in the table.
@@ -289,7 +290,6 @@ impl GroupTable {
             }
             twice.extend(self.gather(&repeated)?);
         }
-        self.compact_if_due()?;
         Ok(twice)
     }
 
@@ -362,8 +362,8 @@ impl GroupTable {
         }
         self.live_rows -= removed;
         self.dead_rows += removed;
-        // Compaction waits for the next take or insert: a whole-state merge (`take_all`) drops
-        // the dead rows for free.
+        // Compaction waits for the next take: a whole-state merge (`take_all`) drops the dead
+        // rows for free.
         Ok(out)
     }
 
@@ -800,9 +800,7 @@ mod tests {
         ) {
             let mut table = GroupTable::keyed(schema(), 2, 2).unwrap();
             let mut model: BTreeMap<Key, Value> = BTreeMap::new();
-            for step in steps {
-                // Compaction runs on a take or an insert: an Add with rows.
-                let compacted = matches!(&step, Step::Add(pieces, _) if pieces.iter().any(|p| !p.is_empty()));
+            for (number, step) in steps.into_iter().enumerate() {
                 match step {
                     Step::Add(pieces, split) => {
                         let partials: Vec<RecordBatch> = pieces.iter().map(|p| rows(p)).collect();
@@ -862,10 +860,13 @@ mod tests {
                     prop_assert_eq!(table.hasher.hash_one(key_of(chunk, e.at.row as usize)), e.hash);
                 }
                 prop_assert_eq!(contents(&table.rows().unwrap(), false), model.clone());
-                prop_assert!(table.chunks().filter(|c| !c.full).count() <= MAX_CHUNKS);
-                if compacted {
+                if number % 3 == 2 {
+                    // As a take begins (other steps leave compaction to the next take).
+                    table.compact_if_due().unwrap();
+                    prop_assert!(table.chunks().filter(|c| !c.full).count() <= MAX_CHUNKS);
                     prop_assert!(table.chunks().all(|c| c.live_rows > 0), "no empty chunk is kept");
                     prop_assert!(table.dead_rows <= table.live_rows);
+                    prop_assert_eq!(contents(&table.rows().unwrap(), false), model.clone());
                 }
                 prop_assert!(table.chunks().all(|c| !c.sorted || c.rows.num_rows() <= CHUNK_ROWS));
                 prop_assert_eq!(
