@@ -23,10 +23,10 @@
 //!
 //! **Chunks.** Each insert adds chunks and each take or purge leaves dead rows behind. A chunk
 //! has a stable id (the index points at `(id, row)`), so a chunk whose rows are all dead is
-//! simply dropped. Compaction runs at the start of a take, not after an insert or a purge: the
-//! owner's next step may replace the whole state (`take_all`), which drops dead rows and needs
-//! no merged chunks, and rows a batch inserts are often purged by the same batch. When dead rows
-//! outnumber live ones, every chunk's live rows are merged into new chunks. When more than [`MAX_CHUNKS`] chunks below the size limit are left, the smallest
+//! simply dropped. After a take or a purge, when dead rows outnumber live ones, every chunk's
+//! live rows are merged into new chunks. Merging small chunks runs only at the start of a take,
+//! not after an insert or a purge: rows a batch inserts are often purged by the same batch, and
+//! the owner's next step may replace the whole state (`take_all`), which needs no merged chunks. When more than [`MAX_CHUNKS`] chunks below the size limit are left, the smallest
 //! are merged — from the smallest up to the first that holds no more live rows than those
 //! before it, then each next smallest while it holds no more than those taken — so a merge at
 //! least doubles the chunk each of its rows lives in, and a row is copied O(log(state / batch))
@@ -34,8 +34,8 @@
 //! than it brought (at most the state); the average per batch stays O(batch · log(state /
 //! batch)). Merged chunks hold at most [`CHUNK_ROWS`] rows and about [`CHUNK_BYTES`] (cut by the
 //! average row; a piece whose variable-width values would overflow Arrow's 32-bit offsets is
-//! cut in two again). Memory held: the live rows, at most as many dead ones, the keys in row
-//! format and the index.
+//! cut in two again). Memory held: the live rows, dead ones (after a purge at most as many as
+//! live ones; between, also what a batch took out), the keys in row format and the index.
 //!
 //! An **unkeyed** table (session windows, whose groups merge with every overlapping session of
 //! their key; an aggregate without group columns, one row) has no index: its owner merges the
@@ -362,8 +362,9 @@ impl GroupTable {
         }
         self.live_rows -= removed;
         self.dead_rows += removed;
-        // Compaction waits for the next take: a whole-state merge (`take_all`) drops the dead
-        // rows for free.
+        // Only dead rows are dropped here (a copy of the live rows, when they are outnumbered);
+        // merging small chunks waits for the next take.
+        self.drop_dead_rows_if_due()?;
         Ok(out)
     }
 
@@ -485,25 +486,30 @@ impl GroupTable {
         Ok(out)
     }
 
-    /// Drops chunks without live rows, then merges chunks when dead rows outnumber live ones
-    /// (all of them) or when more than [`MAX_CHUNKS`] chunks below the size limit are left (the
-    /// smallest, see the module docs). An unkeyed table, replaced whole by its owner, only drops
-    /// its dead rows.
-    fn compact_if_due(&mut self) -> Result<()> {
+    /// Drops chunks without live rows, and merges every chunk when dead rows outnumber live
+    /// ones; whether it merged.
+    fn drop_dead_rows_if_due(&mut self) -> Result<bool> {
         for id in 0..self.chunks.len() {
             if let Some(chunk) = self.chunks[id].take_if(|c| c.live_rows == 0) {
                 self.dead_rows -= chunk.dead_rows();
                 self.free_ids.push(location_part(id)?);
             }
         }
-        if self.dead_rows > self.live_rows {
-            let all: Vec<u32> = (0..self.chunks.len())
-                .filter(|id| self.chunks[*id].is_some())
-                .map(location_part)
-                .collect::<Result<_>>()?;
-            return self.merge(&all);
+        if self.dead_rows <= self.live_rows {
+            return Ok(false);
         }
-        if self.converter.is_none() {
+        let all: Vec<u32> = (0..self.chunks.len())
+            .filter(|id| self.chunks[*id].is_some())
+            .map(location_part)
+            .collect::<Result<_>>()?;
+        self.merge(&all)?;
+        Ok(true)
+    }
+
+    /// Drops dead rows if due, then, while more than [`MAX_CHUNKS`] chunks below the size limit
+    /// are left, merges the smallest (see the module docs).
+    fn compact_if_due(&mut self) -> Result<()> {
+        if self.drop_dead_rows_if_due()? || self.converter.is_none() {
             return Ok(());
         }
         loop {
@@ -793,7 +799,7 @@ mod tests {
         #![proptest_config(ProptestConfig::with_cases(96))]
         /// Taking the touched groups, merging and inserting them back (again for a group
         /// inserted twice), and purging keep exactly what a map of the groups keeps, through
-        /// merges of the newest chunks, full merges and size-capped chunks.
+        /// merges of the smallest chunks, full merges and size-capped chunks.
         #[test]
         fn the_table_holds_what_a_map_of_the_groups_holds(
             steps in proptest::collection::vec(step(), 1..80),

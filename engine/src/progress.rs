@@ -27,9 +27,10 @@ pub const DURATION_BUCKETS: [f64; 12] = [
     0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
 
-/// The phases a batch's time is split into: `read` (sources and event time), `execute` (the
-/// query), `state` (state files and the batch manifest), `commit` (the Delta commits and the
-/// checkpoint purge after them).
+/// The phases of a batch's time: `read` (sources and event time), `execute` (the query),
+/// `state` (state files and the batch manifest), `commit` (the Delta commits and the checkpoint
+/// purge after them). The batch's duration also counts its planning (lease check, listing the
+/// sources, the intent), which is in no phase.
 pub const PHASES: [&str; 4] = ["read", "execute", "state", "commit"];
 
 /// One committed batch, modelled on Spark's `StreamingQueryProgress`.
