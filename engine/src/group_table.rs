@@ -23,14 +23,15 @@
 //!
 //! **Chunks.** Each insert adds chunks and each take or purge leaves dead rows behind. A chunk
 //! has a stable id (the index points at `(id, row)`), so a chunk whose rows are all dead is
-//! simply dropped. After a take or a purge, when dead rows outnumber live ones, every chunk's
-//! live rows are merged into new chunks. Merging small chunks runs only at the start of a take,
-//! not after an insert or a purge: rows a batch inserts are often purged by the same batch, and
-//! the owner's next step may replace the whole state (`take_all`), which needs no merged chunks. When more than [`MAX_CHUNKS`] chunks below the size limit are left, the smallest
-//! are merged — from the smallest up to the first that holds no more live rows than those
-//! before it, then each next smallest while it holds no more than those taken — so a merge at
-//! least doubles the chunk each of its rows lives in, and a row is copied O(log(state / batch))
-//! times over its life. Like a binary counter's carry, one batch now and then merges much more
+//! simply dropped. At the start of a take and after a purge, when dead rows outnumber live
+//! ones, every chunk's live rows are merged into new chunks. Merging small chunks runs only at
+//! the start of a take, not after an insert or a purge: rows a batch inserts are often purged by
+//! the same batch, and the owner's next step may replace the whole state (`take_all`), which
+//! needs no merged chunks. When more than [`MAX_CHUNKS`] chunks below the size limit are left,
+//! the smallest are merged — from the smallest up to the first that holds no more live rows
+//! than those before it, then each next smallest while it holds no more than those taken — so a
+//! merge at least doubles the chunk each of its rows lives in, and a row is copied
+//! O(log(state / batch)) times over its life. Like a binary counter's carry, one batch now and then merges much more
 //! than it brought (at most the state); the average per batch stays O(batch · log(state /
 //! batch)). Merged chunks hold at most [`CHUNK_ROWS`] rows and about [`CHUNK_BYTES`] (cut by the
 //! average row; a piece whose variable-width values would overflow Arrow's 32-bit offsets is
