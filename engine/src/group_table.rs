@@ -244,13 +244,7 @@ impl GroupTable {
         let mut found = self.find(partials)?;
         found.sort_unstable_by_key(|l| (l.chunk, l.row));
         found.dedup();
-        let mut out = Vec::new();
-        for run in found.chunk_by(|a, b| a.chunk == b.chunk) {
-            let chunk = self.chunk(run[0].chunk)?;
-            let rows = UInt32Array::from_iter_values(run.iter().map(|l| l.row));
-            out.push(take_record_batch(&chunk.rows, &rows)?);
-        }
-        Ok(out)
+        self.rows_at(&found)
     }
 
     /// Adds `rows`, one chunk per batch. In a keyed table, a row whose group is present already
@@ -428,12 +422,8 @@ impl GroupTable {
     /// Where the groups that have a row in `partials` live, each once, removed from the index
     /// (a group is found once however often `partials` repeats it).
     fn unindex(&mut self, partials: &[RecordBatch]) -> Result<Vec<Location>> {
-        let Some(converter) = &self.converter else {
-            return Err(internal("groups taken by key from an unkeyed state"));
-        };
         let mut found = Vec::new();
-        for batch in partials.iter().filter(|b| b.num_rows() > 0) {
-            let keys = converter.convert_columns(&batch.columns()[..self.key_columns])?;
+        for keys in self.keys_of(partials)? {
             let chunks = &self.chunks;
             for key in keys.iter() {
                 let hash = self.hasher.hash_one(key.as_ref());
@@ -448,12 +438,8 @@ impl GroupTable {
 
     /// Where the groups that have a row in `partials` live (repeated as `partials` repeats them).
     fn find(&self, partials: &[RecordBatch]) -> Result<Vec<Location>> {
-        let Some(converter) = &self.converter else {
-            return Err(internal("groups looked up by key in an unkeyed state"));
-        };
         let mut found = Vec::new();
-        for batch in partials.iter().filter(|b| b.num_rows() > 0) {
-            let keys = converter.convert_columns(&batch.columns()[..self.key_columns])?;
+        for keys in self.keys_of(partials)? {
             for key in keys.iter() {
                 let hash = self.hasher.hash_one(key.as_ref());
                 let same =
@@ -466,11 +452,32 @@ impl GroupTable {
         Ok(found)
     }
 
+    /// The group keys of `partials`' rows in row format, a `Rows` per non-empty batch.
+    fn keys_of(&self, partials: &[RecordBatch]) -> Result<Vec<Rows>> {
+        let Some(converter) = &self.converter else {
+            return Err(internal("groups looked up by key in an unkeyed state"));
+        };
+        partials
+            .iter()
+            .filter(|b| b.num_rows() > 0)
+            .map(|b| Ok(converter.convert_columns(&b.columns()[..self.key_columns])?))
+            .collect()
+    }
+
+    /// The rows at `found` (sorted by chunk), one batch per chunk.
+    fn rows_at(&self, found: &[Location]) -> Result<Vec<RecordBatch>> {
+        let mut out = Vec::new();
+        for run in found.chunk_by(|a, b| a.chunk == b.chunk) {
+            let rows = UInt32Array::from_iter_values(run.iter().map(|l| l.row));
+            out.push(take_record_batch(&self.chunk(run[0].chunk)?.rows, &rows)?);
+        }
+        Ok(out)
+    }
+
     /// Marks the rows at `found` (no longer indexed) dead and returns them, one batch per chunk.
     fn gather(&mut self, found: &[Location]) -> Result<Vec<RecordBatch>> {
         let mut found = found.to_vec();
         found.sort_unstable_by_key(|l| (l.chunk, l.row));
-        let mut out = Vec::new();
         for run in found.chunk_by(|a, b| a.chunk == b.chunk) {
             let chunk = self.chunks[run[0].chunk as usize]
                 .as_mut()
@@ -479,12 +486,10 @@ impl GroupTable {
                 chunk.live[l.row as usize] = false;
             }
             chunk.live_rows -= run.len();
-            let rows = UInt32Array::from_iter_values(run.iter().map(|l| l.row));
-            out.push(take_record_batch(&chunk.rows, &rows)?);
         }
         self.live_rows -= found.len();
         self.dead_rows += found.len();
-        Ok(out)
+        self.rows_at(&found)
     }
 
     /// Drops chunks without live rows, and merges every chunk when dead rows outnumber live

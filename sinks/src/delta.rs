@@ -749,24 +749,29 @@ impl TableHandle {
             return Ok((0, 0));
         };
         let (mut files, mut bytes) = (0, 0);
-        for line in entry.split(|b| *b == b'\n') {
-            if let Ok(serde_json::Value::Object(action)) = serde_json::from_slice(line)
-                && let Some(add) = action.get("add")
-            {
-                files += 1;
-                bytes += add.get("size").and_then(|s| s.as_u64()).unwrap_or(0);
-            }
+        for add in actions(&entry).filter_map(|a| a.get("add").cloned()) {
+            files += 1;
+            bytes += add.get("size").and_then(|s| s.as_u64()).unwrap_or(0);
         }
         Ok((files, bytes))
     }
 }
 
-/// The version of the last txn action of `app_id` in one commit's JSON lines, if any.
+/// The actions of one commit file (a JSON object a line).
+fn actions(commit: &[u8]) -> impl Iterator<Item = serde_json::Map<String, serde_json::Value>> {
+    commit
+        .split(|b| *b == b'\n')
+        .filter_map(|line| match serde_json::from_slice(line) {
+            Ok(serde_json::Value::Object(action)) => Some(action),
+            _ => None,
+        })
+}
+
+/// The version of the last txn action of `app_id` in one commit, if any.
 fn txn_in_commit(commit: &[u8], app_id: &str) -> Option<i64> {
     let mut found = None;
-    for line in commit.split(|b| *b == b'\n') {
-        if let Ok(serde_json::Value::Object(action)) = serde_json::from_slice(line)
-            && let Some(txn) = action.get("txn")
+    for action in actions(commit) {
+        if let Some(txn) = action.get("txn")
             && txn.get("appId").and_then(|a| a.as_str()) == Some(app_id)
         {
             found = txn.get("version").and_then(serde_json::Value::as_i64);
