@@ -46,7 +46,7 @@ async fn main() -> anyhow::Result<()> {
         "{} batch(es) committed; table {} holds {} rows",
         summary.batches_committed,
         output.display(),
-        table_row_count(&location).await?
+        table_row_count(&location, &Default::default()).await?
     );
     Ok(())
 }

@@ -7,6 +7,7 @@ use std::os::unix::process::ExitStatusExt;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use crate::object_storage::{S3Server, pairs};
 use crate::support::*;
 
 const LINES_PER_FILE: usize = 5;
@@ -29,11 +30,11 @@ fn batches_with_dead_letters(events: &Events) -> Vec<i64> {
 }
 
 /// Runs the job until killed by the armed crash point; asserts it died by SIGKILL.
-fn run_until_crash(job: &str, point: &str, batch: i64) {
-    let out = run_sluice(
-        &["run", job],
-        &[("SLUICE_CRASH_AT", &format!("{point}:{batch}"))],
-    );
+fn run_until_crash(job: &str, env: &[(&str, &str)], point: &str, batch: i64) {
+    let crash_at = format!("{point}:{batch}");
+    let mut env = env.to_vec();
+    env.push(("SLUICE_CRASH_AT", &crash_at));
+    let out = run_sluice(&["run", job], &env);
     assert_eq!(
         out.status.signal(),
         Some(SIGKILL),
@@ -48,9 +49,10 @@ const SIGKILL: i32 = 9;
 
 /// Starts the job and SIGKILLs it after `delay`; returns whether it was killed (false if it
 /// had already finished).
-fn run_and_kill_after(job: &str, delay: Duration) -> bool {
+fn run_and_kill_after(job: &str, env: &[(&str, &str)], delay: Duration) -> bool {
     let mut child = Command::new(sluice_bin())
         .args(["run", job])
+        .envs(env.iter().copied())
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -69,21 +71,38 @@ fn run_and_kill_after(job: &str, delay: Duration) -> bool {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn sigkill_at_any_step_loses_and_duplicates_nothing() {
-    crash_test(STATELESS_SQL, RANDOM_KILLS).await;
+    crash_test(STATELESS_SQL, RANDOM_KILLS, Place::Local).await;
 }
 
 /// The same for a windowed job: its state files, watermark and emitted windows survive every
 /// kill, so the windows equal an uninterrupted run's.
 #[tokio::test(flavor = "multi_thread")]
 async fn sigkill_at_any_step_of_a_windowed_job_gives_identical_windows() {
-    crash_test(WINDOWED_SQL, RANDOM_KILLS).await;
+    crash_test(WINDOWED_SQL, RANDOM_KILLS, Place::Local).await;
 }
 
 /// Tumbling windows and sessions under fewer random kills (the named crash points are the same).
 #[tokio::test(flavor = "multi_thread")]
 async fn sigkill_at_any_step_of_tumbling_and_session_jobs_gives_identical_output() {
-    crash_test(TUMBLING_SQL, 6).await;
-    crash_test(SESSION_SQL, 6).await;
+    crash_test(TUMBLING_SQL, 6, Place::Local).await;
+    crash_test(SESSION_SQL, 6, Place::Local).await;
+}
+
+/// The crash test with the input, the tables and the checkpoint on an S3 server (the stateless
+/// and the windowed job; fewer random kills, each restart taking over the lease after 1 s).
+#[tokio::test(flavor = "multi_thread")]
+async fn sigkill_at_any_step_with_everything_on_s3_loses_and_duplicates_nothing() {
+    let server = S3Server::start(&["landing", "lake"]);
+    crash_test(STATELESS_SQL, 8, Place::S3(&server)).await;
+    crash_test(WINDOWED_SQL, 4, Place::S3(&server)).await;
+}
+
+/// Where the crash test's input, tables and checkpoint live.
+enum Place<'a> {
+    /// Local folders.
+    Local,
+    /// `s3://landing/<n>` and `s3://lake/<n>` on this server.
+    S3(&'a S3Server),
 }
 
 /// Tumbling 20 s windows, several aggregates.
@@ -96,24 +115,49 @@ const TUMBLING_SQL: &str = "SELECT window_start, window_end, user_id % 4 AS buck
 const SESSION_SQL: &str = "SELECT window_start, window_end, user_id, count(*) AS n, sum(amount) AS total \
      FROM session(events, ts, INTERVAL '20' SECOND) GROUP BY window_start, window_end, user_id";
 
-async fn crash_test(sql: &str, random_kills_wanted: usize) {
+async fn crash_test(sql: &str, random_kills_wanted: usize, place: Place<'_>) {
     let windowed = sql != STATELESS_SQL;
     let ws = tempfile::tempdir().unwrap();
     let input = ws.path().join("input");
-    let mut events = Events::write(&input, 0, FIRST_FILES, LINES_PER_FILE);
+    // Fewer files on S3, where each request goes through moto.
+    let (first_files, later_files) = match place {
+        Place::Local => (FIRST_FILES, LATER_FILES),
+        Place::S3(_) => (FIRST_FILES / 3, LATER_FILES / 2),
+    };
+    let mut events = Events::write(&input, 0, first_files, LINES_PER_FILE);
     let crashed = ws.path().join("crashed");
-    let write = |toml: &str, out: &std::path::Path| {
-        write_job_with(
+    // Each run's own folder in the buckets, so two runs on one server never meet.
+    let run = ws.path().file_name().unwrap().to_string_lossy().to_string();
+    let (input_at, crashed_at, env) = match place {
+        Place::Local => (
+            input.display().to_string(),
+            crashed.display().to_string(),
+            Vec::new(),
+        ),
+        Place::S3(server) => {
+            server.upload(&input, "landing", &run).await;
+            let mut env = server.env();
+            env.push(("SLUICE_LEASE_TIMEOUT_MS", "1000".into()));
+            (
+                format!("s3://landing/{run}"),
+                format!("s3://lake/{run}/crashed"),
+                env,
+            )
+        }
+    };
+    let env = pairs(&env);
+    let write = |toml: &str, input: &str, out: &str| {
+        write_job_at(
             &ws.path().join(toml),
             "crash_test",
-            &input,
+            input,
             out,
             MAX_FILES_PER_BATCH,
             sql,
             "",
         )
     };
-    let job = write("crashed.toml", &crashed);
+    let job = write("crashed.toml", &input_at, &crashed_at);
     let job = job.to_str().unwrap();
 
     // 1. Named crash points, including between the side-table and output commits and right
@@ -143,14 +187,17 @@ async fn crash_test(sql: &str, random_kills_wanted: usize) {
     ];
     let mut kills = 0;
     for (point, batch) in points {
-        run_until_crash(job, point, batch);
+        run_until_crash(job, &env, point, batch);
         kills += 1;
     }
 
     // 2. New files arrive mid-run; they join later batches.
     events
         .lines
-        .extend(Events::write(&input, FIRST_FILES, LATER_FILES, LINES_PER_FILE).lines);
+        .extend(Events::write(&input, first_files, later_files, LINES_PER_FILE).lines);
+    if let Place::S3(server) = place {
+        server.upload(&input, "landing", &run).await;
+    }
 
     // 3. SIGKILL at random moments.
     let seed = std::env::var("SLUICE_CRASH_SEED")
@@ -164,7 +211,7 @@ async fn crash_test(sql: &str, random_kills_wanted: usize) {
             break;
         }
         let delay = Duration::from_millis(150 + rng.next() % 450);
-        if run_and_kill_after(job, delay) {
+        if run_and_kill_after(job, &env, delay) {
             random_kills += 1;
         } else {
             break;
@@ -177,11 +224,28 @@ async fn crash_test(sql: &str, random_kills_wanted: usize) {
     );
 
     // 4. Restart to completion.
-    assert_ok(&run_sluice(&["run", job], &[]));
+    assert_ok(&run_sluice(&["run", job], &env));
+    if let Place::S3(server) = place {
+        // Checked with the local readers, on a copy of what the job wrote to the store.
+        server
+            .download("lake", &format!("{run}/crashed"), &crashed)
+            .await;
+        server
+            .download(
+                "lake",
+                &format!("{run}/crashed_dead_letter"),
+                &dead_letter_table(&crashed),
+            )
+            .await;
+    }
 
     // The same job, uninterrupted, over the same files.
     let reference = ws.path().join("reference");
-    let ref_job = write("ref.toml", &reference);
+    let ref_job = write(
+        "ref.toml",
+        &input.display().to_string(),
+        &reference.display().to_string(),
+    );
     assert_ok(&run_sluice(&["run", ref_job.to_str().unwrap()], &[]));
 
     // Same multiset of output rows, every expected row exactly once.
@@ -263,7 +327,7 @@ async fn crash_test(sql: &str, random_kills_wanted: usize) {
     let versions = txn_versions(&crashed, "crash_test");
     let expected: Vec<i64> = (0..versions.len() as i64).collect();
     assert_eq!(versions, expected, "txn versions are not contiguous");
-    let batches = (FIRST_FILES + LATER_FILES).div_ceil(MAX_FILES_PER_BATCH);
+    let batches = (first_files + later_files).div_ceil(MAX_FILES_PER_BATCH);
     assert!(
         versions.len() >= batches,
         "{} commits for {batches} batches",

@@ -17,6 +17,7 @@ mod hostile;
 mod instances;
 mod kafka;
 mod nexmark;
+mod object_storage;
 mod reconcile;
 mod side_tables;
 mod status;

@@ -1,7 +1,8 @@
 """Reads a Delta table with the Python `deltalake` package (delta-rs's Python binding, an
 independent reader of the table format) and prints its schema and rows as JSON on stdout.
 
-Usage: python3 read_delta.py TABLE_PATH
+Usage: python3 read_delta.py TABLE_PATH_OR_URL
+Storage options for an object-store URL (JSON object) come from DELTA_STORAGE_OPTIONS.
 Output: {"schema": [[name, type], ...], "rows": [{col: value, ...}, ...], "version": N}
 """
 import json
@@ -21,7 +22,8 @@ def plain(value):
 
 
 def main() -> None:
-    table = DeltaTable(sys.argv[1])
+    options = json.loads(os.environ.get("DELTA_STORAGE_OPTIONS", "{}"))
+    table = DeltaTable(sys.argv[1], storage_options=options or None)
     data = table.to_pyarrow_table()
     schema = [[f.name, str(f.type)] for f in data.schema]
     rows = data.to_pylist()

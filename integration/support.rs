@@ -202,6 +202,27 @@ pub fn write_job_with(
     sql: &str,
     extra_query: &str,
 ) -> PathBuf {
+    write_job_at(
+        path,
+        job_id,
+        &input.display().to_string(),
+        &out.display().to_string(),
+        max_files,
+        sql,
+        extra_query,
+    )
+}
+
+/// [`write_job_with`] for locations given as text: local paths or URLs (`s3://bucket/x`).
+pub fn write_job_at(
+    path: &Path,
+    job_id: &str,
+    input: &str,
+    out: &str,
+    max_files: usize,
+    sql: &str,
+    extra_query: &str,
+) -> PathBuf {
     let text = format!(
         r#"
 [job]
@@ -226,9 +247,7 @@ mode = "available-now"
 [query]
 {extra_query}
 sql = """{sql}"""
-"#,
-        input = input.display(),
-        out = out.display(),
+"#
     );
     std::fs::write(path, text).unwrap();
     path.to_path_buf()

@@ -15,6 +15,7 @@ use serde::Deserialize;
 use sluice_connectors::files::{FilesSource, FilesSourceConfig};
 use sluice_connectors::kafka::{KafkaSource, KafkaSourceConfig};
 use sluice_connectors::nexmark::{NexmarkSource, NexmarkSourceConfig};
+use sluice_engine::storage::StorageOptions;
 use sluice_engine::{
     EventTimeConfig, EventTimeFormat, Expectation, Job, OutputMode, Trigger, parse_duration,
 };
@@ -52,6 +53,9 @@ struct JobSection {
     /// Where `sluice run` serves metrics and the status page (`127.0.0.1:9898`).
     #[serde(default)]
     metrics_addr: Option<String>,
+    /// How long an object store may stay unreachable before the job stops (default 10 min).
+    #[serde(default)]
+    store_unavailable_timeout: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -140,6 +144,8 @@ pub struct JobFileInfo {
     pub job_id: String,
     /// `[job] metrics_addr`: where `sluice run` serves metrics and the status page.
     pub metrics_addr: Option<std::net::SocketAddr>,
+    /// `[sink.storage_options]`: how the output table's store is configured.
+    pub sink_storage: StorageOptions,
 }
 
 /// Splits `table` into the keys in `common` and the rest.
@@ -153,6 +159,20 @@ fn split(table: &toml::Table, common: &[&str]) -> (toml::Table, toml::Table) {
         }
     }
     (shared, rest)
+}
+
+/// Adds `[job] store_unavailable_timeout` to the `storage_options` table of a source or sink
+/// (creating it), where [`StorageOptions`] reads it back.
+fn add_unavailable_timeout(table: &mut toml::Table, timeout: Duration) {
+    let options = table
+        .entry("storage_options")
+        .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+    if let toml::Value::Table(options) = options {
+        options.insert(
+            StorageOptions::UNAVAILABLE_TIMEOUT_KEY.into(),
+            toml::Value::String(timeout.as_millis().to_string()),
+        );
+    }
 }
 
 /// Resolves a path of the job file against the job file's folder (URLs and absolute paths stay).
@@ -201,6 +221,11 @@ pub fn parse(text: &str, path: &Path, trigger: Option<Trigger>) -> Result<(Job, 
         None => Duration::ZERO,
     };
 
+    let store_unavailable_timeout = match &file.job.store_unavailable_timeout {
+        Some(v) => parse_duration("store_unavailable_timeout", v).with_context(|| ctx("job"))?,
+        None => sluice_engine::storage::DEFAULT_UNAVAILABLE_TIMEOUT,
+    };
+
     let mut builder = Job::builder(file.job.id.clone())
         .with_sql(file.query.sql.clone())
         .with_trigger(trigger)
@@ -229,6 +254,7 @@ pub fn parse(text: &str, path: &Path, trigger: Option<Trigger>) -> Result<(Job, 
                     let resolved = resolve(&base, p);
                     rest.insert("path".into(), toml::Value::String(resolved));
                 }
+                add_unavailable_timeout(&mut rest, store_unavailable_timeout);
                 let config: FilesSourceConfig =
                     from_table(rest).map_err(|e| anyhow::anyhow!("{}: {e}", ctx(&section)))?;
                 Box::new(FilesSource::new(config).with_context(|| ctx(&section))?)
@@ -255,6 +281,7 @@ pub fn parse(text: &str, path: &Path, trigger: Option<Trigger>) -> Result<(Job, 
     let (shared, mut rest) = split(&file.sink, &SINK_COMMON_KEYS);
     let common: SinkCommon =
         from_table(shared).map_err(|e| anyhow::anyhow!("{}: {e}", ctx("sink")))?;
+    let sink_storage: StorageOptions;
     let sink = match common.kind.as_str() {
         "delta" => {
             for key in ["path", "dead_letter_path", "late_path"] {
@@ -263,8 +290,12 @@ pub fn parse(text: &str, path: &Path, trigger: Option<Trigger>) -> Result<(Job, 
                     rest.insert(key.into(), toml::Value::String(resolved));
                 }
             }
+            add_unavailable_timeout(&mut rest, store_unavailable_timeout);
             let config: DeltaSinkConfig =
                 from_table(rest).map_err(|e| anyhow::anyhow!("{}: {e}", ctx("sink")))?;
+            // The checkpoint (by default in the output table's `_sluice/`) uses the sink's store
+            // settings.
+            sink_storage = config.storage_options.clone();
             Box::new(DeltaSink::new(config).with_context(|| ctx("sink"))?)
         }
         other => bail!(
@@ -301,6 +332,7 @@ pub fn parse(text: &str, path: &Path, trigger: Option<Trigger>) -> Result<(Job, 
         });
     }
     let job = builder
+        .with_checkpoint_storage(sink_storage.clone())
         .with_sink(sink)
         .with_output_mode(mode, common.key)
         .with_lineage(common.lineage)
@@ -320,6 +352,7 @@ pub fn parse(text: &str, path: &Path, trigger: Option<Trigger>) -> Result<(Job, 
         path: path.to_path_buf(),
         job_id: file.job.id,
         metrics_addr,
+        sink_storage,
     };
     Ok((job, info))
 }

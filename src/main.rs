@@ -119,7 +119,7 @@ enum Command {
 /// The Kafka client warns at every reconnect attempt; the Kafka source logs one line per retry
 /// with the same error, so the client is kept to errors.
 const DEFAULT_LOG_FILTER: &str = "warn,sluice=info,sluice_engine=info,sluice_connectors=info,sluice_sinks=info,\
-     buoyant_kernel=off,deltalake_core::writer::stats=error,rskafka=error";
+     object_store::client::retry=info,buoyant_kernel=off,deltalake_core::writer::stats=error,rskafka=error";
 
 /// An error and its causes as one line: each cause added unless the message already says it
 /// (errors that wrap another usually repeat it), line breaks folded into spaces.
@@ -275,7 +275,7 @@ async fn run(
         .location
         .clone()
         .ok_or_else(|| anyhow::anyhow!("the job has no output location"))?;
-    let total = sluice::sinks::delta::table_row_count(&location).await?;
+    let total = sluice::sinks::delta::table_row_count(&location, &info.sink_storage).await?;
     let shown = location
         .to_file_path()
         .map(|p| p.display().to_string())
@@ -486,7 +486,7 @@ async fn reconcile(path: PathBuf, from: i64, to: i64) -> Result<()> {
 
 async fn status(table: &str, history: usize, json: bool) -> Result<()> {
     let url = sluice::sinks::delta::table_url(table)?;
-    let status = sluice::sinks::delta::table_status(&url, history).await?;
+    let status = sluice::sinks::delta::table_status(&url, &Default::default(), history).await?;
     if json {
         println!("{}", serde_json::to_string_pretty(&status)?);
         return Ok(());

@@ -29,8 +29,9 @@ use url::Url;
 
 use crate::error::{Error, Result};
 use crate::offsets::{BatchId, PartitionId, SourceOffsets, SourceRanges};
+use crate::storage::StorageOptions;
 
-/// A folder in an object store (local directory, or later S3) where the job keeps its checkpoint.
+/// A folder in an object store (a local directory, S3, GCS, Azure) where the job keeps its checkpoint.
 #[derive(Debug, Clone)]
 pub struct CheckpointStore {
     store: Arc<dyn ObjectStore>,
@@ -39,20 +40,37 @@ pub struct CheckpointStore {
 }
 
 impl CheckpointStore {
-    /// Opens the checkpoint at `url` (`file:///…` or `memory:///`).
+    /// Opens the checkpoint at a local `url` (`file:///…` or `memory:///`), or at an object
+    /// store URL configured from the environment alone.
     ///
     /// # Errors
-    /// If the URL's scheme is not supported by this build, naming the URL.
-    /// Opening writes nothing; folders are created as files are written.
+    /// As [`CheckpointStore::open_with`].
     pub fn open(url: &Url) -> Result<Self> {
-        let (store, prefix) = object_store::parse_url(url).map_err(|e| {
-            Error::InvalidJob(format!("checkpoint location {url} is not supported: {e}"))
-        })?;
+        Self::open_with(url, &StorageOptions::default())
+    }
+
+    /// Opens the checkpoint at `url` (a local folder, `s3://…`, `gs://…`, `az://…`), its store
+    /// configured by `options` over the environment (see [`crate::storage`]).
+    ///
+    /// # Errors
+    /// If the URL's scheme is not supported by this build or an option is unknown, naming the
+    /// URL. Opening writes nothing; folders are created as files are written.
+    pub fn open_with(url: &Url, options: &StorageOptions) -> Result<Self> {
+        let (store, prefix) = crate::storage::open_store(url, options)?;
         Ok(CheckpointStore {
-            store: Arc::from(store),
+            store,
             prefix,
             url: url.clone(),
         })
+    }
+
+    /// Fails unless the checkpoint's store refuses to overwrite a put-if-absent (see
+    /// [`crate::storage::check_conditional_put`]).
+    ///
+    /// # Errors
+    /// [`Error::InvalidJob`] saying the store lacks conditional put; store errors.
+    pub async fn check_conditional_put(&self) -> Result<()> {
+        crate::storage::check_conditional_put(self.store.as_ref(), &self.prefix, &self.url).await
     }
 
     /// Where this store lives, for messages.

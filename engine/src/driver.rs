@@ -198,7 +198,7 @@ pub(crate) fn checkpoint_location(job: &Job) -> Result<CheckpointStore> {
             url
         }
     };
-    CheckpointStore::open(&url)
+    CheckpointStore::open_with(&url, &job.checkpoint_storage)
 }
 
 /// How a job's query is planned: its lineage and lateness settings and its sources' event-time
@@ -340,6 +340,7 @@ impl Pipeline {
         let (sources, mut query) =
             open_sources_and_query(sources, &sql, &settings, &checkpoint, false).await?;
         let expectations = Expectations::plan(&expectations, &query.output_schema())?;
+        checkpoint.check_conditional_put().await?;
         let lease = Lease::acquire(&checkpoint, &job_id, LeaseSettings::default()).await?;
         let position = match restore(
             &checkpoint,

@@ -16,6 +16,7 @@ use crate::expectations::Expectation;
 use crate::progress::{JobDescription, Progress};
 use crate::sink::{OutputMode, Sink};
 use crate::source::Source;
+use crate::storage::StorageOptions;
 
 /// When batches run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,6 +85,9 @@ pub struct Job {
     pub sink: Box<dyn Sink>,
     /// Checkpoint location; `None` for `<sink location>/_sluice/<job id>`.
     pub checkpoint: Option<Url>,
+    /// How the checkpoint's store is configured (the `sluice` binary passes the sink's
+    /// `storage_options`), and how long it may stay unreachable.
+    pub checkpoint_storage: StorageOptions,
     /// When batches run.
     pub trigger: Trigger,
     /// Whether output rows carry `_source_partition` and `_source_offset`.
@@ -139,6 +143,7 @@ impl Job {
             sql: None,
             sink: None,
             checkpoint: None,
+            checkpoint_storage: StorageOptions::default(),
             trigger: Trigger::AvailableNow,
             lineage: true,
             keep_batches: 10,
@@ -173,6 +178,7 @@ pub struct JobBuilder {
     sql: Option<String>,
     sink: Option<Box<dyn Sink>>,
     checkpoint: Option<Url>,
+    checkpoint_storage: StorageOptions,
     trigger: Trigger,
     lineage: bool,
     keep_batches: u32,
@@ -215,6 +221,13 @@ impl JobBuilder {
     /// Sets the checkpoint location (default: `<sink location>/_sluice/<job id>`).
     pub fn with_checkpoint(mut self, url: Url) -> Self {
         self.checkpoint = Some(url);
+        self
+    }
+
+    /// Configures the checkpoint's object store (default: from the environment alone; see
+    /// [`crate::storage`]).
+    pub fn with_checkpoint_storage(mut self, options: StorageOptions) -> Self {
+        self.checkpoint_storage = options;
         self
     }
 
@@ -338,6 +351,7 @@ impl JobBuilder {
             sql,
             sink,
             checkpoint: self.checkpoint,
+            checkpoint_storage: self.checkpoint_storage,
             trigger: self.trigger,
             lineage: self.lineage,
             keep_batches: self.keep_batches,

@@ -48,6 +48,7 @@ pub mod sink;
 pub mod source;
 pub mod state_store;
 pub mod stateful_aggregate;
+pub mod storage;
 pub mod watermark;
 pub mod window;
 

@@ -59,6 +59,7 @@ use sluice_engine::dead_letter::{SOURCE_NAME, dead_letter_schema};
 use sluice_engine::fault::{crash_point, pause_point};
 use sluice_engine::late::WINDOWS_MISSED;
 use sluice_engine::source::{SOURCE_OFFSET, SOURCE_PARTITION};
+use sluice_engine::storage::StorageOptions;
 use sluice_engine::{
     BatchCommit, BatchId, CommitOutcome, OffsetRange, OutputTables, PartitionId, RecomputedRows,
     Replacement, SideTableBatch, Sink, TableScan,
@@ -87,6 +88,11 @@ pub struct DeltaSinkConfig {
     /// Target size of data files, e.g. `"128MB"` (default: delta-rs's, 100 MiB).
     #[serde(default)]
     pub target_file_size: Option<String>,
+    /// How the tables' object store is configured, over the environment (`[sink.
+    /// storage_options]`, see [`sluice_engine::storage`]); the side tables and the checkpoint
+    /// use the same.
+    #[serde(default)]
+    pub storage_options: StorageOptions,
 }
 
 impl DeltaSinkConfig {
@@ -97,6 +103,7 @@ impl DeltaSinkConfig {
             dead_letter_path: None,
             late_path: None,
             target_file_size: None,
+            storage_options: StorageOptions::default(),
         }
     }
 }
@@ -121,6 +128,8 @@ struct TableHandle {
     /// "output", "dead-letter" or "late", for messages.
     role: &'static str,
     url: Url,
+    /// How its store is configured.
+    options: StorageOptions,
     table: Mutex<Option<DeltaTable>>,
     /// Commits retried after a conflict, over the sink's tables.
     conflicts: Arc<AtomicU64>,
@@ -161,10 +170,11 @@ impl DeltaSink {
             })?),
         };
         let conflicts = Arc::new(AtomicU64::new(0));
+        let options = &config.storage_options;
         Ok(DeltaSink {
-            output: TableHandle::new("output", output, &conflicts),
-            dead_letters: TableHandle::new("dead-letter", dead, &conflicts),
-            late: TableHandle::new("late", late, &conflicts),
+            output: TableHandle::new("output", output, options, &conflicts),
+            dead_letters: TableHandle::new("dead-letter", dead, options, &conflicts),
+            late: TableHandle::new("late", late, options, &conflicts),
             conflicts,
             target_file_size,
             job_id: String::new(),
@@ -184,10 +194,17 @@ impl DeltaSink {
 }
 
 impl TableHandle {
-    fn new(role: &'static str, url: Url, conflicts: &Arc<AtomicU64>) -> Self {
+    fn new(
+        role: &'static str,
+        url: Url,
+        options: &StorageOptions,
+        conflicts: &Arc<AtomicU64>,
+    ) -> Self {
+        register_cloud_stores();
         TableHandle {
             role,
             url,
+            options: options.clone(),
             table: Mutex::new(None),
             conflicts: Arc::clone(conflicts),
             txns: std::sync::Mutex::new(BTreeMap::new()),
@@ -208,9 +225,16 @@ impl TableHandle {
         {
             std::fs::create_dir_all(dir)?;
         }
-        let mut table = DeltaTable::try_from_url(self.url.clone())
-            .await
-            .map_err(|e| self.err(e))?;
+        let mut table =
+            DeltaTable::try_from_url_with_storage_options(self.url.clone(), self.options.to_map())
+                .await
+                .map_err(|e| self.err(e))?;
+        sluice_engine::storage::check_conditional_put(
+            table.log_store().object_store(None).as_ref(),
+            &deltalake::Path::default(),
+            &self.url,
+        )
+        .await?;
         if table.version().is_none() {
             let normalized = deltalake::kernel::schema::cast::normalize_for_delta(schema);
             let delta_schema: StructType = normalized
@@ -264,7 +288,9 @@ impl TableHandle {
         if self.table.lock().await.is_some() {
             return self.latest().await.map(Some);
         }
-        match deltalake::open_table(self.url.clone()).await {
+        match deltalake::open_table_with_storage_options(self.url.clone(), self.options.to_map())
+            .await
+        {
             Ok(table) => Ok(Some(table)),
             Err(
                 deltalake::DeltaTableError::NotATable(_)
@@ -1230,8 +1256,9 @@ impl Sink for DeltaSink {
 ///
 /// # Errors
 /// If the table cannot be loaded.
-pub async fn table_row_count(url: &Url) -> Result<u64> {
-    let table = deltalake::open_table(url.clone())
+pub async fn table_row_count(url: &Url, options: &StorageOptions) -> Result<u64> {
+    register_cloud_stores();
+    let table = deltalake::open_table_with_storage_options(url.clone(), options.to_map())
         .await
         .map_err(|source| SinkError::Delta {
             table: url.to_string(),
@@ -1280,13 +1307,20 @@ pub struct TableStatus {
 ///
 /// # Errors
 /// If the table cannot be loaded.
-pub async fn table_status(url: &Url, history: usize) -> Result<TableStatus> {
+pub async fn table_status(
+    url: &Url,
+    options: &StorageOptions,
+    history: usize,
+) -> Result<TableStatus> {
     use futures::TryStreamExt;
+    register_cloud_stores();
     let err = |source| SinkError::Delta {
         table: url.to_string(),
         source,
     };
-    let table = deltalake::open_table(url.clone()).await.map_err(err)?;
+    let table = deltalake::open_table_with_storage_options(url.clone(), options.to_map())
+        .await
+        .map_err(err)?;
     let rows = row_count(&table).map_err(err)?;
     let infos: Vec<_> = table
         .history(Some(history))
@@ -1321,6 +1355,59 @@ pub async fn table_status(url: &Url, history: usize) -> Result<TableStatus> {
         rows,
         jobs,
     })
+}
+
+/// The URL schemes of the cloud stores, each opened by Sluice's own store factory.
+const CLOUD_SCHEMES: [&str; 8] = ["s3", "s3a", "gs", "az", "abfs", "abfss", "azure", "adl"];
+
+/// delta-rs opens a table's store through factories registered per URL scheme. Sluice registers
+/// its own for the cloud schemes, so a table's store is the one every other location gets
+/// ([`sluice_engine::storage::open_store`]: configured from the environment and the
+/// `storage_options`, patient with a store that is briefly down), and commits go through
+/// delta-rs's default log store: a put-if-absent per version, no lock service.
+pub fn register_cloud_stores() {
+    static REGISTERED: std::sync::Once = std::sync::Once::new();
+    REGISTERED.call_once(|| {
+        for scheme in CLOUD_SCHEMES {
+            let Ok(url) = Url::parse(&format!("{scheme}://")) else {
+                continue;
+            };
+            deltalake::logstore::object_store_factories()
+                .insert(url.clone(), Arc::new(SluiceStores));
+            deltalake::logstore::logstore_factories().insert(url, Arc::new(SluiceStores));
+        }
+    });
+}
+
+/// The store and log-store factory [`register_cloud_stores`] registers.
+struct SluiceStores;
+
+impl deltalake::logstore::ObjectStoreFactory for SluiceStores {
+    fn parse_url_opts(
+        &self,
+        url: &Url,
+        config: &deltalake::logstore::StorageConfig,
+    ) -> deltalake::DeltaResult<(deltalake::logstore::ObjectStoreRef, deltalake::Path)> {
+        sluice_engine::storage::open_store(url, &StorageOptions::from_map(&config.raw))
+            .map_err(|e| deltalake::DeltaTableError::Generic(e.to_string()))
+    }
+}
+
+impl deltalake::logstore::LogStoreFactory for SluiceStores {
+    fn with_options(
+        &self,
+        prefixed_store: deltalake::logstore::ObjectStoreRef,
+        root_store: deltalake::logstore::ObjectStoreRef,
+        location: &Url,
+        options: &deltalake::logstore::StorageConfig,
+    ) -> deltalake::DeltaResult<Arc<dyn deltalake::logstore::LogStore>> {
+        Ok(deltalake::logstore::default_logstore(
+            prefixed_store,
+            root_store,
+            location,
+            options,
+        ))
+    }
 }
 
 /// Turns a path or URL into a table URL (see [`sluice_engine::location::directory_url`]).

@@ -50,6 +50,7 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use sluice_engine::checkpoint::CheckpointStore;
 use sluice_engine::source::{attach_lineage, with_lineage_fields};
+use sluice_engine::storage::StorageOptions;
 use sluice_engine::{
     AvailableRange, DeadLetter, InferredColumn, OffsetRange, PartitionId, SchemaInference, Source,
     SourceContext, SourceRead, cpu_bound,
@@ -109,6 +110,10 @@ pub struct FilesSourceConfig {
     /// inferred, `none` when declared); see [`crate::evolve`].
     #[serde(default)]
     pub schema_evolution: Option<SchemaEvolution>,
+    /// How the folder's object store is configured, over the environment (`[sources.NAME.
+    /// storage_options]`; see [`sluice_engine::storage`]).
+    #[serde(default)]
+    pub storage_options: StorageOptions,
 }
 
 impl FilesSourceConfig {
@@ -123,6 +128,7 @@ impl FilesSourceConfig {
             header: true,
             delimiter: default_delimiter(),
             schema_evolution: None,
+            storage_options: StorageOptions::default(),
         }
     }
 }
@@ -209,9 +215,7 @@ impl FilesSource {
                 )));
             }
         }
-        let (store, prefix) = object_store::parse_url(&url).map_err(|e| {
-            ConnectorError::Config(format!("path '{}' is not supported: {e}", config.path))
-        })?;
+        let (store, prefix) = sluice_engine::storage::open_store(&url, &config.storage_options)?;
         let delimiter = match config.delimiter.as_bytes() {
             [b] if !matches!(b, b'"' | b'\r' | b'\n') => *b,
             _ => {
@@ -225,7 +229,7 @@ impl FilesSource {
             config,
             delimiter,
             url,
-            store: Arc::from(store),
+            store,
             prefix,
             opened: None,
         })

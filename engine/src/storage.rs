@@ -1,0 +1,649 @@
+//! Object storage: where a location's bytes live (a local disk, S3, GCS or Azure), how a
+//! location is configured, and how Sluice rides out a store that is briefly down.
+//!
+//! Every location a job names — a files source's folder, the Delta tables, the checkpoint — is
+//! opened by [`open_store`], so a URL means the same thing everywhere.
+//!
+//! **Configuration** is the way users already give it: the standard environment variables
+//! (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`,
+//! `AWS_ALLOW_HTTP`, …; `GOOGLE_SERVICE_ACCOUNT`, …; `AZURE_STORAGE_ACCOUNT_NAME`, …), overridden
+//! per location by [`StorageOptions`] (a job file's `storage_options` table), whose keys are
+//! spelled as object_store and delta-rs spell them (`aws_endpoint`, `aws_region`,
+//! `google_service_account`, `azure_storage_account_name`, …). An unknown key is an error naming
+//! it. Option values are never printed: [`StorageOptions`]' `Debug` shows keys only.
+//!
+//! **Transient errors** (timeouts, 5xx such as S3's 503 SlowDown, 429, a refused or reset
+//! connection) are retried: object_store retries a request itself for a short while, and
+//! [`PatientStore`] keeps retrying with backoff — logging each attempt — for up to the job's
+//! `store_unavailable_timeout` (default 10 min) before the operation fails with
+//! [`StoreUnavailable`]. A write that must not overwrite (`PutMode::Create`) and whose first
+//! attempt timed out may have landed: if a retry then finds the object present with exactly the
+//! bytes it was writing, the write counts as its own.
+//!
+//! **Conditional put.** Delta commits and the checkpoint's intents, manifests and lease are
+//! written put-if-absent; there is no lock service and no "unsafe rename" mode. A store that
+//! cannot do that is refused when the job starts ([`check_conditional_put`]).
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::future::Future;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::stream::BoxStream;
+use futures::{StreamExt, TryStreamExt};
+use object_store::path::Path;
+use object_store::{
+    CopyOptions, GetOptions, GetResult, GetResultPayload, ListResult, MultipartUpload, ObjectMeta,
+    ObjectStore, ObjectStoreExt, ObjectStoreScheme, PutMode, PutMultipartOptions, PutOptions,
+    PutPayload, PutResult,
+};
+use tracing::warn;
+use url::Url;
+
+use crate::error::{Error, Result};
+
+/// How long a store may stay unreachable before the job stops (`[job] store_unavailable_timeout`).
+pub const DEFAULT_UNAVAILABLE_TIMEOUT: Duration = Duration::from_secs(10 * 60);
+
+/// The key under which [`StorageOptions::to_map`] passes the unavailable timeout along with the
+/// options (to delta-rs, which hands the map back to Sluice's store factory).
+const UNAVAILABLE_TIMEOUT_KEY: &str = "sluice_store_unavailable_timeout_ms";
+
+/// Per-location settings of an object store: option keys as object_store spells them, and how
+/// long the store may stay unreachable. `Debug` shows the keys, never the values (they hold
+/// secrets).
+#[derive(Clone, PartialEq, Eq)]
+pub struct StorageOptions {
+    options: BTreeMap<String, String>,
+    unavailable_timeout: Duration,
+}
+
+impl Default for StorageOptions {
+    fn default() -> Self {
+        StorageOptions {
+            options: BTreeMap::new(),
+            unavailable_timeout: DEFAULT_UNAVAILABLE_TIMEOUT,
+        }
+    }
+}
+
+impl fmt::Debug for StorageOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StorageOptions")
+            .field("keys", &self.options.keys().collect::<Vec<_>>())
+            .field("unavailable_timeout", &self.unavailable_timeout)
+            .finish()
+    }
+}
+
+impl StorageOptions {
+    /// Options from `key = value` pairs (keys are matched case-insensitively).
+    pub fn new(options: impl IntoIterator<Item = (String, String)>) -> Self {
+        StorageOptions {
+            options: options
+                .into_iter()
+                .map(|(k, v)| (k.to_ascii_lowercase(), v))
+                .collect(),
+            unavailable_timeout: DEFAULT_UNAVAILABLE_TIMEOUT,
+        }
+    }
+
+    /// The same options with another unavailable timeout.
+    #[must_use]
+    pub fn with_unavailable_timeout(mut self, timeout: Duration) -> Self {
+        self.unavailable_timeout = timeout;
+        self
+    }
+
+    /// How long the store may stay unreachable before an operation fails.
+    pub fn unavailable_timeout(&self) -> Duration {
+        self.unavailable_timeout
+    }
+
+    /// Whether no option is set.
+    pub fn is_empty(&self) -> bool {
+        self.options.is_empty()
+    }
+
+    /// The options and the timeout as one map, for delta-rs to hand back to the store factory
+    /// (see [`StorageOptions::from_map`]).
+    pub fn to_map(&self) -> std::collections::HashMap<String, String> {
+        let mut map: std::collections::HashMap<String, String> = self
+            .options
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        map.insert(
+            UNAVAILABLE_TIMEOUT_KEY.into(),
+            self.unavailable_timeout.as_millis().to_string(),
+        );
+        map
+    }
+
+    /// Reads back a map made by [`StorageOptions::to_map`] (or a job file's `storage_options`
+    /// table, with the timeout the job file added to it).
+    pub fn from_map<'a>(map: impl IntoIterator<Item = (&'a String, &'a String)>) -> Self {
+        let mut options = StorageOptions::default();
+        for (key, value) in map {
+            let key = key.to_ascii_lowercase();
+            if key == UNAVAILABLE_TIMEOUT_KEY {
+                if let Ok(ms) = value.parse() {
+                    options.unavailable_timeout = Duration::from_millis(ms);
+                }
+            } else {
+                options.options.insert(key, value.clone());
+            }
+        }
+        options
+    }
+
+    /// The key under which a job file passes `[job] store_unavailable_timeout` (in
+    /// milliseconds) along with a location's `storage_options`.
+    pub const UNAVAILABLE_TIMEOUT_KEY: &'static str = UNAVAILABLE_TIMEOUT_KEY;
+}
+
+impl<'de> serde::Deserialize<'de> for StorageOptions {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let map = BTreeMap::<String, String>::deserialize(d)?;
+        Ok(StorageOptions::from_map(&map))
+    }
+}
+
+/// Opens the object store holding `url`, configured from the environment and `options`; returns
+/// it with the path of `url` inside it. Cloud stores come wrapped in a [`PatientStore`].
+///
+/// # Errors
+/// [`Error::InvalidJob`] naming the URL if its scheme is not one this build has (file, memory,
+/// s3, s3a, gs, az, abfs, abfss, azure), or naming an option key the store does not know.
+pub fn open_store(url: &Url, options: &StorageOptions) -> Result<(Arc<dyn ObjectStore>, Path)> {
+    let unsupported = |e: &dyn fmt::Display| {
+        Error::InvalidJob(format!(
+            "location {url} is not supported: {e} (this build reads and writes local paths, \
+             file://, s3://, s3a://, gs://, az://, abfs://, abfss:// and azure:// URLs)"
+        ))
+    };
+    let (scheme, path) = ObjectStoreScheme::parse(url).map_err(|e| unsupported(&e))?;
+    let path = Path::parse(path).map_err(|e| unsupported(&e))?;
+    let invalid = |e: object_store::Error| {
+        Error::InvalidJob(format!("location {url}: the store cannot be set up: {e}"))
+    };
+    let unknown_key = |key: &str, store: &str| {
+        Error::InvalidJob(format!(
+            "location {url}: storage option '{key}' is not a {store} option (keys are spelled as \
+             object_store spells them, e.g. aws_endpoint, aws_region, google_service_account, \
+             azure_storage_account_name)"
+        ))
+    };
+    let store: Arc<dyn ObjectStore> = match scheme {
+        ObjectStoreScheme::Local | ObjectStoreScheme::Memory => {
+            if let Some(key) = options.options.keys().next() {
+                return Err(Error::InvalidJob(format!(
+                    "location {url}: storage option '{key}' applies to object stores, not to a \
+                     local path"
+                )));
+            }
+            let (store, _) = object_store::parse_url(url).map_err(|e| unsupported(&e))?;
+            return Ok((Arc::from(store), path));
+        }
+        ObjectStoreScheme::AmazonS3 => {
+            use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
+            let mut builder = AmazonS3Builder::from_env().with_url(url.as_str());
+            for (key, value) in &options.options {
+                let key: AmazonS3ConfigKey = key.parse().map_err(|_| unknown_key(key, "S3"))?;
+                builder = builder.with_config(key, value);
+            }
+            Arc::new(
+                builder
+                    .with_retry(retry_config())
+                    .build()
+                    .map_err(invalid)?,
+            )
+        }
+        ObjectStoreScheme::GoogleCloudStorage => {
+            use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey};
+            let mut builder = GoogleCloudStorageBuilder::from_env().with_url(url.as_str());
+            for (key, value) in &options.options {
+                let key: GoogleConfigKey = key.parse().map_err(|_| unknown_key(key, "GCS"))?;
+                builder = builder.with_config(key, value);
+            }
+            Arc::new(
+                builder
+                    .with_retry(retry_config())
+                    .build()
+                    .map_err(invalid)?,
+            )
+        }
+        ObjectStoreScheme::MicrosoftAzure => {
+            use object_store::azure::{AzureConfigKey, MicrosoftAzureBuilder};
+            let mut builder = MicrosoftAzureBuilder::from_env().with_url(url.as_str());
+            for (key, value) in &options.options {
+                let key: AzureConfigKey = key.parse().map_err(|_| unknown_key(key, "Azure"))?;
+                builder = builder.with_config(key, value);
+            }
+            Arc::new(
+                builder
+                    .with_retry(retry_config())
+                    .build()
+                    .map_err(invalid)?,
+            )
+        }
+        other => return Err(unsupported(&format!("{other:?} is not built in"))),
+    };
+    Ok((
+        Arc::new(PatientStore {
+            inner: store,
+            url: url.clone(),
+            timeout: options.unavailable_timeout,
+        }),
+        path,
+    ))
+}
+
+/// object_store's own retries of one request (each logged by object_store at info): two, within
+/// 5 s, for a blip; a store down for longer is waited for by [`PatientStore`].
+fn retry_config() -> object_store::RetryConfig {
+    object_store::RetryConfig {
+        backoff: object_store::BackoffConfig::default(),
+        max_retries: 2,
+        retry_timeout: Duration::from_secs(5),
+    }
+}
+
+/// Checks that the store at `url` refuses to overwrite an object written with
+/// `PutMode::Create`, by writing a probe object under `prefix` twice (then deleting it). Local
+/// disks are not probed: they always can.
+///
+/// # Errors
+/// [`Error::InvalidJob`] saying the store does not support conditional put; store errors.
+pub async fn check_conditional_put(
+    store: &dyn ObjectStore,
+    prefix: &Path,
+    url: &Url,
+) -> Result<()> {
+    if matches!(url.scheme(), "file" | "memory") {
+        return Ok(());
+    }
+    let probe = prefix.clone().join(format!(
+        "_sluice_conditional_put_probe_{}_{}",
+        std::process::id(),
+        chrono::Utc::now().timestamp_nanos_opt().unwrap_or_default()
+    ));
+    let create = PutOptions::from(PutMode::Create);
+    let refused = |detail: String| {
+        Error::InvalidJob(format!(
+            "the object store at {url} does not support conditional put ({detail}). Sluice \
+             commits Delta versions and checkpoint files with a put-if-absent (PutMode::Create, \
+             If-None-Match: *) and has no lock service or unsafe-rename mode: use a store that \
+             enforces it (AWS S3, MinIO, Cloudflare R2, GCS, Azure, moto >= 5.2.1)"
+        ))
+    };
+    match store
+        .put_opts(&probe, PutPayload::from_static(b"1"), create.clone())
+        .await
+    {
+        Ok(_) => {}
+        Err(object_store::Error::NotImplemented { .. }) => {
+            return Err(refused("the client refuses PutMode::Create".into()));
+        }
+        Err(e) => return Err(e.into()),
+    }
+    let second = store
+        .put_opts(&probe, PutPayload::from_static(b"2"), create)
+        .await;
+    let _ = store.delete(&probe).await;
+    match second {
+        Err(object_store::Error::AlreadyExists { .. }) => Ok(()),
+        Ok(_) => Err(refused(
+            "a second put-if-absent of the same object overwrote it".into(),
+        )),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// The error of an operation on a store that stayed unreachable past the job's
+/// `store_unavailable_timeout`.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the object store at {url} was unreachable for {waited:.0?} ({operation} {path}), past \
+     store_unavailable_timeout ({timeout:?}); the last error: {last}. The job stops here; a \
+     restart continues from its last commit"
+)]
+pub struct StoreUnavailable {
+    url: String,
+    operation: &'static str,
+    path: String,
+    waited: Duration,
+    timeout: Duration,
+    last: String,
+}
+
+/// A cloud store that waits out transient errors for up to its timeout (see the module docs).
+#[derive(Debug)]
+pub struct PatientStore {
+    inner: Arc<dyn ObjectStore>,
+    url: Url,
+    timeout: Duration,
+}
+
+impl fmt::Display for PatientStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "PatientStore({})", self.inner)
+    }
+}
+
+/// Whether `error` says the store could not be reached or was briefly overloaded (as opposed to
+/// a refusal that will not change: not found, forbidden, already exists).
+pub fn is_transient(error: &object_store::Error) -> bool {
+    let object_store::Error::Generic { source, .. } = error else {
+        return false;
+    };
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(source.as_ref());
+    while let Some(e) = cause {
+        if e.is::<object_store::client::HttpError>() {
+            return true;
+        }
+        let text = e.to_string();
+        if let Some(rest) = text.split("non-2xx status code: ").nth(1) {
+            let status = rest.get(..3).unwrap_or("");
+            if status.starts_with('5') || status == "429" || status == "408" {
+                return true;
+            }
+        }
+        cause = e.source();
+    }
+    false
+}
+
+impl PatientStore {
+    /// Runs `attempt` until it succeeds, fails for good, or the store has been unreachable for
+    /// the timeout.
+    async fn patiently<T, F, Fut>(
+        &self,
+        operation: &'static str,
+        path: &Path,
+        mut attempt: F,
+    ) -> object_store::Result<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = object_store::Result<T>>,
+    {
+        let started = Instant::now();
+        let mut pause = Duration::from_millis(200);
+        let mut tries = 0u32;
+        loop {
+            match attempt().await {
+                Err(error) if is_transient(&error) => {
+                    tries += 1;
+                    let waited = started.elapsed();
+                    if waited >= self.timeout {
+                        return Err(object_store::Error::Generic {
+                            store: "sluice",
+                            source: Box::new(StoreUnavailable {
+                                url: self.url.to_string(),
+                                operation,
+                                path: path.to_string(),
+                                waited,
+                                timeout: self.timeout,
+                                last: error.to_string(),
+                            }),
+                        });
+                    }
+                    warn!(store = %self.url, operation, %path, tries, waited_s = waited.as_secs_f64(), %error, "object store unavailable; retrying");
+                    tokio::time::sleep(pause.min(self.timeout.saturating_sub(waited))).await;
+                    pause = (pause * 2).min(Duration::from_secs(10));
+                }
+                other => return other,
+            }
+        }
+    }
+}
+
+/// Whether `payload` holds exactly `bytes`.
+fn same_bytes(payload: &PutPayload, bytes: &Bytes) -> bool {
+    payload.content_length() == bytes.len()
+        && payload
+            .iter()
+            .scan(0, |at, chunk| {
+                let start = *at;
+                *at += chunk.len();
+                Some(bytes.get(start..*at) == Some(chunk.as_ref()))
+            })
+            .all(|same| same)
+}
+
+#[async_trait::async_trait]
+impl ObjectStore for PatientStore {
+    async fn put_opts(
+        &self,
+        location: &Path,
+        payload: PutPayload,
+        opts: PutOptions,
+    ) -> object_store::Result<PutResult> {
+        let create = matches!(opts.mode, PutMode::Create);
+        let mut attempts = 0;
+        self.patiently("put", location, || {
+            attempts += 1;
+            let (payload, opts) = (payload.clone(), opts.clone());
+            let retried = attempts > 1;
+            async move {
+                match self.inner.put_opts(location, payload.clone(), opts).await {
+                    // An earlier attempt that timed out may have landed: the object holding
+                    // exactly these bytes is this write.
+                    Err(e @ object_store::Error::AlreadyExists { .. }) if create && retried => {
+                        let got = self.inner.get(location).await?;
+                        let (e_tag, version) = (got.meta.e_tag.clone(), got.meta.version.clone());
+                        if same_bytes(&payload, &got.bytes().await?) {
+                            Ok(PutResult { e_tag, version })
+                        } else {
+                            Err(e)
+                        }
+                    }
+                    other => other,
+                }
+            }
+        })
+        .await
+    }
+
+    async fn put_multipart_opts(
+        &self,
+        location: &Path,
+        opts: PutMultipartOptions,
+    ) -> object_store::Result<Box<dyn MultipartUpload>> {
+        self.patiently("start upload", location, || {
+            self.inner.put_multipart_opts(location, opts.clone())
+        })
+        .await
+    }
+
+    async fn get_opts(
+        &self,
+        location: &Path,
+        options: GetOptions,
+    ) -> object_store::Result<GetResult> {
+        // The body is read inside the retry, so a connection lost mid-body is retried too.
+        self.patiently("get", location, || {
+            let options = options.clone();
+            async move {
+                let got = self.inner.get_opts(location, options).await?;
+                let (meta, range, attributes) =
+                    (got.meta.clone(), got.range.clone(), got.attributes.clone());
+                let bytes = got.bytes().await?;
+                Ok(GetResult {
+                    payload: GetResultPayload::Stream(
+                        futures::stream::once(async move { Ok(bytes) }).boxed(),
+                    ),
+                    meta,
+                    range,
+                    attributes,
+                })
+            }
+        })
+        .await
+    }
+
+    async fn get_ranges(
+        &self,
+        location: &Path,
+        ranges: &[Range<u64>],
+    ) -> object_store::Result<Vec<Bytes>> {
+        self.patiently("get ranges", location, || {
+            self.inner.get_ranges(location, ranges)
+        })
+        .await
+    }
+
+    fn delete_stream(
+        &self,
+        locations: BoxStream<'static, object_store::Result<Path>>,
+    ) -> BoxStream<'static, object_store::Result<Path>> {
+        let inner = Arc::clone(&self.inner);
+        let url = self.url.clone();
+        let timeout = self.timeout;
+        locations
+            .and_then(move |path| {
+                let store = PatientStore {
+                    inner: Arc::clone(&inner),
+                    url: url.clone(),
+                    timeout,
+                };
+                async move {
+                    store
+                        .patiently("delete", &path, || store.inner.delete(&path))
+                        .await
+                        .map(|()| path)
+                }
+            })
+            .boxed()
+    }
+
+    fn list(&self, prefix: Option<&Path>) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
+        self.list_patiently(prefix, None)
+    }
+
+    fn list_with_offset(
+        &self,
+        prefix: Option<&Path>,
+        offset: &Path,
+    ) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
+        self.list_patiently(prefix, Some(offset))
+    }
+
+    async fn list_with_delimiter(&self, prefix: Option<&Path>) -> object_store::Result<ListResult> {
+        let at = prefix.cloned().unwrap_or_default();
+        self.patiently("list", &at, || self.inner.list_with_delimiter(prefix))
+            .await
+    }
+
+    async fn copy_opts(
+        &self,
+        from: &Path,
+        to: &Path,
+        options: CopyOptions,
+    ) -> object_store::Result<()> {
+        self.patiently("copy", from, || {
+            self.inner.copy_opts(from, to, options.clone())
+        })
+        .await
+    }
+}
+
+impl PatientStore {
+    /// A listing, retried whole: collected before it is handed out, so a listing cut off
+    /// halfway is started again rather than returned short.
+    fn list_patiently(
+        &self,
+        prefix: Option<&Path>,
+        offset: Option<&Path>,
+    ) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
+        let store = PatientStore {
+            inner: Arc::clone(&self.inner),
+            url: self.url.clone(),
+            timeout: self.timeout,
+        };
+        let (prefix, offset) = (prefix.cloned(), offset.cloned());
+        futures::stream::once(async move {
+            let at = prefix.clone().unwrap_or_default();
+            store
+                .patiently("list", &at, || {
+                    let listing = match &offset {
+                        Some(offset) => store.inner.list_with_offset(prefix.as_ref(), offset),
+                        None => store.inner.list(prefix.as_ref()),
+                    };
+                    listing.try_collect::<Vec<_>>()
+                })
+                .await
+        })
+        .map_ok(|metas| futures::stream::iter(metas.into_iter().map(Ok)))
+        .try_flatten()
+        .boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_never_print_their_values() {
+        let options = StorageOptions::new([
+            ("AWS_SECRET_ACCESS_KEY".to_string(), "hunter2".to_string()),
+            ("aws_region".to_string(), "eu-west-1".to_string()),
+        ]);
+        let shown = format!("{options:?}");
+        assert!(shown.contains("aws_secret_access_key"), "{shown}");
+        assert!(
+            !shown.contains("hunter2") && !shown.contains("eu-west-1"),
+            "{shown}"
+        );
+        let back = StorageOptions::from_map(
+            options
+                .clone()
+                .with_unavailable_timeout(Duration::from_secs(3))
+                .to_map()
+                .iter(),
+        );
+        assert_eq!(back.unavailable_timeout(), Duration::from_secs(3));
+        assert_eq!(back.options, options.options);
+    }
+
+    #[test]
+    fn a_bad_scheme_or_option_key_is_named() {
+        let url = Url::parse("ftp://host/x/").unwrap();
+        let err = open_store(&url, &StorageOptions::default())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("ftp://host/x/"), "{err}");
+        let url = Url::parse("s3://bucket/x/").unwrap();
+        let options = StorageOptions::new([("aws_endpoit".to_string(), "x".to_string())]);
+        let err = open_store(&url, &options).unwrap_err().to_string();
+        assert!(err.contains("'aws_endpoit'"), "{err}");
+        let local = Url::parse("file:///tmp/x/").unwrap();
+        let err = open_store(&local, &options).unwrap_err().to_string();
+        assert!(err.contains("local path"), "{err}");
+    }
+
+    #[test]
+    fn only_network_and_overload_errors_are_transient() {
+        let not_found = object_store::Error::NotFound {
+            path: "x".into(),
+            source: "gone".into(),
+        };
+        assert!(!is_transient(&not_found));
+        let slow_down = object_store::Error::Generic {
+            store: "S3",
+            source: "Error performing PUT in 1s - Server returned non-2xx status code: 503 \
+                     Service Unavailable: SlowDown"
+                .into(),
+        };
+        assert!(is_transient(&slow_down));
+        let forbidden = object_store::Error::Generic {
+            store: "S3",
+            source: "Server returned non-2xx status code: 403 Forbidden: denied".into(),
+        };
+        assert!(!is_transient(&forbidden));
+    }
+}

@@ -1,0 +1,473 @@
+//! Object storage: jobs whose input, tables and checkpoint live on a real S3-compatible server —
+//! moto's server mode (installed by `./test`; it enforces `If-None-Match: *`), one per test on a
+//! free port on 127.0.0.1, its data in memory.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::TryStreamExt;
+use sluice::engine::object_store::aws::AmazonS3Builder;
+use sluice::engine::object_store::path::Path as StorePath;
+use sluice::engine::object_store::{ObjectStore, ObjectStoreExt, PutPayload};
+
+use crate::support::*;
+
+/// A secret that must never be shown: in logs, `validate` output, manifests or commitInfo.
+const SECRET: &str = "sluice-test-secret-0d7c3e5a9b";
+
+/// A moto S3 server on a free port, killed when dropped.
+pub struct S3Server {
+    child: Child,
+    pub endpoint: String,
+}
+
+impl S3Server {
+    /// Starts the server and creates `buckets`.
+    pub fn start(buckets: &[&str]) -> S3Server {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = Command::new("python3")
+            .args([
+                "-m",
+                "moto.server",
+                "-H",
+                "127.0.0.1",
+                "-p",
+                &port.to_string(),
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("python3 -m moto.server runs (./test installs moto[server])");
+        let server = S3Server {
+            child,
+            endpoint: format!("http://127.0.0.1:{port}"),
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "moto did not start on port {port}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        for bucket in buckets {
+            server.create_bucket(bucket);
+        }
+        server
+    }
+
+    fn create_bucket(&self, bucket: &str) {
+        let addr = self.endpoint.trim_start_matches("http://");
+        let mut stream = TcpStream::connect(addr).unwrap();
+        write!(
+            stream,
+            "PUT /{bucket} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).unwrap();
+        assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    }
+
+    /// The standard environment variables a job uses to reach the server.
+    pub fn env(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("AWS_ENDPOINT_URL", self.endpoint.clone()),
+            ("AWS_ACCESS_KEY_ID", "sluice-test".into()),
+            ("AWS_SECRET_ACCESS_KEY", SECRET.into()),
+            ("AWS_REGION", "us-east-1".into()),
+            ("AWS_ALLOW_HTTP", "true".into()),
+        ]
+    }
+
+    /// A client of `bucket`, for the test's own uploads and downloads.
+    pub fn bucket(&self, bucket: &str) -> Arc<dyn ObjectStore> {
+        Arc::new(
+            AmazonS3Builder::new()
+                .with_endpoint(&self.endpoint)
+                .with_allow_http(true)
+                .with_bucket_name(bucket)
+                .with_region("us-east-1")
+                .with_access_key_id("sluice-test")
+                .with_secret_access_key(SECRET)
+                .build()
+                .unwrap(),
+        )
+    }
+
+    /// Uploads the files of the local folder `dir` to `bucket/prefix/`, except those already
+    /// there (a file of a source is never rewritten).
+    pub async fn upload(&self, dir: &Path, bucket: &str, prefix: &str) {
+        let store = self.bucket(bucket);
+        let mut names: Vec<_> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        for name in names {
+            let path = StorePath::from(format!("{prefix}/{name}"));
+            if store.head(&path).await.is_ok() {
+                continue;
+            }
+            let bytes = std::fs::read(dir.join(&name)).unwrap();
+            store.put(&path, PutPayload::from(bytes)).await.unwrap();
+        }
+    }
+
+    /// Copies everything under `bucket/prefix/` into the local folder `dir` (so the local
+    /// readers of the other tests can check what the job wrote to the store).
+    pub async fn download(&self, bucket: &str, prefix: &str, dir: &Path) {
+        let store = self.bucket(bucket);
+        let listed: Vec<_> = store
+            .list(Some(&StorePath::from(prefix)))
+            .try_collect()
+            .await
+            .unwrap();
+        for meta in listed {
+            let rel = meta
+                .location
+                .as_ref()
+                .strip_prefix(prefix)
+                .unwrap()
+                .trim_start_matches('/')
+                .to_string();
+            let target = dir.join(rel);
+            std::fs::create_dir_all(target.parent().unwrap()).unwrap();
+            let bytes = store
+                .get(&meta.location)
+                .await
+                .unwrap()
+                .bytes()
+                .await
+                .unwrap();
+            std::fs::write(target, bytes).unwrap();
+        }
+    }
+
+    /// Sends `signal` (`STOP`, `CONT`) to the server: a stopped server accepts connections and
+    /// answers nothing, as a store that hangs does.
+    pub fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(self.child.id().to_string())
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill -{signal} failed");
+    }
+}
+
+impl Drop for S3Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `env` as the `(&str, &str)` pairs `run_sluice` takes.
+pub fn pairs<'a>(env: &'a [(&'static str, String)]) -> Vec<(&'static str, &'a str)> {
+    env.iter().map(|(k, v)| (*k, v.as_str())).collect()
+}
+
+/// A job file reading `input` and writing `out` (paths or URLs), with `extra` appended to the
+/// `[job]` table and `sink_options`/`source_options` as the storage options tables.
+fn write_s3_job(path: &Path, input: &str, out: &str, job_extra: &str, options: &str) {
+    let text = format!(
+        r#"
+[job]
+id = "s3_job"
+{job_extra}
+
+[sources.events]
+kind = "files"
+path = "{input}"
+format = "json"
+schema = "id BIGINT, user_id BIGINT, code VARCHAR, amount DOUBLE, ts TIMESTAMP"
+event_time = "ts"
+max_out_of_orderness = "2s"
+max_files_per_batch = 2
+
+[sources.events.storage_options]
+{options}
+
+[sink]
+kind = "delta"
+path = "{out}"
+
+[sink.storage_options]
+{options}
+
+[query]
+sql = """{STATELESS_SQL}"""
+"#
+    );
+    std::fs::write(path, text).unwrap();
+}
+
+/// Every file under `dir`, recursively.
+fn files_under(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            out.extend(files_under(&path));
+        } else {
+            out.push(path);
+        }
+    }
+    out
+}
+
+/// Input, output table, side tables and checkpoint all on S3: the job's output equals a local
+/// run's over the same files, the Python `deltalake` reader reads it from the server, storage
+/// options override the environment per location, and the secret key appears nowhere — not in
+/// `validate`'s or `run`'s output (at debug level), nor in any object the job wrote.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_job_on_s3_equals_a_local_run_and_never_shows_its_secret() {
+    let server = S3Server::start(&["landing", "lake"]);
+    let ws = tempfile::tempdir().unwrap();
+    let input = ws.path().join("input");
+    let events = Events::write(&input, 0, 16, 5);
+    server.upload(&input, "landing", "events").await;
+
+    // The environment points at a closed port; the options of each location override it.
+    let mut env = server.env();
+    env[0].1 = "http://127.0.0.1:9".into();
+    let options = format!(
+        "aws_endpoint = \"{}\"\naws_secret_access_key = \"{SECRET}\"",
+        server.endpoint
+    );
+    let job = ws.path().join("s3.toml");
+    write_s3_job(
+        &job,
+        "s3://landing/events",
+        "s3://lake/out",
+        "store_unavailable_timeout = \"20s\"",
+        &options,
+    );
+    let job = job.to_str().unwrap();
+    let mut debug_env = pairs(&env);
+    debug_env.push(("RUST_LOG", "debug"));
+
+    let validated = run_sluice(&["validate", job], &debug_env);
+    assert_ok(&validated);
+    let run = run_sluice(&["run", job], &debug_env);
+    assert_ok(&run);
+    for (what, bytes) in [
+        ("validate stdout", &validated.stdout),
+        ("validate stderr", &validated.stderr),
+        ("run stdout", &run.stdout),
+        ("run stderr", &run.stderr),
+    ] {
+        assert!(
+            !String::from_utf8_lossy(bytes).contains(SECRET),
+            "the secret key is shown in {what}"
+        );
+    }
+
+    // What the job wrote: tables, side tables, checkpoint (manifests, intents, state, lease).
+    let lake = ws.path().join("lake");
+    server.download("lake", "", &lake).await;
+    let written = files_under(&lake);
+    assert!(
+        written
+            .iter()
+            .any(|p| p.to_string_lossy().contains("_sluice")),
+        "no checkpoint on S3: {written:?}"
+    );
+    for file in &written {
+        let bytes = std::fs::read(file).unwrap();
+        assert!(
+            !bytes.windows(SECRET.len()).any(|w| w == SECRET.as_bytes()),
+            "the secret key is written in {}",
+            file.display()
+        );
+    }
+
+    // The same rows and dead letters as a local run over the same files.
+    let reference = ws.path().join("reference");
+    let ref_job = write_job(&ws.path().join("ref.toml"), "s3_job", &input, &reference, 2);
+    assert_ok(&run_sluice(&["run", ref_job.to_str().unwrap()], &[]));
+    let got = table_rows(&lake.join("out")).await;
+    assert_eq!(got, table_rows(&reference).await);
+    assert_eq!(got.len(), events.output_ids().len());
+    assert_eq!(
+        table_values(&dead_letter_table(&lake.join("out")), &["batch_id"]).await,
+        table_values(&dead_letter_table(&reference), &["batch_id"]).await
+    );
+
+    // An independent reader, straight from the server.
+    let read = Command::new("python3")
+        .arg(repo_root().join("integration/read_delta.py"))
+        .arg("s3://lake/out")
+        .env(
+            "DELTA_STORAGE_OPTIONS",
+            serde_json::json!({
+                "AWS_ENDPOINT_URL": server.endpoint,
+                "AWS_ACCESS_KEY_ID": "sluice-test",
+                "AWS_SECRET_ACCESS_KEY": SECRET,
+                "AWS_REGION": "us-east-1",
+                "AWS_ALLOW_HTTP": "true",
+            })
+            .to_string(),
+        )
+        .output()
+        .unwrap();
+    assert!(
+        read.status.success(),
+        "{}",
+        String::from_utf8_lossy(&read.stderr)
+    );
+    let read: serde_json::Value = serde_json::from_slice(&read.stdout).unwrap();
+    assert_eq!(read["rows"].as_array().unwrap().len(), got.len());
+
+    // A second run finds everything committed and reads nothing again.
+    let again = run_sluice(&["run", job], &pairs(&env));
+    assert_ok(&again);
+    assert!(
+        String::from_utf8_lossy(&again.stdout).contains("0 batch(es) committed"),
+        "{}",
+        String::from_utf8_lossy(&again.stdout)
+    );
+}
+
+/// An empty prefix with no schema to infer from, and a local folder that does not exist, are
+/// errors at `validate` and at `run` naming the location.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_missing_input_is_an_error_naming_it() {
+    let server = S3Server::start(&["landing", "lake"]);
+    let ws = tempfile::tempdir().unwrap();
+    let env = server.env();
+    let job = ws.path().join("empty.toml");
+    let text = r#"
+[job]
+id = "empty"
+
+[sources.events]
+kind = "files"
+path = "s3://landing/nothing/here"
+format = "json"
+
+[sink]
+kind = "delta"
+path = "s3://lake/out"
+
+[query]
+sql = "SELECT * FROM events"
+"#;
+    std::fs::write(&job, text).unwrap();
+    for command in ["validate", "run"] {
+        let out = run_sluice(&[command, job.to_str().unwrap()], &pairs(&env));
+        assert_fails_saying(&out, &["s3://landing/nothing/here", "no files"]);
+    }
+    let missing = ws.path().join("no-such-folder");
+    std::fs::write(
+        &job,
+        text.replace("s3://landing/nothing/here", missing.to_str().unwrap())
+            .replace("s3://lake/out", ws.path().join("out").to_str().unwrap()),
+    )
+    .unwrap();
+    for command in ["validate", "run"] {
+        let out = run_sluice(&[command, job.to_str().unwrap()], &[]);
+        assert_fails_saying(&out, &[missing.to_str().unwrap(), "does not exist"]);
+    }
+}
+
+/// A store that cannot put-if-absent is refused when the job starts, saying why.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_store_without_conditional_put_is_refused_at_start() {
+    let server = S3Server::start(&["landing", "lake"]);
+    let ws = tempfile::tempdir().unwrap();
+    let input = ws.path().join("input");
+    Events::write(&input, 0, 2, 5);
+    server.upload(&input, "landing", "events").await;
+    let job = ws.path().join("no_cas.toml");
+    write_s3_job(
+        &job,
+        "s3://landing/events",
+        "s3://lake/out",
+        "",
+        "aws_conditional_put = \"disabled\"",
+    );
+    let out = run_sluice(&["run", job.to_str().unwrap()], &pairs(&server.env()));
+    assert_fails_saying(&out, &["does not support conditional put", "s3://lake/out"]);
+}
+
+/// The server hangs for 10 s mid-run (SIGSTOP; moto keeps its data in memory, so it is paused,
+/// not killed): the job logs that it is waiting, continues when the server answers again, and
+/// its output equals a local run's. With `store_unavailable_timeout` shorter than the outage the
+/// job stops with an error naming the store, and a restart continues exactly.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_store_down_for_a_while_is_waited_for_and_one_down_too_long_stops_the_job() {
+    let server = S3Server::start(&["landing", "lake"]);
+    let ws = tempfile::tempdir().unwrap();
+    let input = ws.path().join("input");
+    let events = Events::write(&input, 0, 60, 5);
+    server.upload(&input, "landing", "events").await;
+    let reference = ws.path().join("reference");
+    let ref_job = write_job(&ws.path().join("ref.toml"), "s3_job", &input, &reference, 2);
+    assert_ok(&run_sluice(&["run", ref_job.to_str().unwrap()], &[]));
+    let want = table_rows(&reference).await;
+    assert_eq!(want.len(), events.output_ids().len());
+    // Requests time out after 2 s, so the outage is seen (not just a slow answer).
+    let options = "timeout = \"2s\"\nconnect_timeout = \"1s\"";
+    let env = server.env();
+
+    for (name, job_extra, outlasts_timeout) in [
+        ("waits", "", false),
+        ("stops", "store_unavailable_timeout = \"4s\"", true),
+    ] {
+        let job = ws.path().join(format!("{name}.toml"));
+        let out = format!("s3://lake/{name}");
+        write_s3_job(&job, "s3://landing/events", &out, job_extra, options);
+        let job = job.to_str().unwrap();
+        let log = ws.path().join(format!("{name}.log"));
+        let mut running = Background::start(&["run", job], &pairs(&env), &log);
+        running.wait_for_log("batch committed", 120);
+        server.signal("STOP");
+        std::thread::sleep(Duration::from_secs(10));
+        server.signal("CONT");
+        let (status, log) = running.finish();
+        for line in log
+            .lines()
+            .filter(|l| l.contains("WARN") || l.starts_with("error"))
+        {
+            eprintln!("{name}: {line}");
+        }
+        // Retries are logged by object_store (a request's first few) and by Sluice (the wait).
+        assert!(
+            log.contains("backing off") || log.contains("object store unavailable; retrying"),
+            "no retry logged:\n{log}"
+        );
+        if outlasts_timeout {
+            assert!(!status.success(), "the job outlived the timeout:\n{log}");
+            assert!(
+                log.contains("past store_unavailable_timeout") && log.contains("s3://lake/stops"),
+                "the error does not say what happened:\n{log}"
+            );
+            assert_ok(&run_sluice(&["run", job], &pairs(&env)));
+        } else {
+            assert!(status.success(), "the job failed:\n{log}");
+            assert!(
+                log.contains("object store unavailable; retrying"),
+                "a 10 s outage outlasts object_store's own retries; Sluice's wait is not logged:\n{log}"
+            );
+        }
+        let local = ws.path().join(name);
+        server.download("lake", name, &local).await;
+        assert_eq!(table_rows(&local).await, want, "{name}: rows differ");
+        let versions = txn_versions(&local, "s3_job");
+        let expected: Vec<i64> = (0..versions.len() as i64).collect();
+        assert_eq!(
+            versions, expected,
+            "{name}: txn versions are not contiguous"
+        );
+    }
+}
