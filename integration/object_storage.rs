@@ -471,3 +471,141 @@ async fn a_store_down_for_a_while_is_waited_for_and_one_down_too_long_stops_the_
         );
     }
 }
+
+/// Runs the reader `integration/<script>` on the table at `url` on `server`.
+fn read_from_s3(server: &S3Server, script: &str, url: &str) -> serde_json::Value {
+    let out = Command::new("python3")
+        .arg(repo_root().join("integration").join(script))
+        .arg(url)
+        .env(
+            "DELTA_STORAGE_OPTIONS",
+            serde_json::json!({
+                "AWS_ENDPOINT_URL": server.endpoint,
+                "AWS_ACCESS_KEY_ID": "sluice-test",
+                "AWS_SECRET_ACCESS_KEY": SECRET,
+                "AWS_REGION": "us-east-1",
+                "AWS_ALLOW_HTTP": "true",
+            })
+            .to_string(),
+        )
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{script} on {url}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// The `id`s of a reader's rows, sorted, with the `bucket` each is in.
+fn ids_and_buckets(read: &serde_json::Value) -> Vec<(i64, String)> {
+    let mut rows: Vec<(i64, String)> = read["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            let bucket = match &r["bucket"] {
+                serde_json::Value::String(s) => s.clone(),
+                other => other.to_string(),
+            };
+            (r["id"].as_i64().unwrap(), bucket)
+        })
+        .collect();
+    rows.sort();
+    rows
+}
+
+/// `partition_by = ["bucket"]`: the output's files are laid out in `bucket=…/` folders, the
+/// dead-letter table (which has no `bucket` column) is not partitioned, and delta-rs, Python
+/// `deltalake`, Polars and DuckDB read the same rows from the server; a `partition_by` naming
+/// a column the output lacks is refused, naming it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_partitioned_table_on_s3_reads_the_same_in_every_reader() {
+    let server = S3Server::start(&["landing", "lake"]);
+    let ws = tempfile::tempdir().unwrap();
+    let input = ws.path().join("input");
+    let events = Events::write(&input, 0, 12, 5);
+    server.upload(&input, "landing", "events").await;
+    let sql = "SELECT id, user_id, amount, ts, CAST(user_id % 3 AS VARCHAR) AS bucket FROM events";
+    let job = ws.path().join("partitioned.toml");
+    let write = |partition_by: &str| {
+        write_job_at(
+            &job,
+            "partitioned",
+            "s3://landing/events",
+            "s3://lake/out",
+            2,
+            sql,
+            "",
+        );
+        let text = std::fs::read_to_string(&job).unwrap().replace(
+            "[sink]\nkind = \"delta\"\n",
+            &format!("[sink]\nkind = \"delta\"\npartition_by = [{partition_by}]\n"),
+        );
+        std::fs::write(&job, text).unwrap();
+    };
+    let env = server.env();
+
+    write("\"day\"");
+    let refused = run_sluice(&["run", job.to_str().unwrap()], &pairs(&env));
+    assert_fails_saying(&refused, &["partition_by", "'day'", "bucket"]);
+
+    write("\"bucket\"");
+    assert_ok(&run_sluice(&["run", job.to_str().unwrap()], &pairs(&env)));
+    let local = ws.path().join("out");
+    server.download("lake", "out", &local).await;
+    let folders: Vec<String> = std::fs::read_dir(&local)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.starts_with("bucket="))
+        .collect();
+    assert_eq!(folders.len(), 3, "{folders:?}");
+    let dead = dead_letter_table(&local);
+    server.download("lake", "out_dead_letter", &dead).await;
+    assert!(
+        files_under(&dead)
+            .iter()
+            .all(|p| !p.to_string_lossy().contains("bucket=")),
+        "the dead-letter table has no bucket column to be partitioned by"
+    );
+    assert_eq!(
+        dead_letter_rows(&local).len(),
+        events.bad_count()
+            - events
+                .lines
+                .iter()
+                .filter(|(_, _, k)| *k == LineKind::Poison)
+                .count()
+    );
+
+    let rust: Vec<(i64, String)> = {
+        let mut rows: Vec<(i64, String)> = table_values(&local, &[])
+            .await
+            .iter()
+            .map(|r| {
+                (
+                    r["id"].as_i64().unwrap(),
+                    r["bucket"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect();
+        rows.sort();
+        rows
+    };
+    // Poison lines are good rows here (the query casts nothing); their user_id is 1.
+    let want: Vec<(i64, String)> = events
+        .lines
+        .iter()
+        .filter_map(|(_, id, kind)| match kind {
+            LineKind::Good => Some((*id, ((id - 1) % 17 % 3).to_string())),
+            LineKind::Poison => Some((*id, "1".to_string())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(rust, want);
+    for script in ["read_delta.py", "read_polars.py", "read_duckdb.py"] {
+        let read = read_from_s3(&server, script, "s3://lake/out");
+        assert_eq!(ids_and_buckets(&read), rust, "{script} reads other rows");
+    }
+}

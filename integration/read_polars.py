@@ -1,7 +1,8 @@
 """Reads a Delta table with Polars (`polars.read_delta`, a second independent reader) and prints
 its columns, dtypes and rows as JSON on stdout.
 
-Usage: python3 read_polars.py TABLE_PATH
+Usage: python3 read_polars.py TABLE_PATH_OR_URL
+Storage options for an object-store URL (JSON object) come from DELTA_STORAGE_OPTIONS.
 Output: {"schema": [[name, dtype], ...], "rows": [{col: value, ...}, ...]}
 """
 import json
@@ -19,7 +20,8 @@ def plain(value):
 
 
 def main() -> None:
-    frame = polars.read_delta(sys.argv[1])
+    options = json.loads(os.environ.get("DELTA_STORAGE_OPTIONS", "{}"))
+    frame = polars.read_delta(sys.argv[1], storage_options=options or None)
     schema = [[name, str(dtype)] for name, dtype in frame.schema.items()]
     json.dump({"schema": schema, "rows": frame.to_dicts()}, sys.stdout, default=plain)
 

@@ -88,6 +88,17 @@ pub struct DeltaSinkConfig {
     /// Target size of data files, e.g. `"128MB"` (default: delta-rs's, 100 MiB).
     #[serde(default)]
     pub target_file_size: Option<String>,
+    /// Columns of the query's output the output table is partitioned by (`["day"]`); the side
+    /// tables are partitioned the same way when they have those columns, else not at all.
+    #[serde(default)]
+    pub partition_by: Vec<String>,
+    /// A Delta checkpoint every this many commits (`delta.checkpointInterval`, default 10).
+    #[serde(default)]
+    pub checkpoint_interval: Option<u64>,
+    /// How long commit files are kept before log cleanup removes them, e.g. `"30d"`
+    /// (`delta.logRetentionDuration`; default Delta's, 30 days).
+    #[serde(default)]
+    pub log_retention: Option<String>,
     /// How the tables' object store is configured, over the environment (`[sink.
     /// storage_options]`, see [`sluice_engine::storage`]); the side tables and the checkpoint
     /// use the same.
@@ -103,6 +114,9 @@ impl DeltaSinkConfig {
             dead_letter_path: None,
             late_path: None,
             target_file_size: None,
+            partition_by: Vec::new(),
+            checkpoint_interval: None,
+            log_retention: None,
             storage_options: StorageOptions::default(),
         }
     }
@@ -130,11 +144,25 @@ struct TableHandle {
     url: Url,
     /// How its store is configured.
     options: StorageOptions,
+    /// How a table Sluice creates is laid out and its log kept.
+    layout: TableLayout,
     table: Mutex<Option<DeltaTable>>,
     /// Commits retried after a conflict, over the sink's tables.
     conflicts: Arc<AtomicU64>,
     /// Per app id, its txn version as of a table version (see [`TableHandle::txn_version`]).
     txns: std::sync::Mutex<BTreeMap<String, KnownTxn>>,
+}
+
+/// How the sink's tables are laid out and their logs kept (`[sink]` settings applied when Sluice
+/// creates a table).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct TableLayout {
+    /// The output's partition columns (side tables: the same where they have them).
+    partition_by: Vec<String>,
+    /// `delta.checkpointInterval`.
+    checkpoint_interval: u64,
+    /// `delta.logRetentionDuration`, as Delta spells it (`interval 30 days`), if set.
+    log_retention: Option<String>,
 }
 
 /// An app id's txn version (`None`: it has none) as of table version `as_of`.
@@ -170,11 +198,32 @@ impl DeltaSink {
             })?),
         };
         let conflicts = Arc::new(AtomicU64::new(0));
-        let options = &config.storage_options;
+        let checkpoint_interval = config.checkpoint_interval.unwrap_or(CHECKPOINT_INTERVAL);
+        if checkpoint_interval == 0 {
+            return Err(SinkError::Config(
+                "checkpoint_interval = 0: a Delta checkpoint needs at least one commit".into(),
+            ));
+        }
+        let log_retention = match &config.log_retention {
+            None => None,
+            Some(text) => {
+                let d = humantime::parse_duration(text.trim()).map_err(|e| {
+                    SinkError::Config(format!("log_retention '{text}' is not a duration: {e}"))
+                })?;
+                Some(format!("interval {} seconds", d.as_secs()))
+            }
+        };
+        let layout = TableLayout {
+            partition_by: config.partition_by.clone(),
+            checkpoint_interval,
+            log_retention,
+        };
+        let t =
+            |role, url| TableHandle::new(role, url, &config.storage_options, &layout, &conflicts);
         Ok(DeltaSink {
-            output: TableHandle::new("output", output, options, &conflicts),
-            dead_letters: TableHandle::new("dead-letter", dead, options, &conflicts),
-            late: TableHandle::new("late", late, options, &conflicts),
+            output: t("output", output),
+            dead_letters: t("dead-letter", dead),
+            late: t("late", late),
             conflicts,
             target_file_size,
             job_id: String::new(),
@@ -198,6 +247,7 @@ impl TableHandle {
         role: &'static str,
         url: Url,
         options: &StorageOptions,
+        layout: &TableLayout,
         conflicts: &Arc<AtomicU64>,
     ) -> Self {
         register_cloud_stores();
@@ -205,6 +255,7 @@ impl TableHandle {
             role,
             url,
             options: options.clone(),
+            layout: layout.clone(),
             table: Mutex::new(None),
             conflicts: Arc::clone(conflicts),
             txns: std::sync::Mutex::new(BTreeMap::new()),
@@ -235,6 +286,37 @@ impl TableHandle {
             &self.url,
         )
         .await?;
+        // The output must have every partition column; a side table is partitioned only if it
+        // has them all.
+        let has_all = self
+            .layout
+            .partition_by
+            .iter()
+            .all(|c| schema.field_with_name(c).is_ok());
+        if !has_all && self.role == "output" {
+            return Err(SinkError::Config(format!(
+                "partition_by = [{}]: the query's output has no column {} (it has: {})",
+                self.layout.partition_by.join(", "),
+                self.layout
+                    .partition_by
+                    .iter()
+                    .filter(|c| schema.field_with_name(c).is_err())
+                    .map(|c| format!("'{c}'"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                schema
+                    .fields()
+                    .iter()
+                    .map(|f| f.name().as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
+        let partition_by: &[String] = if has_all {
+            &self.layout.partition_by
+        } else {
+            &[]
+        };
         if table.version().is_none() {
             let normalized = deltalake::kernel::schema::cast::normalize_for_delta(schema);
             let delta_schema: StructType = normalized
@@ -244,9 +326,14 @@ impl TableHandle {
             table = table
                 .create()
                 .with_columns(delta_schema.fields().cloned())
+                .with_partition_columns(partition_by.iter().cloned())
                 .with_configuration_property(
                     TableProperty::CheckpointInterval,
-                    Some(CHECKPOINT_INTERVAL.to_string()),
+                    Some(self.layout.checkpoint_interval.to_string()),
+                )
+                .with_configuration_property(
+                    TableProperty::LogRetentionDuration,
+                    self.layout.log_retention.clone(),
                 )
                 .with_save_mode(SaveMode::Ignore)
                 .await
@@ -263,6 +350,17 @@ impl TableHandle {
                 self.role,
                 self.url,
                 format_args!("{} s", retention.as_secs())
+            )));
+        }
+        let partitioned_by = snapshot.metadata().partition_columns();
+        if !partition_by.is_empty() && partitioned_by.iter().ne(partition_by.iter()) {
+            return Err(SinkError::Config(format!(
+                "the {} table {} is partitioned by [{}], but partition_by = [{}]: a table's \
+                 partitioning is fixed when it is created; write to a new table",
+                self.role,
+                self.url,
+                partitioned_by.join(", "),
+                partition_by.join(", ")
             )));
         }
         let existing = snapshot.schema();
