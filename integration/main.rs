@@ -16,6 +16,7 @@ mod formats;
 mod hostile;
 mod instances;
 mod kafka;
+mod maintenance;
 mod nexmark;
 mod object_storage;
 mod reconcile;

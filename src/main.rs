@@ -59,6 +59,27 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Delete a Delta table's data files that no snapshot within the retention needs.
+    ///
+    /// Removes files the table's log removed (a backfill's replacement, a MERGE in update mode)
+    /// longer ago than the retention, and files in the table's folder the log never referenced
+    /// (left by a batch that crashed before its commit) older than the retention. Never touches
+    /// a file the latest snapshot references, the Delta log, or anything under a folder starting
+    /// with `_` (Sluice's checkpoint `_sluice/` with its manifests and state files). Readers of
+    /// versions older than the retention (time travel) lose their files: keep the retention at
+    /// least as long as your longest query. Storage is configured from the environment (see
+    /// README, "Object storage").
+    Vacuum {
+        /// The table (local path or URL).
+        table: String,
+        /// Keep removed and unreferenced files younger than this (default 7d, Delta's
+        /// `delta.deletedFileRetentionDuration` default).
+        #[arg(long, default_value = "7d", value_parser = parse_retention)]
+        retention: std::time::Duration,
+        /// List what would be deleted; delete nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
     /// Rerun an offset range of a job as one bounded batch that replaces what the range covers.
     ///
     /// The same job file as `run`: its sources, SQL and sink, over [FROM, TO) per partition. The
@@ -244,6 +265,11 @@ async fn dispatch(command: Command) -> Result<()> {
             };
             backfill(job, range, dry_run).await
         }
+        Command::Vacuum {
+            table,
+            retention,
+            dry_run,
+        } => vacuum(&table, retention, dry_run).await,
         Command::Status {
             table,
             history,
@@ -481,6 +507,26 @@ async fn reconcile(path: PathBuf, from: i64, to: i64) -> Result<()> {
         );
     }
     println!("  the output reconciles");
+    Ok(())
+}
+
+fn parse_retention(text: &str) -> std::result::Result<std::time::Duration, String> {
+    humantime::parse_duration(text.trim())
+        .map_err(|e| format!("'{text}' is not a duration like 7d or 24h: {e}"))
+}
+
+async fn vacuum(table: &str, retention: std::time::Duration, dry_run: bool) -> Result<()> {
+    let url = sluice::sinks::delta::table_url(table)?;
+    let files = sluice::sinks::delta::vacuum(&url, &Default::default(), retention, dry_run).await?;
+    let verb = if dry_run { "would delete" } else { "deleted" };
+    println!(
+        "table {table}: {verb} {} file(s) older than {}",
+        files.len(),
+        humantime::format_duration(retention)
+    );
+    for file in &files {
+        println!("  {file}");
+    }
     Ok(())
 }
 

@@ -1378,6 +1378,42 @@ fn row_count(table: &DeltaTable) -> deltalake::DeltaResult<u64> {
         .sum())
 }
 
+/// Deletes the data files of the Delta table at `url` that its latest snapshot does not
+/// reference and that were removed (or, never referenced, written) more than `retention` ago;
+/// returns them (only lists them when `dry_run`). delta-rs's full vacuum: the log, and every
+/// folder starting with `_` (the checkpoint `_sluice/`), are never touched.
+///
+/// # Errors
+/// If the table cannot be loaded or a file cannot be deleted.
+pub async fn vacuum(
+    url: &Url,
+    options: &StorageOptions,
+    retention: std::time::Duration,
+    dry_run: bool,
+) -> Result<Vec<String>> {
+    register_cloud_stores();
+    let err = |source| SinkError::Delta {
+        table: url.to_string(),
+        source,
+    };
+    let table = deltalake::open_table_with_storage_options(url.clone(), options.to_map())
+        .await
+        .map_err(err)?;
+    let retention = chrono::Duration::from_std(retention)
+        .map_err(|e| SinkError::Config(format!("retention is too long: {e}")))?;
+    let (_, metrics) = table
+        .vacuum()
+        .with_mode(deltalake::operations::vacuum::VacuumMode::Full)
+        .with_retention_period(retention)
+        // The user chose the retention; a shorter one than the table's
+        // delta.deletedFileRetentionDuration is theirs to choose.
+        .with_enforce_retention_duration(false)
+        .with_dry_run(dry_run)
+        .await
+        .map_err(err)?;
+    Ok(metrics.files_deleted)
+}
+
 /// What a table says about one job that writes it.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct JobStatus {
