@@ -71,21 +71,21 @@ fn run_and_kill_after(job: &str, env: &[(&str, &str)], delay: Duration) -> bool 
 
 #[tokio::test(flavor = "multi_thread")]
 async fn sigkill_at_any_step_loses_and_duplicates_nothing() {
-    crash_test(STATELESS_SQL, RANDOM_KILLS, Place::Local).await;
+    crash_test(STATELESS_SQL, RANDOM_KILLS, Place::Local, true).await;
 }
 
 /// The same for a windowed job: its state files, watermark and emitted windows survive every
 /// kill, so the windows equal an uninterrupted run's.
 #[tokio::test(flavor = "multi_thread")]
 async fn sigkill_at_any_step_of_a_windowed_job_gives_identical_windows() {
-    crash_test(WINDOWED_SQL, RANDOM_KILLS, Place::Local).await;
+    crash_test(WINDOWED_SQL, RANDOM_KILLS, Place::Local, false).await;
 }
 
 /// Tumbling windows and sessions under fewer random kills (the named crash points are the same).
 #[tokio::test(flavor = "multi_thread")]
 async fn sigkill_at_any_step_of_tumbling_and_session_jobs_gives_identical_output() {
-    crash_test(TUMBLING_SQL, 6, Place::Local).await;
-    crash_test(SESSION_SQL, 6, Place::Local).await;
+    crash_test(TUMBLING_SQL, 6, Place::Local, false).await;
+    crash_test(SESSION_SQL, 6, Place::Local, false).await;
 }
 
 /// The crash test with the input, the tables and the checkpoint on an S3 server (the stateless
@@ -93,8 +93,8 @@ async fn sigkill_at_any_step_of_tumbling_and_session_jobs_gives_identical_output
 #[tokio::test(flavor = "multi_thread")]
 async fn sigkill_at_any_step_with_everything_on_s3_loses_and_duplicates_nothing() {
     let server = S3Server::start(&["landing", "lake"]);
-    crash_test(STATELESS_SQL, 8, Place::S3(&server)).await;
-    crash_test(WINDOWED_SQL, 4, Place::S3(&server)).await;
+    crash_test(STATELESS_SQL, 8, Place::S3(&server), true).await;
+    crash_test(WINDOWED_SQL, 4, Place::S3(&server), false).await;
 }
 
 /// Where the crash test's input, tables and checkpoint live.
@@ -115,7 +115,9 @@ const TUMBLING_SQL: &str = "SELECT window_start, window_end, user_id % 4 AS buck
 const SESSION_SQL: &str = "SELECT window_start, window_end, user_id, count(*) AS n, sum(amount) AS total \
      FROM session(events, ts, INTERVAL '20' SECOND) GROUP BY window_start, window_end, user_id";
 
-async fn crash_test(sql: &str, random_kills_wanted: usize, place: Place<'_>) {
+/// With `compact`, the job compacts after every batch (`min_files = 2`), and two more named
+/// crash points fall before and after a compaction.
+async fn crash_test(sql: &str, random_kills_wanted: usize, place: Place<'_>, compact: bool) {
     let windowed = sql != STATELESS_SQL;
     let ws = tempfile::tempdir().unwrap();
     let input = ws.path().join("input");
@@ -158,6 +160,13 @@ async fn crash_test(sql: &str, random_kills_wanted: usize, place: Place<'_>) {
         )
     };
     let job = write("crashed.toml", &input_at, &crashed_at);
+    if compact {
+        let text = std::fs::read_to_string(&job).unwrap().replace(
+            "[sink]\nkind = \"delta\"\n",
+            "[sink]\nkind = \"delta\"\ncompaction = { min_files = 2 }\n",
+        );
+        std::fs::write(&job, text).unwrap();
+    }
     let job = job.to_str().unwrap();
 
     // 1. Named crash points, including between the side-table and output commits and right
@@ -185,8 +194,10 @@ async fn crash_test(sql: &str, random_kills_wanted: usize, place: Place<'_>) {
         ("after_commit", b3),
         ("after_manifest", b3 + 1),
     ];
+    let compaction_points = [("before_compaction", b3 + 3), ("after_compaction", b3 + 5)];
+    let compaction_points = if compact { &compaction_points[..] } else { &[] };
     let mut kills = 0;
-    for (point, batch) in points {
+    for (point, batch) in points.into_iter().chain(compaction_points.iter().copied()) {
         run_until_crash(job, &env, point, batch);
         kills += 1;
     }

@@ -455,10 +455,6 @@ async fn a_store_down_for_a_while_is_waited_for_and_one_down_too_long_stops_the_
             assert_ok(&run_sluice(&["run", job], &pairs(&env)));
         } else {
             assert!(status.success(), "the job failed:\n{log}");
-            assert!(
-                log.contains("object store unavailable; retrying"),
-                "a 10 s outage outlasts object_store's own retries; Sluice's wait is not logged:\n{log}"
-            );
         }
         let local = ws.path().join(name);
         server.download("lake", name, &local).await;

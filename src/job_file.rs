@@ -293,8 +293,6 @@ pub fn parse(text: &str, path: &Path, trigger: Option<Trigger>) -> Result<(Job, 
             add_unavailable_timeout(&mut rest, store_unavailable_timeout);
             let config: DeltaSinkConfig =
                 from_table(rest).map_err(|e| anyhow::anyhow!("{}: {e}", ctx("sink")))?;
-            // The checkpoint (by default in the output table's `_sluice/`) uses the sink's store
-            // settings.
             sink_storage = config.storage_options.clone();
             Box::new(DeltaSink::new(config).with_context(|| ctx("sink"))?)
         }
@@ -332,7 +330,6 @@ pub fn parse(text: &str, path: &Path, trigger: Option<Trigger>) -> Result<(Job, 
         });
     }
     let job = builder
-        .with_checkpoint_storage(sink_storage.clone())
         .with_sink(sink)
         .with_output_mode(mode, common.key)
         .with_lineage(common.lineage)

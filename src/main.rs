@@ -9,6 +9,7 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 use sluice::engine::Trigger;
 use sluice::engine::backfill::BackfillRange;
+use sluice::engine::storage::StorageOptions;
 use sluice::job_file;
 use sluice::progress_display::ProgressDisplay;
 
@@ -58,6 +59,10 @@ enum Command {
         /// scripts instead of the text form.
         #[arg(long)]
         json: bool,
+        /// A storage option of the table's store, KEY=VALUE (repeatable; keys as in a job
+        /// file's `storage_options`, e.g. aws_endpoint=http://127.0.0.1:9000).
+        #[arg(long = "storage-option", value_parser = parse_storage_option)]
+        storage_options: Vec<(String, String)>,
     },
     /// Delete a Delta table's data files that no snapshot within the retention needs.
     ///
@@ -79,6 +84,14 @@ enum Command {
         /// List what would be deleted; delete nothing.
         #[arg(long)]
         dry_run: bool,
+        /// Allow a retention below one hour: files of a batch (or backfill) being written right
+        /// now are not referenced yet and would be deleted under it.
+        #[arg(long)]
+        force: bool,
+        /// A storage option of the table's store, KEY=VALUE (repeatable; keys as in a job
+        /// file's `storage_options`, e.g. aws_endpoint=http://127.0.0.1:9000).
+        #[arg(long = "storage-option", value_parser = parse_storage_option)]
+        storage_options: Vec<(String, String)>,
     },
     /// Rerun an offset range of a job as one bounded batch that replaces what the range covers.
     ///
@@ -269,12 +282,24 @@ async fn dispatch(command: Command) -> Result<()> {
             table,
             retention,
             dry_run,
-        } => vacuum(&table, retention, dry_run).await,
+            force,
+            storage_options,
+        } => {
+            vacuum(
+                &table,
+                &StorageOptions::new(storage_options),
+                retention,
+                dry_run,
+                force,
+            )
+            .await
+        }
         Command::Status {
             table,
             history,
             json,
-        } => status(&table, history, json).await,
+            storage_options,
+        } => status(&table, &StorageOptions::new(storage_options), history, json).await,
     }
 }
 
@@ -515,9 +540,33 @@ fn parse_retention(text: &str) -> std::result::Result<std::time::Duration, Strin
         .map_err(|e| format!("'{text}' is not a duration like 7d or 24h: {e}"))
 }
 
-async fn vacuum(table: &str, retention: std::time::Duration, dry_run: bool) -> Result<()> {
+fn parse_storage_option(text: &str) -> std::result::Result<(String, String), String> {
+    let (key, value) = text
+        .split_once('=')
+        .ok_or_else(|| format!("'{text}' is not KEY=VALUE"))?;
+    Ok((key.trim().to_string(), value.to_string()))
+}
+
+/// Below this, `vacuum` needs `--force`.
+const VACUUM_MIN_RETENTION: std::time::Duration = std::time::Duration::from_secs(3600);
+
+async fn vacuum(
+    table: &str,
+    options: &StorageOptions,
+    retention: std::time::Duration,
+    dry_run: bool,
+    force: bool,
+) -> Result<()> {
+    if retention < VACUUM_MIN_RETENTION && !force && !dry_run {
+        anyhow::bail!(
+            "--retention {} is below one hour: the files of a batch or backfill being written \
+             right now are not in the log yet and would be deleted; stop the job and its \
+             backfills and add --force, or keep at least 1h",
+            humantime::format_duration(retention)
+        );
+    }
     let url = sluice::sinks::delta::table_url(table)?;
-    let files = sluice::sinks::delta::vacuum(&url, &Default::default(), retention, dry_run).await?;
+    let files = sluice::sinks::delta::vacuum(&url, options, retention, dry_run).await?;
     let verb = if dry_run { "would delete" } else { "deleted" };
     println!(
         "table {table}: {verb} {} file(s) older than {}",
@@ -530,9 +579,9 @@ async fn vacuum(table: &str, retention: std::time::Duration, dry_run: bool) -> R
     Ok(())
 }
 
-async fn status(table: &str, history: usize, json: bool) -> Result<()> {
+async fn status(table: &str, options: &StorageOptions, history: usize, json: bool) -> Result<()> {
     let url = sluice::sinks::delta::table_url(table)?;
-    let status = sluice::sinks::delta::table_status(&url, &Default::default(), history).await?;
+    let status = sluice::sinks::delta::table_status(&url, options, history).await?;
     if json {
         println!("{}", serde_json::to_string_pretty(&status)?);
         return Ok(());

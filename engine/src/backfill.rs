@@ -57,6 +57,7 @@ use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use futures::{StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 
+use crate::checkpoint::CheckpointStore;
 use crate::dead_letter::{dead_letter_batch, dead_letter_from_row};
 use crate::driver::{checkpoint_location, query_settings};
 use crate::error::{Error, Result};
@@ -68,6 +69,7 @@ use crate::input::{
 };
 use crate::job::Job;
 use crate::late::{Lateness, WINDOWS_MISSED};
+use crate::lease::{Lease, LeaseSettings, REWRITE_LEASE_FOLDER};
 use crate::offsets::{BatchId, Offset, OffsetRange, PartitionId, plan_ranges};
 use crate::progress::Progress;
 use crate::query::BatchWatermark;
@@ -76,6 +78,7 @@ use crate::sink::{CommitOutcome, RecomputedRows, ReplacedWindows, Replacement, S
 use crate::source::{DeadLetter, SOURCE_OFFSET, SOURCE_PARTITION};
 use crate::watermark::display_watermark;
 use crate::window::{WINDOW_END, WINDOW_START, WindowKind, WindowUse};
+use tracing::{info, warn};
 
 /// One end of a backfill range.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -390,6 +393,7 @@ impl Job {
             )
             .await?;
             return replace(
+                &checkpoint,
                 sink.as_ref(),
                 report,
                 Some(replaced),
@@ -412,6 +416,7 @@ impl Job {
             failure: std::sync::Mutex::new(None),
         });
         let replaced = replace(
+            &checkpoint,
             sink.as_ref(),
             report,
             None,
@@ -434,14 +439,17 @@ impl Job {
 }
 
 /// Hands the recomputation to the sink, which replaces what the backfill covers with its rows,
-/// and completes the report.
+/// and completes the report. The replacement runs under the job's rewrite lease, so the live
+/// job does not compact the tables meanwhile (it waits for a compaction in progress).
 async fn replace(
+    checkpoint: &CheckpointStore,
     sink: &dyn Sink,
     mut report: BackfillReport,
     windows: Option<ReplacedWindows>,
     rows: Arc<dyn RecomputedRows>,
     started: Instant,
 ) -> Result<BackfillReport> {
+    let lease = rewrite_lease(checkpoint, &report.spec.app_id).await?;
     pause_point("before_replacement", BatchId(0)).await;
     let outcome = sink
         .replace(Replacement {
@@ -452,8 +460,11 @@ async fn replace(
             rows,
             summary: serde_json::to_value(&report.spec).unwrap_or_default(),
         })
-        .await?;
-    match outcome {
+        .await;
+    if let Err(error) = lease.release().await {
+        warn!(%error, "could not release the rewrite lease; the live job compacts again once it expires");
+    }
+    match outcome? {
         CommitOutcome::Committed { files, bytes, .. } => {
             report.files_written = files;
             report.bytes_written = bytes;
@@ -624,6 +635,30 @@ fn sliced_for_writer(batches: Vec<RecordBatch>) -> impl Iterator<Item = RecordBa
             })
             .collect::<Vec<_>>()
     })
+}
+
+/// Takes the job's rewrite lease for a backfill, waiting while the live job compacts.
+async fn rewrite_lease(checkpoint: &CheckpointStore, app_id: &str) -> Result<Lease> {
+    let mut logged = false;
+    loop {
+        match Lease::acquire_in(
+            checkpoint,
+            REWRITE_LEASE_FOLDER,
+            app_id,
+            LeaseSettings::default(),
+        )
+        .await
+        {
+            Err(Error::LeaseHeld { holder, .. }) => {
+                if !logged {
+                    info!(%holder, "waiting for the running job to finish compacting (it holds the rewrite lease)");
+                    logged = true;
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            other => return other,
+        }
+    }
 }
 
 /// Rows recomputed before the replacement (a windowed backfill's windows, emitted at the end

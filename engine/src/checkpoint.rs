@@ -37,6 +37,7 @@ pub struct CheckpointStore {
     store: Arc<dyn ObjectStore>,
     prefix: Path,
     url: Url,
+    options: StorageOptions,
 }
 
 impl CheckpointStore {
@@ -61,16 +62,32 @@ impl CheckpointStore {
             store,
             prefix,
             url: url.clone(),
+            options: options.clone(),
         })
     }
 
+    /// The same folder through a store that waits at most `timeout` for an unreachable store.
+    ///
+    /// # Errors
+    /// As [`CheckpointStore::open_with`].
+    pub fn with_unavailable_timeout(&self, timeout: std::time::Duration) -> Result<Self> {
+        Self::open_with(
+            &self.url,
+            &self.options.clone().with_unavailable_timeout(timeout),
+        )
+    }
+
     /// Fails unless the checkpoint's store refuses to overwrite a put-if-absent (see
-    /// [`crate::storage::check_conditional_put`]).
+    /// [`crate::storage::check_conditional_put`]); a store unreachable for
+    /// [`crate::storage::START_UNAVAILABLE_TIMEOUT`] fails it too.
     ///
     /// # Errors
     /// [`Error::InvalidJob`] saying the store lacks conditional put; store errors.
     pub async fn check_conditional_put(&self) -> Result<()> {
-        crate::storage::check_conditional_put(self.store.as_ref(), &self.prefix, &self.url).await
+        let probe = self.with_unavailable_timeout(
+            crate::storage::START_UNAVAILABLE_TIMEOUT.min(self.options.unavailable_timeout()),
+        )?;
+        crate::storage::check_conditional_put(probe.store.as_ref(), &probe.prefix, &probe.url).await
     }
 
     /// Where this store lives, for messages.
@@ -88,6 +105,7 @@ impl CheckpointStore {
             store: Arc::clone(&self.store),
             prefix: self.prefix.clone().join(name),
             url,
+            options: self.options.clone(),
         }
     }
 

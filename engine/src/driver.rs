@@ -59,13 +59,13 @@ use crate::input::{
     FutureTimes, OpenSource, conform, open_sources_and_query, plan_query, read_source,
 };
 use crate::job::{DEAD_LETTER_BREAKER_MIN, Job, Trigger};
-use crate::lease::{Lease, LeaseSettings};
+use crate::lease::{Lease, LeaseSettings, REWRITE_LEASE_FOLDER};
 use crate::offsets::{
     BatchId, OffsetRange, SourceOffsets, SourceRanges, display_offsets, display_ranges, plan_ranges,
 };
 use crate::progress::{CommittedBatch, Progress};
 use crate::query::{BatchWatermark, QuerySettings, StreamingQuery};
-use crate::sink::{BatchCommit, CommitOutcome, Sink};
+use crate::sink::{BatchCommit, CommitOutcome, Compaction, Sink};
 use crate::source::DeadLetter;
 use crate::source::SchemaInference;
 use crate::state_store::StateLog;
@@ -198,7 +198,11 @@ pub(crate) fn checkpoint_location(job: &Job) -> Result<CheckpointStore> {
             url
         }
     };
-    CheckpointStore::open_with(&url, &job.checkpoint_storage)
+    let options = job
+        .checkpoint_storage
+        .clone()
+        .unwrap_or_else(|| job.sink.storage_options());
+    CheckpointStore::open_with(&url, &options)
 }
 
 /// How a job's query is planned: its lineage and lateness settings and its sources' event-time
@@ -271,6 +275,8 @@ struct Batch {
     input_bytes: u64,
     dead_letters: Vec<RecordBatch>,
     late: Vec<RecordBatch>,
+    /// What compaction rewrote after the commit.
+    compaction: Compaction,
     times: StepTimes,
 }
 
@@ -283,6 +289,7 @@ struct StepTimes {
     checkpoint: Duration,
     commit: Duration,
     purge: Duration,
+    compact: Duration,
 }
 
 impl Batch {
@@ -308,6 +315,7 @@ impl Batch {
             input_bytes: 0,
             dead_letters: Vec::new(),
             late: Vec::new(),
+            compaction: Compaction::default(),
             times: StepTimes {
                 plan: started.elapsed(),
                 ..StepTimes::default()
@@ -342,6 +350,7 @@ impl Pipeline {
         let expectations = Expectations::plan(&expectations, &query.output_schema())?;
         checkpoint.check_conditional_put().await?;
         let lease = Lease::acquire(&checkpoint, &job_id, LeaseSettings::default()).await?;
+        Lease::release_abandoned_in(&checkpoint, REWRITE_LEASE_FOLDER, &job_id).await?;
         let position = match restore(
             &checkpoint,
             sink.as_mut(),
@@ -578,6 +587,7 @@ impl Pipeline {
         let manifest = self.write_manifest(&mut batch, &watermark).await?;
         let outcome = self.commit(&mut batch, output, &manifest).await?;
         self.purge(&mut batch).await?;
+        self.compact(&mut batch).await?;
         self.finish(batch, manifest, watermark, outcome);
         Ok(())
     }
@@ -927,6 +937,43 @@ impl Pipeline {
         Ok(())
     }
 
+    /// Step 11, compaction: once a table of the sink holds enough small files, they are
+    /// rewritten into larger ones (no row changes), under the job's rewrite lease so that a
+    /// backfill replacing rows never runs at the same time. Skipped while a backfill holds the
+    /// lease; a compaction that fails is logged and tried again after a later batch — the
+    /// batch itself is committed already.
+    async fn compact(&mut self, batch: &mut Batch) -> Result<()> {
+        if !self.sink.compaction_due().await? {
+            return Ok(());
+        }
+        let t = Instant::now();
+        let Some(lease) = Lease::try_acquire_in(
+            &self.checkpoint,
+            REWRITE_LEASE_FOLDER,
+            &self.job_id,
+            LeaseSettings::default(),
+        )
+        .await?
+        else {
+            info!(job_id = %self.job_id, "compaction waits: a backfill holds the job's rewrite lease");
+            return Ok(());
+        };
+        crash_point("before_compaction", batch.id());
+        let compacted = self.sink.compact().await;
+        crash_point("after_compaction", batch.id());
+        if let Err(error) = lease.release().await {
+            warn!(%error, "could not release the rewrite lease; a backfill waits for it to expire");
+        }
+        match compacted {
+            Ok(compaction) => batch.compaction = compaction,
+            Err(error) => {
+                warn!(job_id = %self.job_id, %error, "compaction failed; it is tried again after a later batch");
+            }
+        }
+        batch.times.compact = t.elapsed();
+        Ok(())
+    }
+
     /// The batch is done: move the job's position past it, add it to the run's summary, log it.
     fn finish(
         &mut self,
@@ -942,6 +989,7 @@ impl Pipeline {
             times,
             rows_in_by_source,
             input_bytes,
+            compaction,
             ..
         } = batch;
         watermark.saw_data(
@@ -1036,6 +1084,8 @@ impl Pipeline {
             checkpoint_ms = log_ms(times.checkpoint),
             commit_ms = log_ms(times.commit),
             purge_ms = log_ms(times.purge),
+            files_compacted = compaction.files_removed,
+            compact_ms = log_ms(times.compact),
             total_ms = log_ms(started.elapsed()),
             "batch committed"
         );

@@ -85,9 +85,9 @@ pub struct Job {
     pub sink: Box<dyn Sink>,
     /// Checkpoint location; `None` for `<sink location>/_sluice/<job id>`.
     pub checkpoint: Option<Url>,
-    /// How the checkpoint's store is configured (the `sluice` binary passes the sink's
-    /// `storage_options`), and how long it may stay unreachable.
-    pub checkpoint_storage: StorageOptions,
+    /// How the checkpoint's store is configured, and how long it may stay unreachable; `None`
+    /// for the sink's ([`Sink::storage_options`]).
+    pub checkpoint_storage: Option<StorageOptions>,
     /// When batches run.
     pub trigger: Trigger,
     /// Whether output rows carry `_source_partition` and `_source_offset`.
@@ -143,7 +143,7 @@ impl Job {
             sql: None,
             sink: None,
             checkpoint: None,
-            checkpoint_storage: StorageOptions::default(),
+            checkpoint_storage: None,
             trigger: Trigger::AvailableNow,
             lineage: true,
             keep_batches: 10,
@@ -178,7 +178,7 @@ pub struct JobBuilder {
     sql: Option<String>,
     sink: Option<Box<dyn Sink>>,
     checkpoint: Option<Url>,
-    checkpoint_storage: StorageOptions,
+    checkpoint_storage: Option<StorageOptions>,
     trigger: Trigger,
     lineage: bool,
     keep_batches: u32,
@@ -224,10 +224,10 @@ impl JobBuilder {
         self
     }
 
-    /// Configures the checkpoint's object store (default: from the environment alone; see
-    /// [`crate::storage`]).
+    /// Configures the checkpoint's object store (default: as the sink's store, see
+    /// [`Sink::storage_options`] and [`crate::storage`]).
     pub fn with_checkpoint_storage(mut self, options: StorageOptions) -> Self {
-        self.checkpoint_storage = options;
+        self.checkpoint_storage = Some(options);
         self
     }
 

@@ -21,8 +21,14 @@
 //!   waits, it never fails because of a dead holder. A lease last written three timeouts ago by
 //!   the store's clock is taken at once (three, so a clock a little ahead of the store's cannot
 //!   take a live lease), and so is one its holder marked released when it stopped cleanly.
-//! - **Losing it.** A holder that finds a newer epoch, or could not renew for most of the
-//!   timeout (the store was down, the process was paused), counts the lease as lost: the driver
+//! - **A store that is down.** On an object store, a renewal waits for a store that does not
+//!   answer (see [`crate::storage`]) rather than fail: no newcomer can take a lease over a store
+//!   nobody reaches, and once the store answers again the renewal's first look finds any newer
+//!   epoch. A newcomer that still reaches the store while this holder does not (a partition)
+//!   takes over after the timeout; the two then race as twins do (below), and the output table
+//!   admits one commit per batch.
+//! - **Losing it.** A holder that finds a newer epoch, or whose renewal failed for most of the
+//!   timeout (an error, not a store that is slow to answer), counts the lease as lost: the driver
 //!   looks in the store before planning each batch and at the renewal's last look before each
 //!   commit, and stops with [`Error::LeaseLost`]. Renewal runs on a thread of its own, so a busy
 //!   batch cannot starve it.
@@ -46,6 +52,12 @@ use crate::error::{Error, Result};
 
 /// The folder of the checkpoint holding the lease files.
 const LEASE_FOLDER: &str = "lease";
+
+/// The folder of the job's *rewrite lease*: held by whoever rewrites files the job's batches
+/// wrote — the running job while it compacts (between batches), a backfill while it replaces
+/// rows — so the two never overlap: delta-rs's conflict checker would let a compaction and a
+/// replacement that read the same files both commit, resurrecting or doubling rows.
+pub const REWRITE_LEASE_FOLDER: &str = "rewrite";
 
 /// Test hook: `SLUICE_LEASE_TIMEOUT_MS` shortens the lease timeout (the renewal interval is a
 /// fifth of it), so tests of takeovers need not wait 10 s each.
@@ -109,6 +121,8 @@ pub struct Lease {
     stop: Arc<AtomicBool>,
     wake: Arc<Notify>,
     renewal: Option<std::thread::JoinHandle<()>>,
+    /// The lease timeout: how long [`Lease::release`] waits for the store.
+    timeout: Duration,
 }
 
 fn lease_file(epoch: u64) -> String {
@@ -135,7 +149,20 @@ impl Lease {
         job_id: &str,
         settings: LeaseSettings,
     ) -> Result<Lease> {
-        let store = checkpoint.child(LEASE_FOLDER);
+        Self::acquire_in(checkpoint, LEASE_FOLDER, job_id, settings).await
+    }
+
+    /// [`Lease::acquire`] for the lease kept in the checkpoint's folder `folder`.
+    ///
+    /// # Errors
+    /// As [`Lease::acquire`].
+    pub async fn acquire_in(
+        checkpoint: &CheckpointStore,
+        folder: &str,
+        job_id: &str,
+        settings: LeaseSettings,
+    ) -> Result<Lease> {
+        let store = checkpoint.child(folder);
         // The newest epoch we are watching, its beat, and since when (our clock) it is unchanged.
         let mut watching: Option<(u64, u64, Instant)> = None;
         let mut waiting_logged = false;
@@ -184,42 +211,114 @@ impl Lease {
                     epoch + 1
                 }
             };
-            let record = LeaseRecord {
-                job_id: job_id.to_string(),
-                epoch: next,
-                host: host_name(),
-                pid: std::process::id(),
-                acquired_at: chrono::Utc::now().to_rfc3339(),
-                beat: 0,
-                released: false,
-            };
-            let rel = lease_file(next);
-            if store
-                .put_if_absent(&rel, store.to_json(&rel, &record)?)
-                .await?
-            {
-                let mut lease = Lease {
-                    store,
-                    record,
-                    lost: Arc::new(AtomicBool::new(false)),
-                    stop: Arc::new(AtomicBool::new(false)),
-                    wake: Arc::new(Notify::new()),
-                    renewal: None,
-                };
-                lease.renewal = Some(spawn_renewal(&lease, settings)?);
-                // Epochs two or more behind can never be current again (best effort).
-                if let Ok(files) = lease.store.list_files("").await {
-                    for old in files {
-                        if parse_epoch(&old).is_some_and(|e| e + 1 < next) {
-                            let _ = lease.store.delete(&old).await;
-                        }
-                    }
-                }
+            if let Some(lease) = Self::take(&store, job_id, next, settings).await? {
                 return Ok(lease);
             }
             // Another instance took this epoch first: look again.
             watching = None;
         }
+    }
+
+    /// Takes the lease in the checkpoint's folder `folder` only if nobody may be holding it —
+    /// never taken, released, or last written three timeouts ago by the store's clock (its
+    /// holder died) — without waiting; `None` otherwise.
+    ///
+    /// # Errors
+    /// Store errors.
+    pub async fn try_acquire_in(
+        checkpoint: &CheckpointStore,
+        folder: &str,
+        job_id: &str,
+        settings: LeaseSettings,
+    ) -> Result<Option<Lease>> {
+        let store = checkpoint.child(folder);
+        let next = match newest_epoch(&store).await? {
+            None => 0,
+            Some(epoch) => match read_record(&store, epoch).await? {
+                Some((record, age))
+                    if !record.released && age.is_none_or(|a| a < settings.timeout * 3) =>
+                {
+                    return Ok(None);
+                }
+                _ => epoch + 1,
+            },
+        };
+        Self::take(&store, job_id, next, settings).await
+    }
+
+    /// Marks released the lease in the checkpoint's folder `folder` if `holder` holds it: a
+    /// run of the job that took the job's lease calls it for the rewrite lease, which an
+    /// earlier run killed while compacting left behind (no run of the job but this one is
+    /// alive), so compaction need not wait three timeouts for it.
+    ///
+    /// # Errors
+    /// Store errors.
+    pub async fn release_abandoned_in(
+        checkpoint: &CheckpointStore,
+        folder: &str,
+        holder: &str,
+    ) -> Result<()> {
+        let store = checkpoint.child(folder);
+        let Some(epoch) = newest_epoch(&store).await? else {
+            return Ok(());
+        };
+        if let Some((record, _)) = read_record(&store, epoch).await?
+            && record.job_id == holder
+            && !record.released
+        {
+            let rel = lease_file(epoch);
+            let record = LeaseRecord {
+                released: true,
+                ..record
+            };
+            store.put(&rel, store.to_json(&rel, &record)?).await?;
+        }
+        Ok(())
+    }
+
+    /// Creates epoch `epoch` put-if-absent and starts renewing it; `None` if another instance
+    /// created it first.
+    async fn take(
+        store: &CheckpointStore,
+        job_id: &str,
+        epoch: u64,
+        settings: LeaseSettings,
+    ) -> Result<Option<Lease>> {
+        let record = LeaseRecord {
+            job_id: job_id.to_string(),
+            epoch,
+            host: host_name(),
+            pid: std::process::id(),
+            acquired_at: chrono::Utc::now().to_rfc3339(),
+            beat: 0,
+            released: false,
+        };
+        let rel = lease_file(epoch);
+        if !store
+            .put_if_absent(&rel, store.to_json(&rel, &record)?)
+            .await?
+        {
+            return Ok(None);
+        }
+        let mut lease = Lease {
+            store: store.clone(),
+            record,
+            lost: Arc::new(AtomicBool::new(false)),
+            stop: Arc::new(AtomicBool::new(false)),
+            wake: Arc::new(Notify::new()),
+            renewal: None,
+            timeout: settings.timeout,
+        };
+        lease.renewal = Some(spawn_renewal(&lease, settings)?);
+        // Epochs two or more behind can never be current again (best effort).
+        if let Ok(files) = lease.store.list_files("").await {
+            for old in files {
+                if parse_epoch(&old).is_some_and(|e| e + 1 < epoch) {
+                    let _ = lease.store.delete(&old).await;
+                }
+            }
+        }
+        Ok(Some(lease))
     }
 
     /// The epoch: unique to this run among all runs of the job, used to name what it writes.
@@ -257,14 +356,19 @@ impl Lease {
         self.check()
     }
 
-    /// Stops renewing and marks the lease released, so the next run starts at once.
+    /// Stops renewing and marks the lease released, so the next run starts at once. Gives up
+    /// after the lease timeout (a store that does not answer): the lease then expires as a
+    /// killed run's would.
     pub async fn release(mut self) -> Result<()> {
         self.stop.store(true, Ordering::SeqCst);
         self.wake.notify_one();
         // The renewal must be over before the record is marked released, or a last beat could
         // overwrite the mark.
         if let Some(renewal) = self.renewal.take() {
-            let _ = tokio::task::spawn_blocking(move || renewal.join()).await;
+            let joined = tokio::task::spawn_blocking(move || renewal.join());
+            if tokio::time::timeout(self.timeout, joined).await.is_err() {
+                return Ok(());
+            }
         }
         if self.lost.load(Ordering::SeqCst) {
             return Ok(());
@@ -274,9 +378,10 @@ impl Lease {
             ..self.record.clone()
         };
         let rel = lease_file(record.epoch);
-        self.store
-            .put(&rel, self.store.to_json(&rel, &record)?)
+        let bytes = self.store.to_json(&rel, &record)?;
+        tokio::time::timeout(self.timeout, self.store.put(&rel, bytes))
             .await
+            .unwrap_or(Ok(()))
     }
 }
 

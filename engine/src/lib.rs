@@ -60,8 +60,8 @@ pub use expectations::{Expectation, OnFailure};
 pub use job::{Job, JobBuilder, SourceSpec, Trigger, parse_duration};
 pub use offsets::{BatchId, Offset, OffsetRange, PartitionId};
 pub use sink::{
-    BatchCommit, CommitOutcome, OutputMode, OutputTables, RecomputedRows, ReplacedWindows,
-    Replacement, SideTableBatch, Sink, TableScan,
+    BatchCommit, CommitOutcome, Compaction, OutputMode, OutputTables, RecomputedRows,
+    ReplacedWindows, Replacement, SideTableBatch, Sink, TableScan,
 };
 pub use source::{
     AvailableRange, DeadLetter, InferredColumn, SchemaInference, Source, SourceContext, SourceRead,

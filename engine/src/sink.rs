@@ -17,6 +17,7 @@ use url::Url;
 
 use crate::error::Result;
 use crate::offsets::{BatchId, OffsetRange, PartitionId};
+use crate::storage::StorageOptions;
 
 /// How a batch's output rows reach the output table.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -197,6 +198,12 @@ pub trait Sink: Send + Sync {
     /// Where the sink writes; the default checkpoint lives below it, in `_sluice/<job_id>`.
     fn location(&self) -> &Url;
 
+    /// How the store at [`Sink::location`] is configured; the checkpoint uses the same unless
+    /// the job configures its own ([`crate::JobBuilder::with_checkpoint_storage`]).
+    fn storage_options(&self) -> StorageOptions {
+        StorageOptions::default()
+    }
+
     /// Prepares the tables for `job_id` (creating them if needed): output rows (appended, or
     /// merged on `tables.merge_key`) and, for a windowed job, late rows.
     async fn open(&mut self, job_id: &str, tables: OutputTables) -> Result<()>;
@@ -229,6 +236,21 @@ pub trait Sink: Send + Sync {
         0
     }
 
+    /// Whether one of the sink's tables holds enough small files to be compacted now (see
+    /// [`Sink::compact`]); looks at the tables as last loaded, reads nothing.
+    async fn compaction_due(&self) -> Result<bool> {
+        Ok(false)
+    }
+
+    /// Rewrites the small files of the tables that are due into larger ones, changing no row
+    /// (Delta `dataChange = false`). The driver calls it between batches, holding the job's
+    /// rewrite lease ([`crate::lease::REWRITE_LEASE_FOLDER`]), so it never overlaps a
+    /// backfill's replacement; a compaction that loses a race to another commit is given up,
+    /// not retried over the newer version.
+    async fn compact(&self) -> Result<Compaction> {
+        Ok(Compaction::default())
+    }
+
     /// Every row of the output table, read without writing anything. For reconciliation.
     async fn read_output(&self) -> Result<Vec<RecordBatch>>;
 
@@ -243,6 +265,15 @@ pub trait Sink: Send + Sync {
         let _ = scan;
         Ok(Vec::new())
     }
+}
+
+/// What one [`Sink::compact`] rewrote.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Compaction {
+    /// Small files removed (`dataChange = false`).
+    pub files_removed: u64,
+    /// Files written in their place.
+    pub files_added: u64,
 }
 
 /// `batches` cut into consecutive groups of `rows` rows (the last one shorter; `rows` at least

@@ -48,9 +48,10 @@ use crate::error::{Error, Result};
 /// How long a store may stay unreachable before the job stops (`[job] store_unavailable_timeout`).
 pub const DEFAULT_UNAVAILABLE_TIMEOUT: Duration = Duration::from_secs(10 * 60);
 
-/// The key under which [`StorageOptions::to_map`] passes the unavailable timeout along with the
-/// options (to delta-rs, which hands the map back to Sluice's store factory).
-const UNAVAILABLE_TIMEOUT_KEY: &str = "sluice_store_unavailable_timeout_ms";
+/// How long a store may stay unreachable when a job starts (its conditional-put probe) before
+/// the start fails: a typo in an endpoint, or missing credentials, fails in seconds, not after
+/// the job's `store_unavailable_timeout`.
+pub const START_UNAVAILABLE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Per-location settings of an object store: option keys as object_store spells them, and how
 /// long the store may stay unreachable. `Debug` shows the keys, never the values (they hold
@@ -80,15 +81,11 @@ impl fmt::Debug for StorageOptions {
 }
 
 impl StorageOptions {
-    /// Options from `key = value` pairs (keys are matched case-insensitively).
+    /// Options from `key = value` pairs (keys are matched case-insensitively; see
+    /// [`StorageOptions::from_map`]).
     pub fn new(options: impl IntoIterator<Item = (String, String)>) -> Self {
-        StorageOptions {
-            options: options
-                .into_iter()
-                .map(|(k, v)| (k.to_ascii_lowercase(), v))
-                .collect(),
-            unavailable_timeout: DEFAULT_UNAVAILABLE_TIMEOUT,
-        }
+        let options: Vec<(String, String)> = options.into_iter().collect();
+        StorageOptions::from_map(options.iter().map(|(k, v)| (k, v)))
     }
 
     /// The same options with another unavailable timeout.
@@ -117,7 +114,7 @@ impl StorageOptions {
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
         map.insert(
-            UNAVAILABLE_TIMEOUT_KEY.into(),
+            Self::UNAVAILABLE_TIMEOUT_KEY.into(),
             self.unavailable_timeout.as_millis().to_string(),
         );
         map
@@ -129,7 +126,7 @@ impl StorageOptions {
         let mut options = StorageOptions::default();
         for (key, value) in map {
             let key = key.to_ascii_lowercase();
-            if key == UNAVAILABLE_TIMEOUT_KEY {
+            if key == Self::UNAVAILABLE_TIMEOUT_KEY {
                 if let Ok(ms) = value.parse() {
                     options.unavailable_timeout = Duration::from_millis(ms);
                 }
@@ -140,9 +137,10 @@ impl StorageOptions {
         options
     }
 
-    /// The key under which a job file passes `[job] store_unavailable_timeout` (in
-    /// milliseconds) along with a location's `storage_options`.
-    pub const UNAVAILABLE_TIMEOUT_KEY: &'static str = UNAVAILABLE_TIMEOUT_KEY;
+    /// The key under which the unavailable timeout (in milliseconds) travels with the options:
+    /// from a job file's `storage_options` table, and through delta-rs back to Sluice's store
+    /// factory ([`StorageOptions::to_map`]).
+    pub const UNAVAILABLE_TIMEOUT_KEY: &'static str = "sluice_store_unavailable_timeout_ms";
 }
 
 impl<'de> serde::Deserialize<'de> for StorageOptions {
@@ -162,9 +160,15 @@ pub fn open_store(url: &Url, options: &StorageOptions) -> Result<(Arc<dyn Object
     let unsupported = |e: &dyn fmt::Display| {
         Error::InvalidJob(format!(
             "location {url} is not supported: {e} (this build reads and writes local paths, \
-             file://, s3://, s3a://, gs://, az://, abfs://, abfss:// and azure:// URLs)"
+             file://, s3://, s3a://, gs://, az://, abfs://, abfss://, azure:// and adl:// URLs)"
         ))
     };
+    if !matches!(
+        url.scheme(),
+        "file" | "memory" | "s3" | "s3a" | "gs" | "az" | "abfs" | "abfss" | "azure" | "adl"
+    ) {
+        return Err(unsupported(&format!("scheme '{}'", url.scheme())));
+    }
     let (scheme, path) = ObjectStoreScheme::parse(url).map_err(|e| unsupported(&e))?;
     let path = Path::parse(path).map_err(|e| unsupported(&e))?;
     let invalid = |e: object_store::Error| {
@@ -197,7 +201,7 @@ pub fn open_store(url: &Url, options: &StorageOptions) -> Result<(Arc<dyn Object
             }
             Arc::new(
                 builder
-                    .with_retry(retry_config())
+                    .with_retry(retry_config(options.unavailable_timeout))
                     .build()
                     .map_err(invalid)?,
             )
@@ -211,7 +215,7 @@ pub fn open_store(url: &Url, options: &StorageOptions) -> Result<(Arc<dyn Object
             }
             Arc::new(
                 builder
-                    .with_retry(retry_config())
+                    .with_retry(retry_config(options.unavailable_timeout))
                     .build()
                     .map_err(invalid)?,
             )
@@ -225,7 +229,7 @@ pub fn open_store(url: &Url, options: &StorageOptions) -> Result<(Arc<dyn Object
             }
             Arc::new(
                 builder
-                    .with_retry(retry_config())
+                    .with_retry(retry_config(options.unavailable_timeout))
                     .build()
                     .map_err(invalid)?,
             )
@@ -242,13 +246,15 @@ pub fn open_store(url: &Url, options: &StorageOptions) -> Result<(Arc<dyn Object
     ))
 }
 
-/// object_store's own retries of one request (each logged by object_store at info): two, within
-/// 5 s, for a blip; a store down for longer is waited for by [`PatientStore`].
-fn retry_config() -> object_store::RetryConfig {
+/// object_store's own retries of one request (each logged by object_store at info): its
+/// defaults (10 retries within 3 min), never past `unavailable`. They also cover what
+/// [`PatientStore`] cannot retry whole: the parts and the completion of a multipart upload (a
+/// data file above 5 MiB); [`PatientStore`] waits longer for everything else.
+fn retry_config(unavailable: Duration) -> object_store::RetryConfig {
+    let default = object_store::RetryConfig::default();
     object_store::RetryConfig {
-        backoff: object_store::BackoffConfig::default(),
-        max_retries: 2,
-        retry_timeout: Duration::from_secs(5),
+        retry_timeout: default.retry_timeout.min(unavailable),
+        ..default
     }
 }
 
@@ -321,11 +327,21 @@ pub struct StoreUnavailable {
 }
 
 /// A cloud store that waits out transient errors for up to its timeout (see the module docs).
-#[derive(Debug)]
 pub struct PatientStore {
     inner: Arc<dyn ObjectStore>,
     url: Url,
     timeout: Duration,
+}
+
+/// The URL and timeout only: the inner clients' `Debug` can show credentials (Azure keys, GCS
+/// tokens).
+impl fmt::Debug for PatientStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PatientStore")
+            .field("url", &self.url.as_str())
+            .field("timeout", &self.timeout)
+            .finish()
+    }
 }
 
 impl fmt::Display for PatientStore {
@@ -342,10 +358,20 @@ pub fn is_transient(error: &object_store::Error) -> bool {
     };
     let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(source.as_ref());
     while let Some(e) = cause {
+        if e.is::<StoreUnavailable>() {
+            return false;
+        }
+        if e.is::<Retry>() {
+            return true;
+        }
         if e.is::<object_store::client::HttpError>() {
             return true;
         }
         let text = e.to_string();
+        // S3 answers some failures (SlowDown, InternalError) with 200 and an error body.
+        if text.starts_with("Server returned error response:") {
+            return true;
+        }
         if let Some(rest) = text.split("non-2xx status code: ").nth(1) {
             let status = rest.get(..3).unwrap_or("");
             if status.starts_with('5') || status == "429" || status == "408" {
@@ -401,6 +427,19 @@ impl PatientStore {
     }
 }
 
+/// A transient error of Sluice's own making: retried like a store's.
+fn transient(what: &str) -> object_store::Error {
+    object_store::Error::Generic {
+        store: "sluice",
+        source: Box::new(Retry(what.to_string())),
+    }
+}
+
+/// The source of [`transient`]'s errors.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct Retry(String);
+
 /// Whether `payload` holds exactly `bytes`.
 fn same_bytes(payload: &PutPayload, bytes: &Bytes) -> bool {
     payload.content_length() == bytes.len()
@@ -423,22 +462,30 @@ impl ObjectStore for PatientStore {
         opts: PutOptions,
     ) -> object_store::Result<PutResult> {
         let create = matches!(opts.mode, PutMode::Create);
-        let mut attempts = 0;
         self.patiently("put", location, || {
-            attempts += 1;
             let (payload, opts) = (payload.clone(), opts.clone());
-            let retried = attempts > 1;
             async move {
                 match self.inner.put_opts(location, payload.clone(), opts).await {
-                    // An earlier attempt that timed out may have landed: the object holding
-                    // exactly these bytes is this write.
-                    Err(e @ object_store::Error::AlreadyExists { .. }) if create && retried => {
-                        let got = self.inner.get(location).await?;
-                        let (e_tag, version) = (got.meta.e_tag.clone(), got.meta.version.clone());
-                        if same_bytes(&payload, &got.bytes().await?) {
-                            Ok(PutResult { e_tag, version })
-                        } else {
-                            Err(e)
+                    // An earlier attempt that seemed to fail (a timeout, a 5xx retried by
+                    // object_store or by us) may have landed: the object holding exactly these
+                    // bytes is this write.
+                    Err(e @ object_store::Error::AlreadyExists { .. }) if create => {
+                        match self.inner.get(location).await {
+                            Ok(got) => {
+                                let (e_tag, version) =
+                                    (got.meta.e_tag.clone(), got.meta.version.clone());
+                                if same_bytes(&payload, &got.bytes().await?) {
+                                    Ok(PutResult { e_tag, version })
+                                } else {
+                                    Err(e)
+                                }
+                            }
+                            // A conflicting write in progress (S3's 409) that did not land:
+                            // try again.
+                            Err(object_store::Error::NotFound { .. }) => Err(transient(
+                                "put-if-absent met a conflicting write that did not land",
+                            )),
+                            Err(other) => Err(other),
                         }
                     }
                     other => other,
@@ -500,23 +547,29 @@ impl ObjectStore for PatientStore {
         &self,
         locations: BoxStream<'static, object_store::Result<Path>>,
     ) -> BoxStream<'static, object_store::Result<Path>> {
-        let inner = Arc::clone(&self.inner);
-        let url = self.url.clone();
-        let timeout = self.timeout;
+        // In chunks of the stores' bulk-delete size, each chunk retried whole (deleting is
+        // idempotent).
+        let store = self.clone_handle();
         locations
-            .and_then(move |path| {
-                let store = PatientStore {
-                    inner: Arc::clone(&inner),
-                    url: url.clone(),
-                    timeout,
-                };
+            .try_chunks(1000)
+            .map_err(|e| e.1)
+            .and_then(move |chunk| {
+                let store = store.clone_handle();
                 async move {
+                    let first = chunk.first().cloned().unwrap_or_default();
                     store
-                        .patiently("delete", &path, || store.inner.delete(&path))
+                        .patiently("delete", &first, || {
+                            let paths = futures::stream::iter(chunk.clone().into_iter().map(Ok));
+                            store
+                                .inner
+                                .delete_stream(paths.boxed())
+                                .try_collect::<Vec<_>>()
+                        })
                         .await
-                        .map(|()| path)
                 }
             })
+            .map_ok(|deleted| futures::stream::iter(deleted.into_iter().map(Ok)))
+            .try_flatten()
             .boxed()
     }
 
@@ -552,6 +605,15 @@ impl ObjectStore for PatientStore {
 }
 
 impl PatientStore {
+    /// Another handle on the same store.
+    fn clone_handle(&self) -> PatientStore {
+        PatientStore {
+            inner: Arc::clone(&self.inner),
+            url: self.url.clone(),
+            timeout: self.timeout,
+        }
+    }
+
     /// A listing, retried whole: collected before it is handed out, so a listing cut off
     /// halfway is started again rather than returned short.
     fn list_patiently(
@@ -559,11 +621,7 @@ impl PatientStore {
         prefix: Option<&Path>,
         offset: Option<&Path>,
     ) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
-        let store = PatientStore {
-            inner: Arc::clone(&self.inner),
-            url: self.url.clone(),
-            timeout: self.timeout,
-        };
+        let store = self.clone_handle();
         let (prefix, offset) = (prefix.cloned(), offset.cloned());
         futures::stream::once(async move {
             let at = prefix.clone().unwrap_or_default();

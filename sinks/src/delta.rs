@@ -52,17 +52,20 @@ use deltalake::kernel::transaction::{CommitBuilder, CommitProperties};
 use deltalake::kernel::{Action, MetadataExt, StructType, Transaction};
 use deltalake::operations::write::SchemaMode;
 use deltalake::protocol::{DeltaOperation, SaveMode};
-use deltalake::{DeltaTable, DeltaTableError};
+use deltalake::table::config::TablePropertiesExt;
+use deltalake::{DeltaTable, DeltaTableError, FilterLiteral, FilterOp, FilterValue};
 use futures::TryStreamExt;
 use serde::Deserialize;
 use sluice_engine::dead_letter::{SOURCE_NAME, dead_letter_schema};
 use sluice_engine::fault::{crash_point, pause_point};
 use sluice_engine::late::WINDOWS_MISSED;
 use sluice_engine::source::{SOURCE_OFFSET, SOURCE_PARTITION};
-use sluice_engine::storage::StorageOptions;
+use sluice_engine::storage::{
+    START_UNAVAILABLE_TIMEOUT, StorageOptions, check_conditional_put, open_store,
+};
 use sluice_engine::{
-    BatchCommit, BatchId, CommitOutcome, OffsetRange, OutputTables, PartitionId, RecomputedRows,
-    Replacement, SideTableBatch, Sink, TableScan,
+    BatchCommit, BatchId, CommitOutcome, Compaction, OffsetRange, OutputTables, PartitionId,
+    RecomputedRows, Replacement, SideTableBatch, Sink, TableScan,
 };
 use tokio::sync::Mutex;
 use tracing::{info, warn};
@@ -92,6 +95,9 @@ pub struct DeltaSinkConfig {
     /// tables are partitioned the same way when they have those columns, else not at all.
     #[serde(default)]
     pub partition_by: Vec<String>,
+    /// Compaction in the stream (`[sink.compaction]`).
+    #[serde(default)]
+    pub compaction: CompactionConfig,
     /// A Delta checkpoint every this many commits (`delta.checkpointInterval`, default 10).
     #[serde(default)]
     pub checkpoint_interval: Option<u64>,
@@ -115,12 +121,52 @@ impl DeltaSinkConfig {
             late_path: None,
             target_file_size: None,
             partition_by: Vec::new(),
+            compaction: CompactionConfig::default(),
             checkpoint_interval: None,
             log_retention: None,
             storage_options: StorageOptions::default(),
         }
     }
 }
+
+/// The `[sink.compaction]` settings: once a partition of a table holds `min_files` files smaller
+/// than half of `target_file_size`, they are rewritten into `target_file_size` files between
+/// batches.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CompactionConfig {
+    /// Whether the running job compacts its tables (default true).
+    #[serde(default = "compaction_enabled")]
+    pub enabled: bool,
+    /// Small files a partition must hold before they are rewritten (default 16, at least 2).
+    #[serde(default = "compaction_min_files")]
+    pub min_files: usize,
+}
+
+impl Default for CompactionConfig {
+    fn default() -> Self {
+        CompactionConfig {
+            enabled: compaction_enabled(),
+            min_files: compaction_min_files(),
+        }
+    }
+}
+
+fn compaction_enabled() -> bool {
+    true
+}
+
+fn compaction_min_files() -> usize {
+    16
+}
+
+/// The size of data files written and compacted to when `target_file_size` is not set: 128 MiB
+/// (set as `delta.targetFileSize` on the tables Sluice creates).
+const DEFAULT_TARGET_FILE_SIZE: u64 = 128 * 1024 * 1024;
+
+/// The commitInfo key of a compaction's commit (not [`COMMIT_METADATA_KEY`]: a compaction is no
+/// batch of the job, and `sluice status` reads a job's last batch from that key).
+const COMPACTION_METADATA_KEY: &str = "sluice_compaction";
 
 /// A Delta table as a [`Sink`]. See the module docs.
 #[derive(Debug)]
@@ -132,6 +178,7 @@ pub struct DeltaSink {
     job_id: String,
     /// Update mode: the columns output rows are merged on.
     merge_key: Option<Vec<String>>,
+    compaction: CompactionConfig,
     /// Commits retried after a conflict, over the three tables.
     conflicts: Arc<AtomicU64>,
 }
@@ -163,6 +210,8 @@ struct TableLayout {
     checkpoint_interval: u64,
     /// `delta.logRetentionDuration`, as Delta spells it (`interval 30 days`), if set.
     log_retention: Option<String>,
+    /// `delta.targetFileSize`: `target_file_size`, else [`DEFAULT_TARGET_FILE_SIZE`].
+    target_file_size: u64,
 }
 
 /// An app id's txn version (`None`: it has none) as of table version `as_of`.
@@ -198,6 +247,12 @@ impl DeltaSink {
             })?),
         };
         let conflicts = Arc::new(AtomicU64::new(0));
+        if config.compaction.min_files < 2 {
+            return Err(SinkError::Config(format!(
+                "[sink.compaction] min_files = {}: compaction rewrites at least 2 files",
+                config.compaction.min_files
+            )));
+        }
         let checkpoint_interval = config.checkpoint_interval.unwrap_or(CHECKPOINT_INTERVAL);
         if checkpoint_interval == 0 {
             return Err(SinkError::Config(
@@ -207,9 +262,7 @@ impl DeltaSink {
         let log_retention = match &config.log_retention {
             None => None,
             Some(text) => {
-                let d = humantime::parse_duration(text.trim()).map_err(|e| {
-                    SinkError::Config(format!("log_retention '{text}' is not a duration: {e}"))
-                })?;
+                let d = sluice_engine::parse_duration("log_retention", text)?;
                 Some(format!("interval {} seconds", d.as_secs()))
             }
         };
@@ -217,6 +270,7 @@ impl DeltaSink {
             partition_by: config.partition_by.clone(),
             checkpoint_interval,
             log_retention,
+            target_file_size: target_file_size.map_or(DEFAULT_TARGET_FILE_SIZE, NonZeroU64::get),
         };
         let t =
             |role, url| TableHandle::new(role, url, &config.storage_options, &layout, &conflicts);
@@ -228,6 +282,7 @@ impl DeltaSink {
             target_file_size,
             job_id: String::new(),
             merge_key: None,
+            compaction: config.compaction.clone(),
         })
     }
 
@@ -276,16 +331,17 @@ impl TableHandle {
         {
             std::fs::create_dir_all(dir)?;
         }
+        // First, failing within START_UNAVAILABLE_TIMEOUT for a store that cannot be reached
+        // (a wrong endpoint, no credentials) or cannot put-if-absent.
+        let probe = self.options.clone().with_unavailable_timeout(
+            START_UNAVAILABLE_TIMEOUT.min(self.options.unavailable_timeout()),
+        );
+        let (store, path) = open_store(&self.url, &probe)?;
+        check_conditional_put(store.as_ref(), &path, &self.url).await?;
         let mut table =
             DeltaTable::try_from_url_with_storage_options(self.url.clone(), self.options.to_map())
                 .await
                 .map_err(|e| self.err(e))?;
-        sluice_engine::storage::check_conditional_put(
-            table.log_store().object_store(None).as_ref(),
-            &deltalake::Path::default(),
-            &self.url,
-        )
-        .await?;
         // The output must have every partition column; a side table is partitioned only if it
         // has them all.
         let has_all = self
@@ -334,6 +390,10 @@ impl TableHandle {
                 .with_configuration_property(
                     TableProperty::LogRetentionDuration,
                     self.layout.log_retention.clone(),
+                )
+                .with_configuration_property(
+                    TableProperty::TargetFileSize,
+                    Some(self.layout.target_file_size.to_string()),
                 )
                 .with_save_mode(SaveMode::Ignore)
                 .await
@@ -454,6 +514,82 @@ impl TableHandle {
             .ok_or_else(|| SinkError::Config(format!("table {} used before open()", self.url)))?;
         table.update_state().await.map_err(|e| self.err(e))?;
         Ok(table.clone())
+    }
+
+    /// The size files are written and compacted to: `setting`, else the table's
+    /// `delta.targetFileSize`, and the partitions (their values) of the table as last loaded
+    /// that hold at least `min_files` files smaller than half of it. None for a table not
+    /// opened (a stateless job's late table).
+    async fn partitions_due(
+        &self,
+        setting: Option<NonZeroU64>,
+        min_files: usize,
+    ) -> Result<(NonZeroU64, Vec<Vec<(String, Option<String>)>>)> {
+        let guard = self.table.lock().await;
+        let Some(Ok(snapshot)) = guard.as_ref().map(DeltaTable::snapshot) else {
+            return Ok((NonZeroU64::MIN, Vec::new()));
+        };
+        let target = setting.unwrap_or_else(|| snapshot.table_config().target_file_size());
+        let mut small: BTreeMap<Vec<(String, Option<String>)>, usize> = BTreeMap::new();
+        for file in snapshot.log_data().iter() {
+            if u64::try_from(file.size()).unwrap_or(0) < target.get() / 2 {
+                let partition: BTreeMap<_, _> = file.partition_values_map().into_iter().collect();
+                *small.entry(partition.into_iter().collect()).or_default() += 1;
+            }
+        }
+        let due = small
+            .into_iter()
+            .filter(|(_, n)| *n >= min_files)
+            .map(|(partition, _)| partition)
+            .collect();
+        Ok((target, due))
+    }
+
+    /// Rewrites the small files of each partition that is due (see
+    /// [`TableHandle::partitions_due`]) into `target`-sized files, one commit per partition,
+    /// `dataChange = false`. The commit does not retry over a newer version: a compaction that
+    /// lost a race fails (see [`Sink::compact`]).
+    async fn compact(&self, setting: Option<NonZeroU64>, min_files: usize) -> Result<Compaction> {
+        let (target, due) = self.partitions_due(setting, min_files).await?;
+        let mut done = Compaction::default();
+        for partition in due {
+            let table = self.latest().await?;
+            // A null partition value has no filter: that partition and its siblings are
+            // compacted together (correct, only more work).
+            let filters: Vec<FilterLiteral<'_>> = partition
+                .iter()
+                .filter_map(|(column, value)| {
+                    Some((
+                        column.as_str(),
+                        FilterOp::Eq,
+                        FilterValue::Scalar(value.as_deref()?),
+                    ))
+                })
+                .collect();
+            let described: BTreeMap<&str, Option<&str>> = partition
+                .iter()
+                .map(|(c, v)| (c.as_str(), v.as_deref()))
+                .collect();
+            let properties = CommitProperties::default()
+                .with_max_retries(0)
+                .with_metadata([(
+                    COMPACTION_METADATA_KEY.to_string(),
+                    serde_json::json!({ "partition": described }),
+                )]);
+            let (table, metrics) = table
+                .optimize()
+                .with_filters(&filters)
+                .with_target_size(target)
+                .with_writer_properties(writer_properties())
+                .with_commit_properties(properties)
+                .await
+                .map_err(|e| self.err(e))?;
+            done.files_removed += metrics.num_files_removed;
+            done.files_added += metrics.num_files_added;
+            info!(table = %self.url, partition = ?described, files_removed = metrics.num_files_removed, files_added = metrics.num_files_added, "compacted");
+            *self.table.lock().await = Some(table);
+        }
+        Ok(done)
     }
 
     /// The version of `app_id`'s latest txn in `table` (at the version it holds).
@@ -1160,6 +1296,10 @@ impl Sink for DeltaSink {
         &self.output.url
     }
 
+    fn storage_options(&self) -> StorageOptions {
+        self.output.options.clone()
+    }
+
     async fn open(&mut self, job_id: &str, tables: OutputTables) -> sluice_engine::Result<()> {
         self.job_id = job_id.to_string();
         self.merge_key = tables.merge_key;
@@ -1171,6 +1311,36 @@ impl Sink for DeltaSink {
             self.late.open_or_create(&late_schema).await?;
         }
         Ok(())
+    }
+
+    async fn compaction_due(&self) -> sluice_engine::Result<bool> {
+        if !self.compaction.enabled {
+            return Ok(false);
+        }
+        for table in [&self.output, &self.dead_letters, &self.late] {
+            let (_, due) = table
+                .partitions_due(self.target_file_size, self.compaction.min_files)
+                .await?;
+            if !due.is_empty() {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    async fn compact(&self) -> sluice_engine::Result<Compaction> {
+        let mut done = Compaction::default();
+        if !self.compaction.enabled {
+            return Ok(done);
+        }
+        for table in [&self.output, &self.dead_letters, &self.late] {
+            let c = table
+                .compact(self.target_file_size, self.compaction.min_files)
+                .await?;
+            done.files_removed += c.files_removed;
+            done.files_added += c.files_added;
+        }
+        Ok(done)
     }
 
     async fn replace(&self, r: Replacement) -> sluice_engine::Result<CommitOutcome> {
@@ -1522,7 +1692,7 @@ impl deltalake::logstore::ObjectStoreFactory for SluiceStores {
         url: &Url,
         config: &deltalake::logstore::StorageConfig,
     ) -> deltalake::DeltaResult<(deltalake::logstore::ObjectStoreRef, deltalake::Path)> {
-        sluice_engine::storage::open_store(url, &StorageOptions::from_map(&config.raw))
+        open_store(url, &StorageOptions::from_map(&config.raw))
             .map_err(|e| deltalake::DeltaTableError::Generic(e.to_string()))
     }
 }
