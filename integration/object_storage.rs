@@ -513,8 +513,9 @@ fn ids_and_buckets(read: &serde_json::Value) -> Vec<(i64, String)> {
 }
 
 /// `partition_by = ["bucket"]`: the output's files are laid out in `bucket=…/` folders, the
-/// dead-letter table (which has no `bucket` column) is not partitioned, and delta-rs, Python
-/// `deltalake`, Polars and DuckDB read the same rows from the server; a `partition_by` naming
+/// dead-letter table (which has no `bucket` column) is not partitioned, the table is compacted
+/// on the server as it is written, and delta-rs, Python `deltalake`, Polars and DuckDB read the
+/// rows written from the server; a `partition_by` naming
 /// a column the output lacks is refused, naming it.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_partitioned_table_on_s3_reads_the_same_in_every_reader() {
@@ -537,7 +538,10 @@ async fn a_partitioned_table_on_s3_reads_the_same_in_every_reader() {
         );
         let text = std::fs::read_to_string(&job).unwrap().replace(
             "[sink]\nkind = \"delta\"\n",
-            &format!("[sink]\nkind = \"delta\"\npartition_by = [{partition_by}]\n"),
+            &format!(
+                "[sink]\nkind = \"delta\"\npartition_by = [{partition_by}]\n\
+                 compaction = {{ min_files = 3 }}\n"
+            ),
         );
         std::fs::write(&job, text).unwrap();
     };
@@ -557,6 +561,13 @@ async fn a_partitioned_table_on_s3_reads_the_same_in_every_reader() {
         .filter(|n| n.starts_with("bucket="))
         .collect();
     assert_eq!(folders.len(), 3, "{folders:?}");
+    // The table was compacted on S3 as it was written (`min_files = 3`): the readers below see
+    // the rows after compaction, which must be the rows written.
+    let compactions = delta_commits(&local)
+        .iter()
+        .filter(|c| c.iter().any(|a| a["commitInfo"]["operation"] == "OPTIMIZE"))
+        .count();
+    assert!(compactions >= 3, "{compactions} compactions");
     let dead = dead_letter_table(&local);
     server.download("lake", "out_dead_letter", &dead).await;
     assert!(

@@ -153,6 +153,10 @@ pub struct BackfillSpec {
     pub source: String,
     /// Per partition, the offsets replaced.
     pub ranges: BTreeMap<PartitionId, OffsetRange>,
+    /// Who claimed the backfill's number (host, pid, clock): two identical backfills started
+    /// at once write different claims, so exactly one gets the number.
+    #[serde(default)]
+    pub claimed_by: String,
 }
 
 /// What a backfill did (or, with `dry_run`, would do).
@@ -324,6 +328,12 @@ impl Job {
             app_id: format!("{}/backfill/{number}", self.id),
             source: source.name.clone(),
             ranges,
+            claimed_by: format!(
+                "{} pid {} at {}",
+                crate::lease::host_name(),
+                std::process::id(),
+                chrono::Utc::now().to_rfc3339()
+            ),
         };
         let offsets = spec.ranges.values().map(OffsetRange::len).sum();
         self.progress.bounded_run(offsets as i64);

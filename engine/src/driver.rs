@@ -350,7 +350,16 @@ impl Pipeline {
         let expectations = Expectations::plan(&expectations, &query.output_schema())?;
         checkpoint.check_conditional_put().await?;
         let lease = Lease::acquire(&checkpoint, &job_id, LeaseSettings::default()).await?;
-        Lease::release_abandoned_in(&checkpoint, REWRITE_LEASE_FOLDER, &job_id).await?;
+        if let Err(error) = Lease::release_abandoned_in(
+            &checkpoint,
+            REWRITE_LEASE_FOLDER,
+            &job_id,
+            LeaseSettings::default(),
+        )
+        .await
+        {
+            warn!(%error, "could not look at the rewrite lease; compaction waits for it to expire");
+        }
         let position = match restore(
             &checkpoint,
             sink.as_mut(),
@@ -943,10 +952,21 @@ impl Pipeline {
     /// lease; a compaction that fails is logged and tried again after a later batch — the
     /// batch itself is committed already.
     async fn compact(&mut self, batch: &mut Batch) -> Result<()> {
+        // A run that lost the job's lease stops instead (at its next look, or here).
+        self.lease.check()?;
+        let t = Instant::now();
+        if let Err(error) = self.try_compact(batch).await {
+            warn!(job_id = %self.job_id, %error, "compaction failed; it is tried again after a later batch");
+        }
+        batch.times.compact = t.elapsed();
+        Ok(())
+    }
+
+    /// [`Pipeline::compact`] without its error handling.
+    async fn try_compact(&mut self, batch: &mut Batch) -> Result<()> {
         if !self.sink.compaction_due().await? {
             return Ok(());
         }
-        let t = Instant::now();
         let Some(lease) = Lease::try_acquire_in(
             &self.checkpoint,
             REWRITE_LEASE_FOLDER,
@@ -964,13 +984,7 @@ impl Pipeline {
         if let Err(error) = lease.release().await {
             warn!(%error, "could not release the rewrite lease; a backfill waits for it to expire");
         }
-        match compacted {
-            Ok(compaction) => batch.compaction = compaction,
-            Err(error) => {
-                warn!(job_id = %self.job_id, %error, "compaction failed; it is tried again after a later batch");
-            }
-        }
-        batch.times.compact = t.elapsed();
+        batch.compaction = compacted?;
         Ok(())
     }
 

@@ -129,7 +129,8 @@ fn lease_file(epoch: u64) -> String {
     format!("{epoch:020}.json")
 }
 
-fn host_name() -> String {
+/// This machine's host name, for records that say who wrote them.
+pub(crate) fn host_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()
         .or_else(|| std::env::var("HOSTNAME").ok())
@@ -246,10 +247,11 @@ impl Lease {
         Self::take(&store, job_id, next, settings).await
     }
 
-    /// Marks released the lease in the checkpoint's folder `folder` if `holder` holds it: a
-    /// run of the job that took the job's lease calls it for the rewrite lease, which an
-    /// earlier run killed while compacting left behind (no run of the job but this one is
-    /// alive), so compaction need not wait three timeouts for it.
+    /// Marks released the lease in the checkpoint's folder `folder` if `holder` holds it and
+    /// does not renew it for one timeout (watched, as [`Lease::acquire`] watches): a run of the
+    /// job that took the job's lease calls it for the rewrite lease, which an earlier run
+    /// killed while compacting left behind, so compaction need not wait three timeouts for it.
+    /// A holder that renews (a paused twin that woke up) keeps it.
     ///
     /// # Errors
     /// Store errors.
@@ -257,13 +259,24 @@ impl Lease {
         checkpoint: &CheckpointStore,
         folder: &str,
         holder: &str,
+        settings: LeaseSettings,
     ) -> Result<()> {
         let store = checkpoint.child(folder);
         let Some(epoch) = newest_epoch(&store).await? else {
             return Ok(());
         };
+        let Some((first, _)) = read_record(&store, epoch).await? else {
+            return Ok(());
+        };
+        if first.job_id != holder || first.released {
+            return Ok(());
+        }
+        tokio::time::sleep(settings.timeout).await;
+        if newest_epoch(&store).await? != Some(epoch) {
+            return Ok(());
+        }
         if let Some((record, _)) = read_record(&store, epoch).await?
-            && record.job_id == holder
+            && record.beat == first.beat
             && !record.released
         {
             let rel = lease_file(epoch);
@@ -365,10 +378,15 @@ impl Lease {
         // The renewal must be over before the record is marked released, or a last beat could
         // overwrite the mark.
         if let Some(renewal) = self.renewal.take() {
-            let joined = tokio::task::spawn_blocking(move || renewal.join());
-            if tokio::time::timeout(self.timeout, joined).await.is_err() {
-                return Ok(());
+            let deadline = Instant::now() + self.timeout;
+            while !renewal.is_finished() {
+                if Instant::now() >= deadline {
+                    warn!(job_id = %self.record.job_id, "the lease's renewal did not stop in time (the store does not answer); the lease expires instead");
+                    return Ok(());
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
             }
+            let _ = renewal.join();
         }
         if self.lost.load(Ordering::SeqCst) {
             return Ok(());

@@ -16,9 +16,11 @@
 //! connection) are retried: object_store retries a request itself for a short while, and
 //! [`PatientStore`] keeps retrying with backoff — logging each attempt — for up to the job's
 //! `store_unavailable_timeout` (default 10 min) before the operation fails with
-//! [`StoreUnavailable`]. A write that must not overwrite (`PutMode::Create`) and whose first
-//! attempt timed out may have landed: if a retry then finds the object present with exactly the
-//! bytes it was writing, the write counts as its own.
+//! [`StoreUnavailable`]. A write that must not overwrite (`PutMode::Create`) may have landed on
+//! an attempt that seemed to fail: when it finds the object present with exactly the bytes it
+//! is writing, the write counts as its own. (Two writers racing with the same bytes both
+//! succeed: the writes that claim something — a lease epoch, a backfill number — carry
+//! their writer's pid and clock.)
 //!
 //! **Conditional put.** Delta commits and the checkpoint's intents, manifests and lease are
 //! written put-if-absent; there is no lock service and no "unsafe rename" mode. A store that
@@ -560,9 +562,16 @@ impl ObjectStore for PatientStore {
                     store
                         .patiently("delete", &first, || {
                             let paths = futures::stream::iter(chunk.clone().into_iter().map(Ok));
+                            // A path deleted by an earlier attempt of this chunk is gone: done.
                             store
                                 .inner
                                 .delete_stream(paths.boxed())
+                                .map(|deleted| match deleted {
+                                    Err(object_store::Error::NotFound { path, .. }) => {
+                                        Ok(Path::from(path))
+                                    }
+                                    other => other,
+                                })
                                 .try_collect::<Vec<_>>()
                         })
                         .await

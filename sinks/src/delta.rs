@@ -39,6 +39,7 @@ use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use arrow::array::RecordBatch;
 use arrow::datatypes::{DataType, Field, Fields, Schema, SchemaRef};
 use async_trait::async_trait;
+use bytes::Bytes;
 use deltalake::TableProperty;
 use deltalake::datafusion::catalog::streaming::StreamingTable;
 use deltalake::datafusion::datasource::provider_as_source;
@@ -48,8 +49,9 @@ use deltalake::datafusion::logical_expr::{LogicalPlan, LogicalPlanBuilder};
 use deltalake::datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use deltalake::datafusion::physical_plan::streaming::PartitionStream;
 use deltalake::kernel::engine::arrow_conversion::TryIntoKernel;
-use deltalake::kernel::transaction::{CommitBuilder, CommitProperties};
+use deltalake::kernel::transaction::{CommitBuilder, CommitProperties, TransactionError};
 use deltalake::kernel::{Action, MetadataExt, StructType, Transaction};
+use deltalake::logstore::{CommitOrBytes, LogStore, LogStoreConfig, LogStoreRef};
 use deltalake::operations::write::SchemaMode;
 use deltalake::protocol::{DeltaOperation, SaveMode};
 use deltalake::table::config::TablePropertiesExt;
@@ -547,35 +549,43 @@ impl TableHandle {
 
     /// Rewrites the small files of each partition that is due (see
     /// [`TableHandle::partitions_due`]) into `target`-sized files, one commit per partition,
-    /// `dataChange = false`. The commit does not retry over a newer version: a compaction that
-    /// lost a race fails (see [`Sink::compact`]).
+    /// `dataChange = false`. The commit can only land as the version right after the one the
+    /// compaction read ([`VersionFence`]): a compaction that lost a race fails (see
+    /// [`Sink::compact`]) — delta-rs's optimize would otherwise retry over the newer commit,
+    /// and its conflict checker ignores `dataChange = false` removes.
     async fn compact(&self, setting: Option<NonZeroU64>, min_files: usize) -> Result<Compaction> {
         let (target, due) = self.partitions_due(setting, min_files).await?;
         let mut done = Compaction::default();
         for partition in due {
-            let table = self.latest().await?;
-            // A null partition value has no filter: that partition and its siblings are
-            // compacted together (correct, only more work).
+            let latest = self.latest().await?;
+            let read = latest.version().ok_or_else(|| {
+                SinkError::Config(format!("table {} has no version to compact", self.url))
+            })?;
+            let fenced: LogStoreRef = Arc::new(VersionFence {
+                inner: latest.log_store(),
+                only: read + 1,
+            });
+            let mut table = DeltaTable::new(fenced);
+            table.load_version(read).await.map_err(|e| self.err(e))?;
+            // `""` selects the null partition value (delta-rs reads it as IS NULL).
             let filters: Vec<FilterLiteral<'_>> = partition
                 .iter()
-                .filter_map(|(column, value)| {
-                    Some((
+                .map(|(column, value)| {
+                    (
                         column.as_str(),
                         FilterOp::Eq,
-                        FilterValue::Scalar(value.as_deref()?),
-                    ))
+                        FilterValue::Scalar(value.as_deref().unwrap_or("")),
+                    )
                 })
                 .collect();
             let described: BTreeMap<&str, Option<&str>> = partition
                 .iter()
                 .map(|(c, v)| (c.as_str(), v.as_deref()))
                 .collect();
-            let properties = CommitProperties::default()
-                .with_max_retries(0)
-                .with_metadata([(
-                    COMPACTION_METADATA_KEY.to_string(),
-                    serde_json::json!({ "partition": described }),
-                )]);
+            let properties = CommitProperties::default().with_metadata([(
+                COMPACTION_METADATA_KEY.to_string(),
+                serde_json::json!({ "partition": described }),
+            )]);
             let (table, metrics) = table
                 .optimize()
                 .with_filters(&filters)
@@ -587,7 +597,8 @@ impl TableHandle {
             done.files_removed += metrics.num_files_removed;
             done.files_added += metrics.num_files_added;
             info!(table = %self.url, partition = ?described, files_removed = metrics.num_files_removed, files_added = metrics.num_files_added, "compacted");
-            *self.table.lock().await = Some(table);
+            // The handle keeps the table's own log store; it is brought up to date next time.
+            drop(table);
         }
         Ok(done)
     }
@@ -1661,6 +1672,77 @@ pub async fn table_status(
     })
 }
 
+/// A table's log store that writes one commit only: version `only`. Compaction commits through
+/// it, so a compaction can never land over a commit it did not read (delta-rs's optimize
+/// retries a lost race over the newer version, and its conflict checker ignores the
+/// `dataChange = false` removes a compaction makes — a backfill's replacement and a compaction
+/// of the same files would both commit, doubling rows). Every other call goes to the table's
+/// own log store.
+#[derive(Debug)]
+struct VersionFence {
+    inner: LogStoreRef,
+    only: u64,
+}
+
+#[async_trait::async_trait]
+impl LogStore for VersionFence {
+    fn name(&self) -> String {
+        self.inner.name()
+    }
+
+    async fn refresh(&self) -> deltalake::DeltaResult<()> {
+        self.inner.refresh().await
+    }
+
+    async fn read_commit_entry(&self, version: u64) -> deltalake::DeltaResult<Option<Bytes>> {
+        self.inner.read_commit_entry(version).await
+    }
+
+    async fn write_commit_entry(
+        &self,
+        version: u64,
+        commit_or_bytes: CommitOrBytes,
+        operation_id: uuid::Uuid,
+    ) -> std::result::Result<(), TransactionError> {
+        if version != self.only {
+            return Err(TransactionError::VersionAlreadyExists(version));
+        }
+        self.inner
+            .write_commit_entry(version, commit_or_bytes, operation_id)
+            .await
+    }
+
+    async fn abort_commit_entry(
+        &self,
+        version: u64,
+        commit_or_bytes: CommitOrBytes,
+        operation_id: uuid::Uuid,
+    ) -> std::result::Result<(), TransactionError> {
+        self.inner
+            .abort_commit_entry(version, commit_or_bytes, operation_id)
+            .await
+    }
+
+    async fn get_latest_version(&self, start_version: u64) -> deltalake::DeltaResult<u64> {
+        self.inner.get_latest_version(start_version).await
+    }
+
+    fn object_store(&self, operation_id: Option<uuid::Uuid>) -> Arc<dyn deltalake::ObjectStore> {
+        self.inner.object_store(operation_id)
+    }
+
+    fn root_object_store(
+        &self,
+        operation_id: Option<uuid::Uuid>,
+    ) -> Arc<dyn deltalake::ObjectStore> {
+        self.inner.root_object_store(operation_id)
+    }
+
+    fn config(&self) -> &LogStoreConfig {
+        self.inner.config()
+    }
+}
+
 /// The URL schemes of the cloud stores, each opened by Sluice's own store factory.
 const CLOUD_SCHEMES: [&str; 8] = ["s3", "s3a", "gs", "az", "abfs", "abfss", "azure", "adl"];
 
@@ -1908,6 +1990,53 @@ mod tests {
         }
         assert_eq!(records, rows);
         assert!(log.contains(r#""appId":"job""#), "{log}");
+    }
+
+    /// delta-rs's optimize retries a lost race over the newer version (its commit ignores
+    /// `max_retries`); through the [`VersionFence`] a compaction that read version v fails when
+    /// another writer took v + 1 first.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_compaction_never_commits_over_a_version_it_did_not_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = Url::from_directory_path(dir.path()).unwrap();
+        let schema: StructType = numbers(0).schema().as_ref().try_into_kernel().unwrap();
+        let mut table = DeltaTable::try_from_url(url.clone())
+            .await
+            .unwrap()
+            .create()
+            .with_columns(schema.fields().cloned())
+            .await
+            .unwrap();
+        for rows in 1..4 {
+            table = table.write(vec![numbers(rows)]).await.unwrap();
+        }
+        let read = table.version().unwrap();
+        // Another writer commits read + 1.
+        deltalake::open_table(url.clone())
+            .await
+            .unwrap()
+            .write(vec![numbers(5)])
+            .await
+            .unwrap();
+
+        let fenced: LogStoreRef = Arc::new(VersionFence {
+            inner: table.log_store(),
+            only: read + 1,
+        });
+        let mut stale = DeltaTable::new(fenced);
+        stale.load_version(read).await.unwrap();
+        assert!(
+            stale.optimize().await.is_err(),
+            "compacted over a newer version"
+        );
+
+        let unfenced = deltalake::open_table_with_version(url.clone(), read)
+            .await
+            .unwrap();
+        assert!(
+            unfenced.optimize().await.is_ok(),
+            "delta-rs no longer retries optimize over a newer version: the fence may be moot"
+        );
     }
 
     /// A table with a CHECK constraint takes delta-rs's write, which enforces it, even for a
