@@ -2,7 +2,6 @@
 //! moto's server mode (installed by `./test`; it enforces `If-None-Match: *`), one per test on a
 //! free port on 127.0.0.1, its data in memory.
 
-use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -66,15 +65,8 @@ impl S3Server {
 
     fn create_bucket(&self, bucket: &str) {
         let addr = self.endpoint.trim_start_matches("http://");
-        let mut stream = TcpStream::connect(addr).unwrap();
-        write!(
-            stream,
-            "PUT /{bucket} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-        )
-        .unwrap();
-        let mut response = String::new();
-        stream.read_to_string(&mut response).unwrap();
-        assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+        let (status, body) = http_request(addr, "PUT", &format!("/{bucket}"));
+        assert_eq!(status, 200, "creating bucket {bucket}: {body}");
     }
 
     /// The standard environment variables a job uses to reach the server.
@@ -304,28 +296,7 @@ async fn a_job_on_s3_equals_a_local_run_and_never_shows_its_secret() {
     );
 
     // An independent reader, straight from the server.
-    let read = Command::new("python3")
-        .arg(repo_root().join("integration/read_delta.py"))
-        .arg("s3://lake/out")
-        .env(
-            "DELTA_STORAGE_OPTIONS",
-            serde_json::json!({
-                "AWS_ENDPOINT_URL": server.endpoint,
-                "AWS_ACCESS_KEY_ID": "sluice-test",
-                "AWS_SECRET_ACCESS_KEY": SECRET,
-                "AWS_REGION": "us-east-1",
-                "AWS_ALLOW_HTTP": "true",
-            })
-            .to_string(),
-        )
-        .output()
-        .unwrap();
-    assert!(
-        read.status.success(),
-        "{}",
-        String::from_utf8_lossy(&read.stderr)
-    );
-    let read: serde_json::Value = serde_json::from_slice(&read.stdout).unwrap();
+    let read = read_from_s3(&server, "read_delta.py", "s3://lake/out");
     assert_eq!(read["rows"].as_array().unwrap().len(), got.len());
 
     // A second run finds everything committed and reads nothing again.

@@ -504,13 +504,18 @@ impl Background {
 
 /// `GET path` on `addr`: the status code and the body.
 pub fn http_get(addr: &str, path: &str) -> (u16, String) {
+    http_request(addr, "GET", path)
+}
+
+/// `method path` (no body) on `addr`: the status code and the body.
+pub fn http_request(addr: &str, method: &str, path: &str) -> (u16, String) {
     let mut stream = TcpStream::connect(addr).unwrap();
     stream
         .set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
     write!(
         stream,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
     )
     .unwrap();
     let mut response = String::new();

@@ -90,7 +90,8 @@ pub struct DeltaSinkConfig {
     /// The late-rows table (default `<path>_late`).
     #[serde(default)]
     pub late_path: Option<String>,
-    /// Target size of data files, e.g. `"128MB"` (default: delta-rs's, 100 MiB).
+    /// Target size of data files, written and compacted, e.g. `"128MB"` (default: the table's
+    /// `delta.targetFileSize`, which Sluice sets to 128 MiB on the tables it creates).
     #[serde(default)]
     pub target_file_size: Option<String>,
     /// Columns of the query's output the output table is partitioned by (`["day"]`); the side
