@@ -7,7 +7,8 @@ use std::os::unix::process::ExitStatusExt;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use crate::object_storage::{S3Server, pairs};
+use crate::object_storage::pairs;
+use crate::s3_server::S3Server;
 use crate::support::*;
 
 const LINES_PER_FILE: usize = 5;

@@ -4,6 +4,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod http;
+mod s3_server;
 mod support;
 
 mod backfill;

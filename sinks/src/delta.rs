@@ -562,12 +562,7 @@ impl TableHandle {
             let read = latest.version().ok_or_else(|| {
                 SinkError::Config(format!("table {} has no version to compact", self.url))
             })?;
-            let fenced: LogStoreRef = Arc::new(VersionFence {
-                inner: latest.log_store(),
-                only: read + 1,
-            });
-            let mut table = DeltaTable::new(fenced);
-            table.load_version(read).await.map_err(|e| self.err(e))?;
+            let table = VersionFence::around(&latest, read + 1);
             // `""` selects the null partition value (delta-rs reads it as IS NULL).
             let filters: Vec<FilterLiteral<'_>> = partition
                 .iter()
@@ -665,6 +660,7 @@ impl TableHandle {
         properties: CommitProperties,
         target_file_size: Option<NonZeroU64>,
     ) -> Result<(u64, u64, u64)> {
+        let properties = log_cleanup_on_checkpoints(properties, &table);
         let rows: u64 = batches.iter().map(|b| b.num_rows() as u64).sum();
         let table_schema = self.arrow_schema(&table)?;
         let added = batches
@@ -772,6 +768,7 @@ impl TableHandle {
         else {
             return self.append(table, Vec::new(), properties, None).await;
         };
+        let properties = log_cleanup_on_checkpoints(properties, &table);
         let ctx = deltalake::datafusion::prelude::SessionContext::new();
         let source = ctx
             .read_batches(batches.into_iter().filter(|b| b.num_rows() > 0))
@@ -813,7 +810,9 @@ impl TableHandle {
     /// Replaces the rows matching `predicate` with `rows` in one commit carrying
     /// `txn(app_id, 0)`, unless the table already holds that txn. A commit that conflicts with
     /// a concurrent writer is retried on the new table version, with backoff (a recomputation
-    /// runs again for each attempt).
+    /// runs again for each attempt). That includes a compaction committed since the version the
+    /// replacement read: delta-rs refuses it (`ConcurrentAppend`: the compacted file holds rows
+    /// the predicate matches; pinned by a test).
     async fn replace_where(
         &self,
         app_id: &str,
@@ -1302,6 +1301,23 @@ fn properties(job_id: &str, batch_id: BatchId, manifest: &serde_json::Value) -> 
         )])
 }
 
+/// Asks delta-rs to clean up expired commit files only on a commit that writes a Delta
+/// checkpoint (every `delta.checkpointInterval` commits), as Delta Lake's own writer does.
+/// delta-rs otherwise does it after every commit, and the cleanup lists the whole `_delta_log`:
+/// for a job committing every few seconds that is a month of commits (`log_retention`) listed
+/// per batch. The commit's version is taken as the one after `table`'s; a commit that lands
+/// elsewhere (a concurrent writer) just cleans up, or not, one checkpoint later.
+fn log_cleanup_on_checkpoints(
+    properties: CommitProperties,
+    table: &DeltaTable,
+) -> CommitProperties {
+    let writes_checkpoint = table.snapshot().is_ok_and(|snapshot| {
+        let interval = snapshot.table_config().checkpoint_interval().get();
+        (snapshot.version() + 2).is_multiple_of(interval)
+    });
+    properties.with_cleanup_expired_logs(Some(writes_checkpoint))
+}
+
 #[async_trait]
 impl Sink for DeltaSink {
     fn location(&self) -> &Url {
@@ -1674,15 +1690,28 @@ pub async fn table_status(
 }
 
 /// A table's log store that writes one commit only: version `only`. Compaction commits through
-/// it, so a compaction can never land over a commit it did not read (delta-rs's optimize
+/// it, so a compaction can never land over a commit it did not read: delta-rs's optimize
 /// retries a lost race over the newer version, and its conflict checker ignores the
-/// `dataChange = false` removes a compaction makes — a backfill's replacement and a compaction
-/// of the same files would both commit, doubling rows). Every other call goes to the table's
-/// own log store.
+/// `dataChange = false` removes a compaction makes, so a compaction that read files a backfill
+/// then replaced would commit and bring the replaced rows back. The rewrite lease keeps the two
+/// apart; the fence makes a compaction that outlived its lease (paused past the lease timeout)
+/// fail rather than commit. Every other call goes to the table's own log store.
 #[derive(Debug)]
 struct VersionFence {
     inner: LogStoreRef,
     only: u64,
+}
+
+impl VersionFence {
+    /// `table` (its state as loaded) with its commits going through a fence admitting `only`.
+    fn around(table: &DeltaTable, only: u64) -> DeltaTable {
+        let mut fenced = DeltaTable::new(Arc::new(VersionFence {
+            inner: table.log_store(),
+            only,
+        }));
+        fenced.state = table.state.clone();
+        fenced
+    }
 }
 
 #[async_trait::async_trait]
@@ -2020,12 +2049,7 @@ mod tests {
             .await
             .unwrap();
 
-        let fenced: LogStoreRef = Arc::new(VersionFence {
-            inner: table.log_store(),
-            only: read + 1,
-        });
-        let mut stale = DeltaTable::new(fenced);
-        stale.load_version(read).await.unwrap();
+        let stale = VersionFence::around(&table, read + 1);
         assert!(
             stale.optimize().await.is_err(),
             "compacted over a newer version"
@@ -2038,6 +2062,61 @@ mod tests {
             unfenced.optimize().await.is_ok(),
             "delta-rs no longer retries optimize over a newer version: the fence may be moot"
         );
+    }
+
+    /// A backfill's replacement that read a version before a compaction of the files it
+    /// replaces is refused by delta-rs (`ConcurrentAppend`: the compacted file holds rows its
+    /// predicate matches), and so retried on the latest version — the other half of keeping
+    /// compaction and replacement apart, which Sluice relies on rather than fences (see
+    /// [`VersionFence`] for the compaction's half).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn delta_rs_refuses_a_replacement_over_a_compaction_it_did_not_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = Url::from_directory_path(dir.path()).unwrap();
+        let schema: StructType = numbers(0).schema().as_ref().try_into_kernel().unwrap();
+        let mut table = DeltaTable::try_from_url(url.clone())
+            .await
+            .unwrap()
+            .create()
+            .with_columns(schema.fields().cloned())
+            .await
+            .unwrap();
+        for _ in 0..3 {
+            table = table.write(vec![numbers(4)]).await.unwrap();
+        }
+        let read = table.version().unwrap();
+        // A compaction by another handle rewrites the three files into one.
+        let (_, metrics) = deltalake::open_table(url.clone())
+            .await
+            .unwrap()
+            .optimize()
+            .await
+            .unwrap();
+        assert_eq!(metrics.num_files_removed, 3);
+        // Replacing every row with 4 rows, from the version read before the compaction.
+        let replace = |table: DeltaTable| {
+            table
+                .write(vec![numbers(4)])
+                .with_save_mode(SaveMode::Overwrite)
+                .with_replace_where("id >= 0")
+        };
+        assert_eq!(table.version(), Some(read));
+        let error = replace(table).await.unwrap_err();
+        assert!(
+            matches!(
+                error,
+                deltalake::DeltaTableError::Transaction {
+                    source: TransactionError::CommitConflict(_)
+                }
+            ),
+            "delta-rs committed a replacement over a compaction it did not read ({error:?}): \
+             replacements need a fence too"
+        );
+        let latest = deltalake::open_table(url.clone()).await.unwrap();
+        assert_eq!(row_count(&latest).unwrap(), 12);
+        // Retried on the latest version, it commits.
+        let replaced = replace(latest).await.unwrap();
+        assert_eq!(row_count(&replaced).unwrap(), 4);
     }
 
     /// A table with a CHECK constraint takes delta-rs's write, which enforces it, even for a
