@@ -246,6 +246,7 @@ fn s3_vs_local(events: u64, clicks: u64, tiny_batches: u64) {
                             "total_events = 10_000_000",
                             &format!("total_events = {events}\nmax_records_per_batch = 500000"),
                         );
+                        assert!(text.contains("max_records_per_batch"), "q0.toml changed");
                         run_job(&dir, "q0", &text).await
                     }
                     "clicks" => {
@@ -502,7 +503,7 @@ fn record(line: serde_json::Value) {
 
 fn git_commit() -> String {
     std::process::Command::new("git")
-        .args(["rev-parse", "--short", "HEAD"])
+        .args(["describe", "--always", "--dirty"])
         .current_dir(repo_root())
         .output()
         .ok()
