@@ -170,9 +170,10 @@ fn main() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let (summary, elapsed, opened_rss) = rt.block_on(async {
-        let (job, _) = sluice::job_file::load(&path, Some(Trigger::AvailableNow))
-            .await
-            .unwrap();
+        let (job, _) =
+            sluice::job_file::load(&path, Some(Trigger::AvailableNow), &Default::default())
+                .await
+                .unwrap();
         if args.metrics {
             let addr = sluice::status_server::serve(
                 "127.0.0.1:0".parse().unwrap(),

@@ -171,7 +171,7 @@ fn job_text(
 async fn run_job(dir: &Path, name: &str, text: &str) -> (RunSummary, Duration) {
     let path = dir.join(format!("{name}.toml"));
     std::fs::write(&path, text).unwrap();
-    let (job, _) = sluice::job_file::load(&path, Some(Trigger::AvailableNow))
+    let (job, _) = sluice::job_file::load(&path, Some(Trigger::AvailableNow), &Default::default())
         .await
         .unwrap();
     let started = Instant::now();

@@ -18,6 +18,7 @@ mod formats;
 mod hostile;
 mod instances;
 mod kafka;
+mod library;
 mod maintenance;
 mod nexmark;
 mod object_storage;

@@ -1,7 +1,7 @@
 //! The job file: TOML that names the sources, the query, the sink and the trigger.
 //!
-//! This is the one place that maps `kind = "…"` to a concrete connector or sink, so the engine
-//! stays free of them. Keys shared by every source (`kind`, `event_time`, `event_time_format`,
+//! This is the one place that maps `kind = "…"` to a concrete connector or sink (built in, or
+//! registered by the binary: [`Registry`]), so the engine stays free of them. Keys shared by every source (`kind`, `event_time`, `event_time_format`,
 //! `max_out_of_orderness`, `idle_timeout`) are read here; the rest of a `[sources.<name>]` table
 //! goes to the connector's own config, which rejects unknown keys by name. Relative paths are
 //! resolved against the job file's folder, so a job file works from any working directory.
@@ -20,6 +20,8 @@ use sluice_engine::{
     EventTimeConfig, EventTimeFormat, Expectation, Job, OutputMode, Trigger, parse_duration,
 };
 use sluice_sinks::delta::{DeltaSink, DeltaSinkConfig};
+
+use crate::registry::{Registry, Section, resolve};
 
 /// The whole job file.
 #[derive(Debug, Deserialize)]
@@ -146,6 +148,8 @@ pub struct JobFileInfo {
     pub metrics_addr: Option<std::net::SocketAddr>,
     /// `[sink.storage_options]`: how the output table's store is configured.
     pub sink_storage: StorageOptions,
+    /// `[sink] kind`: `delta`, or a kind the binary registered.
+    pub sink_kind: String,
 }
 
 /// Splits `table` into the keys in `common` and the rest.
@@ -175,23 +179,19 @@ fn add_unavailable_timeout(table: &mut toml::Table, timeout: Duration) {
     }
 }
 
-/// Resolves a path of the job file against the job file's folder (URLs and absolute paths stay).
-fn resolve(base: &Path, path: &str) -> String {
-    if path.contains("://") || Path::new(path).is_absolute() {
-        path.to_string()
-    } else {
-        base.join(path).to_string_lossy().into_owned()
-    }
-}
-
-/// Reads and checks a job file and builds the job. `trigger` overrides the file's `[trigger]`.
+/// Reads and checks a job file and builds the job. `trigger` overrides the file's `[trigger]`;
+/// `registry` adds functions and kinds of source and sink to the built-in ones.
 ///
 /// # Errors
 /// Errors name the file and the section or key at fault.
-pub async fn load(path: &Path, trigger: Option<Trigger>) -> Result<(Job, JobFileInfo)> {
+pub async fn load(
+    path: &Path,
+    trigger: Option<Trigger>,
+    registry: &Registry,
+) -> Result<(Job, JobFileInfo)> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read job file {}", path.display()))?;
-    parse(&text, path, trigger)
+    parse(&text, path, trigger, registry)
 }
 
 /// Builds the job from the text of a job file at `path` (relative paths in it are relative to
@@ -199,7 +199,12 @@ pub async fn load(path: &Path, trigger: Option<Trigger>) -> Result<(Job, JobFile
 ///
 /// # Errors
 /// As [`load`].
-pub fn parse(text: &str, path: &Path, trigger: Option<Trigger>) -> Result<(Job, JobFileInfo)> {
+pub fn parse(
+    text: &str,
+    path: &Path,
+    trigger: Option<Trigger>,
+    registry: &Registry,
+) -> Result<(Job, JobFileInfo)> {
     let file: JobFile = toml::from_str(text)
         .map_err(|e| anyhow::anyhow!("job file {}: {}", path.display(), one_line(&e, text)))?;
     let base = path
@@ -229,7 +234,8 @@ pub fn parse(text: &str, path: &Path, trigger: Option<Trigger>) -> Result<(Job, 
     let mut builder = Job::builder(file.job.id.clone())
         .with_sql(file.query.sql.clone())
         .with_trigger(trigger)
-        .with_allowed_lateness(allowed_lateness);
+        .with_allowed_lateness(allowed_lateness)
+        .with_functions(registry.functions());
     if let Some(ttl) = state_ttl {
         builder = builder.with_state_ttl(ttl);
     }
@@ -270,10 +276,21 @@ pub fn parse(text: &str, path: &Path, trigger: Option<Trigger>) -> Result<(Job, 
                     from_table(rest).map_err(|e| anyhow::anyhow!("{}: {e}", ctx(&section)))?;
                 Box::new(NexmarkSource::new(config).with_context(|| ctx(&section))?)
             }
-            other => bail!(
-                "{}: kind = \"{other}\" is not a source this build has (files, kafka, nexmark)",
-                ctx(&section)
-            ),
+            other => match registry.source(other) {
+                Some(factory) => {
+                    let custom = Section {
+                        name: section.clone(),
+                        table: rest,
+                        job_dir: base.clone(),
+                    };
+                    factory(&custom).with_context(|| ctx(&section))?
+                }
+                None => bail!(
+                    "{}: kind = \"{other}\" is not a source this build has ({})",
+                    ctx(&section),
+                    registry.source_kinds().join(", ")
+                ),
+            },
         };
         builder = builder.with_source(name.clone(), source, event_time);
     }
@@ -296,10 +313,22 @@ pub fn parse(text: &str, path: &Path, trigger: Option<Trigger>) -> Result<(Job, 
             sink_storage = config.storage_options.clone();
             Box::new(DeltaSink::new(config).with_context(|| ctx("sink"))?)
         }
-        other => bail!(
-            "{}: kind = \"{other}\" is not a sink this build has (delta)",
-            ctx("sink")
-        ),
+        other => match registry.sink(other) {
+            Some(factory) => {
+                sink_storage = StorageOptions::default();
+                let custom = Section {
+                    name: "sink".into(),
+                    table: rest,
+                    job_dir: base.clone(),
+                };
+                factory(&custom).with_context(|| ctx("sink"))?
+            }
+            None => bail!(
+                "{}: kind = \"{other}\" is not a sink this build has ({})",
+                ctx("sink"),
+                registry.sink_kinds().join(", ")
+            ),
+        },
     };
     let mode: OutputMode = match &common.mode {
         Some(m) => m.parse().with_context(|| ctx("sink"))?,
@@ -350,6 +379,7 @@ pub fn parse(text: &str, path: &Path, trigger: Option<Trigger>) -> Result<(Job, 
         job_id: file.job.id,
         metrics_addr,
         sink_storage,
+        sink_kind: common.kind,
     };
     Ok((job, info))
 }
@@ -383,7 +413,7 @@ fn locate(e: &toml::de::Error, text: &str) -> Option<(usize, String)> {
 /// A table of the job file (a section minus the keys read elsewhere) as `T`. The table is
 /// written back as TOML and read with positions, so a bad value's error shows its key (line
 /// numbers in the rewritten table would mean nothing to the user, so they are left out).
-fn from_table<T: serde::de::DeserializeOwned>(table: toml::Table) -> Result<T, String> {
+pub(crate) fn from_table<T: serde::de::DeserializeOwned>(table: toml::Table) -> Result<T, String> {
     let text = toml::to_string(&table).map_err(|e| e.to_string())?;
     toml::from_str(&text).map_err(|e| match locate(&e, &text) {
         Some((_, line)) => format!("`{line}`: {}", message(&e)),
@@ -466,7 +496,7 @@ mod tests {
 
     /// Loading never panics, and a refusal is one line naming the file.
     fn exercise(text: &str, path: &Path) {
-        if let Err(e) = parse(text, path, None) {
+        if let Err(e) = parse(text, path, None, &Registry::new()) {
             let message = format!("{e:#}");
             assert!(!message.contains('\n'), "not one line: {message}");
             assert!(message.contains("job file"), "{message}");

@@ -7,12 +7,17 @@
 //! (`sluice run`) or over a bounded range.
 //!
 //! This crate is the façade: it re-exports the [`engine`], the [`connectors`] and the [`sinks`],
-//! and turns a TOML job file into a [`engine::Job`] ([`job_file`]). The `sluice` binary is a thin
-//! command line over it.
+//! turns a TOML job file into a [`engine::Job`] ([`job_file`]), and holds the command line
+//! ([`cli`]). The `sluice` binary is `cli::run(Registry::new())`; a program of your own with
+//! its functions and kinds of source and sink in a [`Registry`] gets the same command line.
 
+pub mod cli;
 pub mod job_file;
 pub mod progress_display;
+pub mod registry;
 pub mod status_server;
+
+pub use registry::Registry;
 
 pub use sluice_connectors as connectors;
 pub use sluice_engine as engine;

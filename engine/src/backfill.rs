@@ -208,7 +208,8 @@ impl Job {
         let checkpoint = checkpoint_location(&self)?;
         let settings = query_settings(&self);
         let (sources, query) =
-            open_sources_and_query(self.sources, &self.sql, &settings, &checkpoint, false).await?;
+            open_sources_and_query(self.sources, &self.query, &settings, &checkpoint, false)
+                .await?;
         if self.output_mode == crate::sink::OutputMode::Update {
             return Err(Error::UnsupportedQuery(
                 "backfill of update-mode jobs is not available yet; backfill replaces the rows \

@@ -64,7 +64,7 @@ use crate::offsets::{
     BatchId, OffsetRange, SourceOffsets, SourceRanges, display_offsets, display_ranges, plan_ranges,
 };
 use crate::progress::{CommittedBatch, Progress};
-use crate::query::{BatchWatermark, QuerySettings, StreamingQuery};
+use crate::query::{BatchWatermark, Query, QuerySettings, StreamingQuery};
 use crate::sink::{BatchCommit, CommitOutcome, Compaction, Sink};
 use crate::source::DeadLetter;
 use crate::source::SchemaInference;
@@ -165,7 +165,7 @@ impl Job {
         let checkpoint = checkpoint_location(&self)?;
         let settings = query_settings(&self);
         let (sources, query) =
-            open_sources_and_query(self.sources, &self.sql, &settings, &checkpoint, true).await?;
+            open_sources_and_query(self.sources, &self.query, &settings, &checkpoint, true).await?;
         Expectations::plan(&self.expectations, &query.output_schema())?;
         Ok(Validation {
             sources: sources
@@ -214,7 +214,7 @@ pub(crate) fn query_settings(job: &Job) -> QuerySettings {
         output_mode: job.output_mode,
         key: job.key.clone(),
         state_ttl: job.state_ttl,
-        scalar_functions: Vec::new(),
+        functions: job.functions.clone(),
         event_time: job
             .sources
             .iter()
@@ -229,7 +229,7 @@ struct Pipeline {
     job_id: String,
     sources: Vec<OpenSource>,
     /// The job's query and how it is planned: planned again when a source's schema grows.
-    sql: String,
+    query_definition: Query,
     settings: QuerySettings,
     query: StreamingQuery,
     sink: Box<dyn Sink>,
@@ -337,7 +337,7 @@ impl Pipeline {
         let Job {
             id: job_id,
             sources,
-            sql,
+            query: query_definition,
             mut sink,
             keep_batches,
             expectations,
@@ -346,7 +346,8 @@ impl Pipeline {
             ..
         } = job;
         let (sources, mut query) =
-            open_sources_and_query(sources, &sql, &settings, &checkpoint, false).await?;
+            open_sources_and_query(sources, &query_definition, &settings, &checkpoint, false)
+                .await?;
         let expectations = Expectations::plan(&expectations, &query.output_schema())?;
         checkpoint.check_conditional_put().await?;
         let lease = Lease::acquire(&checkpoint, &job_id, LeaseSettings::default()).await?;
@@ -403,7 +404,7 @@ impl Pipeline {
         Ok(Pipeline {
             job_id,
             sources,
-            sql,
+            query_definition,
             settings,
             query,
             sink,
@@ -707,7 +708,13 @@ impl Pipeline {
             .iter()
             .map(|s| (s.name.clone(), Arc::clone(&s.schema)))
             .collect();
-        self.query = plan_query(&self.sql, &schemas, &self.settings, &self.sources).await?;
+        self.query = plan_query(
+            &self.query_definition,
+            &schemas,
+            &self.settings,
+            &self.sources,
+        )
+        .await?;
         self.expectations = self.expectations.replan(&self.query.output_schema())?;
         for s in &mut self.sources {
             s.planned = Arc::clone(&s.schema);

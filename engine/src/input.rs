@@ -20,7 +20,7 @@ use crate::event_time::{
 };
 use crate::job::SourceSpec;
 use crate::offsets::{OffsetRange, PartitionId};
-use crate::query::{QuerySettings, StreamingQuery};
+use crate::query::{Query, QuerySettings, StreamingQuery};
 use crate::sink::{Sink, TableScan};
 use crate::source::{
     DeadLetter, SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_POSITION, Source, SourceContext,
@@ -44,7 +44,7 @@ pub(crate) struct OpenSource {
 /// an unreachable service instead of retrying.
 pub(crate) async fn open_sources_and_query(
     specs: Vec<SourceSpec>,
-    sql: &str,
+    query: &Query,
     settings: &QuerySettings,
     checkpoint: &CheckpointStore,
     validating: bool,
@@ -82,21 +82,21 @@ pub(crate) async fn open_sources_and_query(
         .iter()
         .map(|s| (s.name.clone(), Arc::clone(&s.schema)))
         .collect();
-    let query = plan_query(sql, &schemas, settings, &sources).await?;
+    let query = plan_query(query, &schemas, settings, &sources).await?;
     Ok((sources, query))
 }
 
 /// Plans the job's query over the sources' schemas, a planning error explained in the job's
 /// terms.
 pub(crate) async fn plan_query(
-    sql: &str,
+    query: &Query,
     schemas: &[(String, SchemaRef)],
     settings: &QuerySettings,
     sources: &[OpenSource],
 ) -> Result<StreamingQuery> {
-    StreamingQuery::plan(sql, schemas, settings)
+    StreamingQuery::plan(query.clone(), schemas, settings)
         .await
-        .map_err(|e| explain_plan_error(e, sql, sources))
+        .map_err(|e| explain_plan_error(e, query, sources))
 }
 
 /// What DataFusion appends to an internal error; a type mismatch in a user's query is not a
@@ -106,7 +106,7 @@ const DATAFUSION_BUG_TEXT: &str = "This issue was likely caused by a bug in Data
 /// A planning error in the job's terms: DataFusion's "file a bug" text removed, and for each
 /// column whose type was inferred that the error (or else the query, for a text column) names:
 /// that it was inferred, as what, from which sample, and how to declare it.
-fn explain_plan_error(error: Error, sql: &str, sources: &[OpenSource]) -> Error {
+fn explain_plan_error(error: Error, query: &Query, sources: &[OpenSource]) -> Error {
     let Error::DataFusion(inner) = &error else {
         return error;
     };
@@ -145,10 +145,12 @@ fn explain_plan_error(error: Error, sql: &str, sources: &[OpenSource]) -> Error 
         .collect();
     // A type error that names no column (`Cannot coerce … Utf8 * Int64`): the text columns
     // the query uses.
+    // (A query built in Rust has no text to search.)
+    let text = query.sql().map(str::to_string).unwrap_or_default();
     if named.is_empty() && message.contains("Utf8") {
         named = inferred
             .iter()
-            .filter(|(_, c, _)| c.data_type == "Utf8" && mentions(sql, &c.name))
+            .filter(|(_, c, _)| c.data_type == "Utf8" && mentions(&text, &c.name))
             .collect();
     }
     let mut out = message;

@@ -1,4 +1,5 @@
-//! A job: sources, one SQL query, a sink, a trigger — built in Rust or from a job file.
+//! A job: sources, one query (SQL or a DataFrame), a sink, a trigger — built in Rust or from a
+//! job file.
 //!
 //! [`JobBuilder`] is the Rust API; the `sluice` binary builds the same [`Job`] from a TOML job
 //! file. Either way the job runs with [`Job::run`] (see [`crate::driver`]).
@@ -14,6 +15,7 @@ use crate::error::{Error, Result};
 use crate::event_time::EventTimeConfig;
 use crate::expectations::Expectation;
 use crate::progress::{JobDescription, Progress};
+use crate::query::{Functions, Query};
 use crate::sink::{OutputMode, Sink};
 use crate::source::Source;
 use crate::storage::StorageOptions;
@@ -80,7 +82,9 @@ pub struct Job {
     /// The sources, each a SQL table.
     pub sources: Vec<SourceSpec>,
     /// The query.
-    pub sql: String,
+    pub query: Query,
+    /// Functions the query may call besides DataFusion's own.
+    pub functions: Functions,
     /// Where results go.
     pub sink: Box<dyn Sink>,
     /// Checkpoint location; `None` for `<sink location>/_sluice/<job id>`.
@@ -128,7 +132,7 @@ impl fmt::Debug for Job {
                 "sources",
                 &self.sources.iter().map(|s| &s.name).collect::<Vec<_>>(),
             )
-            .field("sql", &self.sql)
+            .field("query", &self.query)
             .field("trigger", &self.trigger)
             .finish()
     }
@@ -140,7 +144,8 @@ impl Job {
         JobBuilder {
             id: id.into(),
             sources: Vec::new(),
-            sql: None,
+            query: None,
+            functions: Functions::default(),
             sink: None,
             checkpoint: None,
             checkpoint_storage: None,
@@ -175,7 +180,8 @@ impl Job {
 pub struct JobBuilder {
     id: String,
     sources: Vec<SourceSpec>,
-    sql: Option<String>,
+    query: Option<Query>,
+    functions: Functions,
     sink: Option<Box<dyn Sink>>,
     checkpoint: Option<Url>,
     checkpoint_storage: Option<StorageOptions>,
@@ -206,9 +212,61 @@ impl JobBuilder {
         self
     }
 
-    /// Sets the query.
+    /// Sets the query: SQL over tables named after the sources.
     pub fn with_sql(mut self, sql: impl Into<String>) -> Self {
-        self.sql = Some(sql.into());
+        self.query = Some(Query::Sql(sql.into()));
+        self
+    }
+
+    /// Sets the query, built with DataFusion's DataFrame API instead of SQL: `build` gets the
+    /// session with every source registered as a table (and the window table functions and the
+    /// job's functions), and returns the plan as a `DataFrame`. It is planned and validated once,
+    /// like SQL, and called again wherever the query is planned again (see [`Query`]).
+    ///
+    /// ```no_run
+    /// # fn example(builder: sluice_engine::JobBuilder) -> sluice_engine::JobBuilder {
+    /// use sluice_engine::datafusion::prelude::{col, lit};
+    /// builder.with_query(|ctx| async move {
+    ///     ctx.table("clicks").await?.filter(col("amount").gt(lit(10.0)))?.select_columns(&["id", "page"])
+    /// })
+    /// # }
+    /// ```
+    pub fn with_query<F, Fut>(mut self, build: F) -> Self
+    where
+        F: Fn(datafusion::prelude::SessionContext) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = datafusion::error::Result<datafusion::prelude::DataFrame>>
+            + Send
+            + 'static,
+    {
+        self.query = Some(Query::data_frame(build));
+        self
+    }
+
+    /// Registers a scalar function the query may call (`ScalarUDF`, e.g. from
+    /// `datafusion::logical_expr::create_udf`).
+    pub fn with_udf(mut self, function: datafusion::logical_expr::ScalarUDF) -> Self {
+        self.functions.scalar.push(function);
+        self
+    }
+
+    /// Registers an aggregate function the query may call (`AggregateUDF`). In a windowed or
+    /// running aggregate its accumulator's state is carried between batches and restored after
+    /// a crash like a built-in aggregate's (see [`Functions`]).
+    pub fn with_udaf(mut self, function: datafusion::logical_expr::AggregateUDF) -> Self {
+        self.functions.aggregate.push(function);
+        self
+    }
+
+    /// Registers a window function (`WindowUDF`, called with `OVER (…)`); a streaming query
+    /// may use window functions only over the rows a windowed aggregate emits.
+    pub fn with_udwf(mut self, function: datafusion::logical_expr::WindowUDF) -> Self {
+        self.functions.window.push(function);
+        self
+    }
+
+    /// Registers every function of `functions` (see [`JobBuilder::with_udf`] and the others).
+    pub fn with_functions(mut self, functions: &Functions) -> Self {
+        self.functions.extend(functions);
         self
     }
 
@@ -317,9 +375,9 @@ impl JobBuilder {
                 w[0]
             )));
         }
-        let sql = self
-            .sql
-            .filter(|s| !s.trim().is_empty())
+        let query = self
+            .query
+            .filter(|q| !q.is_empty())
             .ok_or_else(|| Error::InvalidJob(format!("job '{}' has no query", self.id)))?;
         let sink = self
             .sink
@@ -348,7 +406,8 @@ impl JobBuilder {
         Ok(Job {
             id: self.id,
             sources: self.sources,
-            sql,
+            query,
+            functions: self.functions,
             sink,
             checkpoint: self.checkpoint,
             checkpoint_storage: self.checkpoint_storage,

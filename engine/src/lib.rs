@@ -59,6 +59,7 @@ pub use event_time::{EventTimeConfig, EventTimeFormat};
 pub use expectations::{Expectation, OnFailure};
 pub use job::{Job, JobBuilder, SourceSpec, Trigger, parse_duration};
 pub use offsets::{BatchId, Offset, OffsetRange, PartitionId};
+pub use query::{Functions, Query};
 pub use sink::{
     BatchCommit, CommitOutcome, Compaction, OutputMode, OutputTables, RecomputedRows,
     ReplacedWindows, Replacement, SideTableBatch, Sink, TableScan,

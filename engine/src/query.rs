@@ -1,4 +1,8 @@
-//! The job's SQL, planned once and executed once per batch with DataFusion.
+//! The job's query, planned once and executed once per batch with DataFusion.
+//!
+//! A query is SQL text or a DataFusion `DataFrame` built in Rust ([`Query`]); either way it
+//! becomes one logical plan over the sources' tables, with the job's own functions
+//! ([`Functions`]) registered beside DataFusion's, and everything below sees only that plan.
 //!
 //! Each source is registered as an in-memory table whose contents are swapped before every
 //! batch, so the logical plan is built (and validated) once. Execution is vectorised and
@@ -15,6 +19,7 @@
 //! rest proceeds. An error that occurs with no input at all is not about data and stops the job.
 
 use std::collections::{BTreeMap, HashSet};
+use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -26,8 +31,9 @@ use datafusion::common::Column;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::error::DataFusionError;
 use datafusion::execution::SessionStateBuilder;
-use datafusion::logical_expr::{Expr, LogicalPlan, Projection, ScalarUDF};
-use datafusion::prelude::{SessionConfig, SessionContext};
+use datafusion::logical_expr::{AggregateUDF, Expr, LogicalPlan, Projection, ScalarUDF, WindowUDF};
+use datafusion::prelude::{DataFrame, SessionConfig, SessionContext};
+use futures::future::BoxFuture;
 
 use crate::aggregate_state::AggregateState;
 use crate::error::{Error, Result};
@@ -73,8 +79,150 @@ pub struct QuerySettings {
     pub key: Option<Vec<String>>,
     /// Running aggregates: how long a group outlives its newest event.
     pub state_ttl: Option<Duration>,
-    /// Scalar functions the SQL may call besides DataFusion's own.
-    pub scalar_functions: Vec<ScalarUDF>,
+    /// Functions the query may call besides DataFusion's own.
+    pub functions: Functions,
+}
+
+/// What a job computes: SQL over its sources, or a plan built with DataFusion's DataFrame API.
+///
+/// Both are planned once, against the same session: every source is a table named after it,
+/// the window table functions (`tumble`, `hop`, `session`) and the job's [`Functions`] are
+/// registered. The live run, a backfill and a reconcile plan the same query the same way.
+#[derive(Clone)]
+pub enum Query {
+    /// SQL text.
+    Sql(String),
+    /// A function that builds the plan from the session (`ctx.table("clicks").await?…`); it is
+    /// called again when the query is planned again (a source's schema grew, a backfill, a
+    /// reconcile), so it must build the same plan from the same tables.
+    DataFrame(BuildDataFrame),
+}
+
+/// Builds a query's plan from the session its sources are registered in (see [`Query`]).
+pub type BuildDataFrame = Arc<
+    dyn Fn(SessionContext) -> BoxFuture<'static, datafusion::error::Result<DataFrame>>
+        + Send
+        + Sync,
+>;
+
+impl Query {
+    /// A query built with DataFusion's DataFrame API by `build`, which gets the session with the
+    /// sources registered as tables.
+    pub fn data_frame<F, Fut>(build: F) -> Self
+    where
+        F: Fn(SessionContext) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = datafusion::error::Result<DataFrame>> + Send + 'static,
+    {
+        Query::DataFrame(Arc::new(move |ctx| Box::pin(build(ctx))))
+    }
+
+    /// The SQL text, if the query is SQL.
+    pub fn sql(&self) -> Option<&str> {
+        match self {
+            Query::Sql(sql) => Some(sql),
+            Query::DataFrame(_) => None,
+        }
+    }
+
+    /// Whether there is nothing to run: empty SQL.
+    pub fn is_empty(&self) -> bool {
+        self.sql().is_some_and(|sql| sql.trim().is_empty())
+    }
+
+    /// The query's logical plan in `ctx`, where the sources and functions are registered.
+    async fn logical_plan(&self, ctx: &SessionContext) -> Result<LogicalPlan> {
+        Ok(match self {
+            Query::Sql(sql) => ctx.state().create_logical_plan(sql).await?,
+            Query::DataFrame(build) => build(ctx.clone()).await?.into_unoptimized_plan(),
+        })
+    }
+}
+
+impl fmt::Debug for Query {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+impl fmt::Display for Query {
+    /// The SQL, or `<DataFrame built in Rust>`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Query::Sql(sql) => f.write_str(sql),
+            Query::DataFrame(_) => f.write_str("<DataFrame built in Rust>"),
+        }
+    }
+}
+
+impl From<&str> for Query {
+    fn from(sql: &str) -> Self {
+        Query::Sql(sql.to_string())
+    }
+}
+
+impl From<&String> for Query {
+    fn from(sql: &String) -> Self {
+        Query::Sql(sql.clone())
+    }
+}
+
+impl From<String> for Query {
+    fn from(sql: String) -> Self {
+        Query::Sql(sql)
+    }
+}
+
+/// Functions a job's query may call besides DataFusion's own, registered wherever the query is
+/// planned (run, backfill, reconcile).
+///
+/// An aggregate function in a stateful query keeps its partial state between batches like a
+/// built-in one: the state is its accumulator's `state()` columns, written to the state files
+/// and merged with `merge_batch`, so it must be mergeable (as DataFusion's two-phase
+/// aggregation already requires) and restores after a crash.
+#[derive(Debug, Clone, Default)]
+pub struct Functions {
+    /// Scalar functions (`ScalarUDF`).
+    pub scalar: Vec<ScalarUDF>,
+    /// Aggregate functions (`AggregateUDF`).
+    pub aggregate: Vec<AggregateUDF>,
+    /// Window functions (`WindowUDF`, `… OVER (…)`): usable where the query may have a window
+    /// function, over the rows a windowed aggregate emits.
+    pub window: Vec<WindowUDF>,
+}
+
+impl Functions {
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.scalar.is_empty() && self.aggregate.is_empty() && self.window.is_empty()
+    }
+
+    /// Every function's name, for messages.
+    pub fn names(&self) -> Vec<String> {
+        let scalar = self.scalar.iter().map(|f| f.name().to_string());
+        let aggregate = self.aggregate.iter().map(|f| f.name().to_string());
+        let window = self.window.iter().map(|f| f.name().to_string());
+        scalar.chain(aggregate).chain(window).collect()
+    }
+
+    /// Adds `other`'s functions (a function of the same name replaces the earlier one when
+    /// registered).
+    pub fn extend(&mut self, other: &Functions) {
+        self.scalar.extend(other.scalar.iter().cloned());
+        self.aggregate.extend(other.aggregate.iter().cloned());
+        self.window.extend(other.window.iter().cloned());
+    }
+
+    fn register(&self, ctx: &SessionContext) {
+        for f in &self.scalar {
+            ctx.register_udf(f.clone());
+        }
+        for f in &self.aggregate {
+            ctx.register_udaf(f.clone());
+        }
+        for f in &self.window {
+            ctx.register_udwf(f.clone());
+        }
+    }
 }
 
 /// The watermark a batch runs under.
@@ -114,14 +262,15 @@ impl std::fmt::Debug for StreamingQuery {
 }
 
 impl StreamingQuery {
-    /// Plans `sql` over tables named after the sources, with the given batch schemas.
+    /// Plans `query` (SQL text or a [`Query`]) over tables named after the sources, with the
+    /// given batch schemas.
     ///
     /// # Errors
     /// If the SQL does not parse or plan (unknown table or column, type error), or needs state
     /// the engine cannot carry across batches (joins, ORDER BY, LIMIT, DISTINCT, aggregates
     /// without a window), naming the part at fault.
     pub async fn plan(
-        sql: &str,
+        query: impl Into<Query>,
         sources: &[(String, SchemaRef)],
         settings: &QuerySettings,
     ) -> Result<Self> {
@@ -143,9 +292,7 @@ impl StreamingQuery {
             .with_optimizer_rules(rules)
             .build();
         let ctx = SessionContext::new_with_state(state);
-        for f in &settings.scalar_functions {
-            ctx.register_udf(f.clone());
-        }
+        settings.functions.register(&ctx);
         let mut tables = BTreeMap::new();
         for (name, schema) in sources {
             let empty = (0..partitions).map(|_| Vec::new()).collect();
@@ -158,7 +305,7 @@ impl StreamingQuery {
             .map(|(name, (_, table))| (name.clone(), Arc::clone(table) as _))
             .collect();
         let uses = crate::window::register(&ctx, &providers);
-        let plan = ctx.state().create_logical_plan(sql).await?;
+        let plan = query.into().logical_plan(&ctx).await?;
         let uses = uses.lock().map(|u| u.clone()).unwrap_or_default();
         let micros = |d: Duration| i64::try_from(d.as_micros()).unwrap_or(i64::MAX);
         let stateful_settings = StatefulSettings {
@@ -894,7 +1041,10 @@ mod tests {
     #[tokio::test]
     async fn only_errors_about_the_values_isolate_rows() {
         let settings = QuerySettings {
-            scalar_functions: vec![picky()],
+            functions: Functions {
+                scalar: vec![picky()],
+                ..Functions::default()
+            },
             ..lineage()
         };
         let codes = |c: &[&str]| {

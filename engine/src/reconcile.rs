@@ -107,7 +107,8 @@ impl Job {
         let checkpoint = checkpoint_location(&self)?;
         let settings = query_settings(&self);
         let (sources, query) =
-            open_sources_and_query(self.sources, &self.sql, &settings, &checkpoint, false).await?;
+            open_sources_and_query(self.sources, &self.query, &settings, &checkpoint, false)
+                .await?;
         // The stream left out the rows its expectations dropped or quarantined; so does the
         // recomputation.
         let expectations = Expectations::plan(&self.expectations, &query.output_schema())?;
