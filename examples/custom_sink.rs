@@ -2,19 +2,24 @@
 //!
 //! What makes it a Sluice sink (see the `Sink` trait's contract):
 //! - **one atomic commit per batch that records the batch id**: the batch's files are written
-//!   first under names fixed by the batch id (a rerun after a crash overwrites them with the
-//!   same rows), then a commit marker `_commits/<job>/<batch>.json` listing them is created with
-//!   a conditional put (`PutMode::Create`). The marker is the commit: readers read only files a
-//!   marker lists, and a batch whose marker exists is never written again;
+//!   first, under names no other attempt uses (a crashed attempt's files stay unlisted and are
+//!   never read), then a commit marker `_commits/<job>/<batch>.json` listing them is created
+//!   with a conditional put (`PutMode::Create`). The marker is the commit: readers read only
+//!   files a marker lists, so a committed batch's files never change, and a second attempt at
+//!   a committed batch (a rerun, a paused twin) loses the put and writes nothing visible;
 //! - **the sink is the record of progress**: `committed_batch` is the newest marker, so a
 //!   restart continues after it;
 //! - **side tables**: dead letters and late rows go to `dead_letters/` and `late/` the same way,
 //!   listed by the same marker (one marker makes all of a batch visible at once);
-//! - **what it cannot do, it refuses**: update mode (no MERGE over Parquet files) and backfill's
-//!   replacement are refused with a message saying so.
+//! - **reads without `open`**: reconcile and backfill read the output and dead letters of a sink
+//!   they never opened, so the read methods work from the location alone (every marker in
+//!   `_commits/`, whichever job wrote it: the folder is the table);
+//! - **what it cannot do, it refuses**: update mode (no MERGE over Parquet files) when the job
+//!   starts, and a backfill's replacement (after its recomputation) with a message saying so.
 //!
 //! Run with `cargo run --example custom_sink [INPUT_DIR OUTPUT_DIR]` (default: the bundled clicks
-//! into `examples/out/custom_sink`).
+//! into `examples/out/custom_sink`). The sink itself works on any store `open_store` knows; this
+//! `main` gives it a local folder.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -78,8 +83,13 @@ impl ParquetFilesSink {
         format!("_commits/{job_id}/{:020}.json", batch.0)
     }
 
-    /// Writes `batches` as one Parquet file at `rel` (nothing if they hold no row).
-    async fn write_file(&self, rel: String, batches: &[RecordBatch]) -> Result<Option<String>> {
+    /// Writes `batches` as one Parquet file at `rel` (nothing if they hold no row); returns its
+    /// name and size.
+    async fn write_file(
+        &self,
+        rel: String,
+        batches: &[RecordBatch],
+    ) -> Result<Option<(String, u64)>> {
         let Some(first) = batches.iter().find(|b| b.num_rows() > 0) else {
             return Ok(None);
         };
@@ -89,15 +99,16 @@ impl ParquetFilesSink {
             writer.write(batch)?;
         }
         writer.close()?;
+        let size = bytes.len() as u64;
         self.store
             .put(&self.path(&rel), PutPayload::from(bytes))
             .await?;
-        Ok(Some(rel))
+        Ok(Some((rel, size)))
     }
 
-    /// Every committed marker of the job, in batch order.
+    /// Every commit marker in the folder (of every job writing it), in job and batch order.
     async fn markers(&self) -> Result<Vec<CommitMarker>> {
-        let folder = self.path(&format!("_commits/{}", self.job_id));
+        let folder = self.path("_commits");
         let mut names: Vec<Path> = Vec::new();
         let mut listing = self.store.list(Some(&folder));
         while let Some(meta) = futures::StreamExt::next(&mut listing).await {
@@ -157,22 +168,37 @@ impl Sink for ParquetFilesSink {
 
     async fn commit(&self, batch: BatchCommit) -> Result<CommitOutcome> {
         let marker = self.marker(&self.job_id, batch.batch_id);
-        if self.store.head(&self.path(&marker)).await.is_ok() {
-            return Ok(CommitOutcome::AlreadyCommitted);
+        match self.store.head(&self.path(&marker)).await {
+            Ok(_) => return Ok(CommitOutcome::AlreadyCommitted),
+            Err(sluice::engine::object_store::Error::NotFound { .. }) => {}
+            Err(e) => return Err(e.into()),
         }
-        let name =
-            |folder: &str| format!("{folder}/{}-{:020}.parquet", self.job_id, batch.batch_id.0);
+        // This attempt's own file names: a concurrent or crashed attempt at the same batch
+        // never overwrites files a marker lists.
+        let attempt = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |t| t.as_nanos());
+        let name = |folder: &str| {
+            format!(
+                "{folder}/{}-{:020}-{attempt}-{}.parquet",
+                self.job_id,
+                batch.batch_id.0,
+                std::process::id()
+            )
+        };
         let output = self.write_file(name("data"), &batch.output).await?;
         let dead_letters = self
             .write_file(name("dead_letters"), &batch.dead_letters)
             .await?;
         let late = self.write_file(name("late"), &batch.late).await?;
+        let bytes_written = output.as_ref().map_or(0, |(_, size)| *size);
+        let names = |file: Option<(String, u64)>| file.into_iter().map(|(name, _)| name).collect();
         let rows: usize = batch.output.iter().map(RecordBatch::num_rows).sum();
         let record = CommitMarker {
             batch_id: batch.batch_id.0,
-            output: output.into_iter().collect(),
-            dead_letters: dead_letters.into_iter().collect(),
-            late: late.into_iter().collect(),
+            output: names(output),
+            dead_letters: names(dead_letters),
+            late: names(late),
             rows: rows as u64,
         };
         // The test hook the engine's crash tests use (`SLUICE_CRASH_AT=after_files:<batch>`):
@@ -193,7 +219,7 @@ impl Sink for ParquetFilesSink {
             Ok(_) => Ok(CommitOutcome::Committed {
                 rows: rows as u64,
                 files: record.output.len() as u64,
-                bytes: 0,
+                bytes: bytes_written,
                 version: None,
             }),
             Err(sluice::engine::object_store::Error::AlreadyExists { .. }) => {

@@ -1,10 +1,11 @@
 //! The job file: TOML that names the sources, the query, the sink and the trigger.
 //!
-//! This is the one place that maps `kind = "…"` to a concrete connector or sink (built in, or
-//! registered by the binary: [`Registry`]), so the engine stays free of them. Keys shared by every source (`kind`, `event_time`, `event_time_format`,
-//! `max_out_of_orderness`, `idle_timeout`) are read here; the rest of a `[sources.<name>]` table
-//! goes to the connector's own config, which rejects unknown keys by name. Relative paths are
-//! resolved against the job file's folder, so a job file works from any working directory.
+//! This is the one place that maps `kind = "…"` to a concrete connector or sink (built in,
+//! or registered by the binary: [`Registry`]), so the engine stays free of them. Keys shared
+//! by every source (`kind`, `event_time`, `event_time_format`, `max_out_of_orderness`,
+//! `idle_timeout`) are read here; the rest of a `[sources.<name>]` table goes to the
+//! connector's own config, which rejects unknown keys by name. Relative paths are resolved
+//! against the job file's folder, so a job file works from any working directory.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -13,6 +14,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use serde::Deserialize;
 use sluice_connectors::files::{FilesSource, FilesSourceConfig};
+#[cfg(feature = "kafka")]
 use sluice_connectors::kafka::{KafkaSource, KafkaSourceConfig};
 use sluice_connectors::nexmark::{NexmarkSource, NexmarkSourceConfig};
 use sluice_engine::storage::StorageOptions;
@@ -266,6 +268,13 @@ pub fn parse(
                 Box::new(FilesSource::new(config).with_context(|| ctx(&section))?)
                     as Box<dyn sluice_engine::Source>
             }
+            #[cfg(not(feature = "kafka"))]
+            "kafka" => bail!(
+                "{}: this build has no Kafka source (the sluice crate was built without its \
+                 `kafka` feature)",
+                ctx(&section)
+            ),
+            #[cfg(feature = "kafka")]
             "kafka" => {
                 let config: KafkaSourceConfig =
                     from_table(rest).map_err(|e| anyhow::anyhow!("{}: {e}", ctx(&section)))?;
@@ -282,6 +291,7 @@ pub fn parse(
                         name: section.clone(),
                         table: rest,
                         job_dir: base.clone(),
+                        store_unavailable_timeout,
                     };
                     factory(&custom).with_context(|| ctx(&section))?
                 }
@@ -315,13 +325,15 @@ pub fn parse(
         }
         other => match registry.sink(other) {
             Some(factory) => {
-                sink_storage = StorageOptions::default();
                 let custom = Section {
                     name: "sink".into(),
                     table: rest,
                     job_dir: base.clone(),
+                    store_unavailable_timeout,
                 };
-                factory(&custom).with_context(|| ctx("sink"))?
+                let sink = factory(&custom).with_context(|| ctx("sink"))?;
+                sink_storage = sink.storage_options();
+                sink
             }
             None => bail!(
                 "{}: kind = \"{other}\" is not a sink this build has ({})",

@@ -30,6 +30,7 @@ use std::sync::Arc;
 use anyhow::Result;
 use serde::de::DeserializeOwned;
 use sluice_engine::datafusion::logical_expr::{AggregateUDF, ScalarUDF, WindowUDF};
+use sluice_engine::datafusion::prelude::SessionContext;
 use sluice_engine::{Functions, Sink, Source};
 
 /// A `[sources.NAME]` or `[sink]` table of a job file, for a registered kind to build from: the
@@ -43,6 +44,9 @@ pub struct Section {
     pub table: toml::Table,
     /// The job file's folder: relative paths in the section are relative to it.
     pub job_dir: PathBuf,
+    /// `[job] store_unavailable_timeout`: how long a store the source or sink uses may stay
+    /// unreachable before the job stops (see [`sluice_engine::storage::StorageOptions`]).
+    pub store_unavailable_timeout: std::time::Duration,
 }
 
 impl Section {
@@ -106,22 +110,52 @@ impl Registry {
     }
 
     /// Adds a scalar function every job's SQL may call.
+    ///
+    /// # Panics
+    /// If DataFusion has a function of that name (a job file must mean the same in every
+    /// binary), or one was registered under it already.
     pub fn with_udf(mut self, function: ScalarUDF) -> Self {
+        self.refuse_taken(function.name());
         self.functions.scalar.push(function);
         self
     }
 
     /// Adds an aggregate function every job's SQL may call; its state is carried between batches
     /// like a built-in aggregate's (see [`sluice_engine::Functions`]).
+    ///
+    /// # Panics
+    /// As [`Registry::with_udf`].
     pub fn with_udaf(mut self, function: AggregateUDF) -> Self {
+        self.refuse_taken(function.name());
         self.functions.aggregate.push(function);
         self
     }
 
     /// Adds a window function (`… OVER (…)`) every job's SQL may call.
+    ///
+    /// # Panics
+    /// As [`Registry::with_udf`].
     pub fn with_udwf(mut self, function: WindowUDF) -> Self {
+        self.refuse_taken(function.name());
         self.functions.window.push(function);
         self
+    }
+
+    /// Panics if `name` is a DataFusion function or already registered: a registered function
+    /// must not change what a job file's SQL means elsewhere.
+    fn refuse_taken(&self, name: &str) {
+        let state = SessionContext::new().state();
+        let built_in = state.scalar_functions().contains_key(name)
+            || state.aggregate_functions().contains_key(name)
+            || state.window_functions().contains_key(name);
+        assert!(
+            !built_in,
+            "function '{name}' is one of DataFusion's; register yours under another name"
+        );
+        assert!(
+            !self.functions.names().iter().any(|n| n == name),
+            "function '{name}' is registered twice"
+        );
     }
 
     /// Adds a kind of source: a job file's `[sources.NAME] kind = "<kind>"` is built by

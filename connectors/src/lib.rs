@@ -16,6 +16,7 @@
 //! fix it in their checkpoint with `schema_log`.
 
 pub mod files;
+#[cfg(feature = "kafka")]
 pub mod kafka;
 pub mod nexmark;
 

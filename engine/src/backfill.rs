@@ -242,7 +242,8 @@ impl Job {
             )));
         };
         let output_schema = query.output_schema();
-        let expectations = Expectations::plan(&self.expectations, &output_schema)?;
+        let expectations =
+            Expectations::plan(&self.expectations, &output_schema, &settings.functions)?;
         if window.is_some() && expectations.quarantines() {
             // Quarantined windows carry no lineage, so the dead-letter rows of the windows a
             // backfill replaces cannot be told apart from others: they would be doubled.

@@ -166,7 +166,11 @@ impl Job {
         let settings = query_settings(&self);
         let (sources, query) =
             open_sources_and_query(self.sources, &self.query, &settings, &checkpoint, true).await?;
-        Expectations::plan(&self.expectations, &query.output_schema())?;
+        Expectations::plan(
+            &self.expectations,
+            &query.output_schema(),
+            &settings.functions,
+        )?;
         Ok(Validation {
             sources: sources
                 .iter()
@@ -348,7 +352,8 @@ impl Pipeline {
         let (sources, mut query) =
             open_sources_and_query(sources, &query_definition, &settings, &checkpoint, false)
                 .await?;
-        let expectations = Expectations::plan(&expectations, &query.output_schema())?;
+        let expectations =
+            Expectations::plan(&expectations, &query.output_schema(), &settings.functions)?;
         checkpoint.check_conditional_put().await?;
         let lease = Lease::acquire(&checkpoint, &job_id, LeaseSettings::default()).await?;
         if let Err(error) = Lease::release_abandoned_in(

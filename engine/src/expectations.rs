@@ -39,6 +39,7 @@ use datafusion::prelude::SessionContext;
 
 use crate::dead_letter::dead_letter_from_row;
 use crate::error::{Error, Result};
+use crate::query::Functions;
 use crate::source::DeadLetter;
 
 /// The `_source_name` of rows quarantined by a job of several sources (a job of one names it).
@@ -110,16 +111,24 @@ pub(crate) struct CheckedOutput {
 /// Expectations planned once against the output schema, evaluated on every batch.
 pub(crate) struct Expectations {
     planned: Vec<(Expectation, Arc<dyn PhysicalExpr>)>,
+    /// The job's functions, which a check may call like the query.
+    functions: Functions,
 }
 
 impl Expectations {
-    /// Plans each expectation's predicate against `output`.
+    /// Plans each expectation's predicate against `output`; a check may call the job's
+    /// `functions` as well as DataFusion's.
     ///
     /// # Errors
     /// If two expectations share a name, or a predicate does not parse, names an unknown
     /// column, or is not a boolean.
-    pub(crate) fn plan(expectations: &[Expectation], output: &SchemaRef) -> Result<Expectations> {
+    pub(crate) fn plan(
+        expectations: &[Expectation],
+        output: &SchemaRef,
+        functions: &Functions,
+    ) -> Result<Expectations> {
         let ctx = SessionContext::new();
+        functions.register(&ctx);
         let schema = DFSchema::try_from(output.as_ref().clone())?;
         let mut planned = Vec::with_capacity(expectations.len());
         for e in expectations {
@@ -158,7 +167,10 @@ impl Expectations {
             }
             planned.push((e.clone(), physical));
         }
-        Ok(Expectations { planned })
+        Ok(Expectations {
+            planned,
+            functions: functions.clone(),
+        })
     }
 
     /// The same expectations planned against another output schema (the query was planned
@@ -168,7 +180,7 @@ impl Expectations {
     /// As [`Expectations::plan`].
     pub(crate) fn replan(&self, output: &SchemaRef) -> Result<Expectations> {
         let specs: Vec<Expectation> = self.planned.iter().map(|(e, _)| e.clone()).collect();
-        Expectations::plan(&specs, output)
+        Expectations::plan(&specs, output, &self.functions)
     }
 
     /// Whether any expectation quarantines.
@@ -376,7 +388,7 @@ mod tests {
             expect("small_id", "id < 5", OnFailure::Drop),
             expect("odd", "id % 2 = 1", OnFailure::Warn),
         ];
-        let planned = Expectations::plan(&all, &schema).unwrap();
+        let planned = Expectations::plan(&all, &schema, &Functions::default()).unwrap();
         let checked = planned.apply(vec![batch]).unwrap();
         // amount: 1, -1, NULL, -2, 3 → ids 2 and 4 fail `positive`; id 5 fails `small_id`;
         // ids 2 and 4 fail `odd`.
@@ -404,6 +416,7 @@ mod tests {
         let planned = Expectations::plan(
             &[expect("positive", "amount > 0", OnFailure::Fail)],
             &schema,
+            &Functions::default(),
         )
         .unwrap();
         let e = planned.apply(vec![batch]).err().unwrap().to_string();
@@ -419,10 +432,14 @@ mod tests {
             ("amount + 1", "not a true/false predicate"),
             ("amount >", "does not parse"),
         ] {
-            let e = Expectations::plan(&[expect("x", check, OnFailure::Warn)], &schema)
-                .err()
-                .unwrap()
-                .to_string();
+            let e = Expectations::plan(
+                &[expect("x", check, OnFailure::Warn)],
+                &schema,
+                &Functions::default(),
+            )
+            .err()
+            .unwrap()
+            .to_string();
             assert!(
                 e.contains(wanted) && e.contains("output columns"),
                 "{check}: {e}"

@@ -212,7 +212,7 @@ impl Functions {
         self.window.extend(other.window.iter().cloned());
     }
 
-    fn register(&self, ctx: &SessionContext) {
+    pub(crate) fn register(&self, ctx: &SessionContext) {
         for f in &self.scalar {
             ctx.register_udf(f.clone());
         }

@@ -111,7 +111,11 @@ impl Job {
                 .await?;
         // The stream left out the rows its expectations dropped or quarantined; so does the
         // recomputation.
-        let expectations = Expectations::plan(&self.expectations, &query.output_schema())?;
+        let expectations = Expectations::plan(
+            &self.expectations,
+            &query.output_schema(),
+            &settings.functions,
+        )?;
         let last_batch = self.sink.committed_batch(&self.id).await?.ok_or_else(|| {
             Error::InvalidJob(format!(
                 "reconcile: job '{}' has committed nothing to {} yet",

@@ -162,7 +162,13 @@ fn decode_page(
                 good.push(row);
                 positions.push(position);
             }
-            Ok(None) => {}
+            Ok(None) => dead.push(DeadLetter {
+                partition: partition.to_string(),
+                offset: page,
+                position,
+                raw: raw.into_bytes(),
+                error: "the record decoded to no row".into(),
+            }),
             Err(e) => dead.push(DeadLetter {
                 partition: partition.to_string(),
                 offset: page,
