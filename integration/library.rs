@@ -16,7 +16,8 @@ use serde_json::Value;
 
 use crate::support::{assert_fails_saying, assert_ok, run_sluice, sluice_bin, table_rows};
 
-/// An example program, built by `cargo test` next to the `sluice` binary.
+/// An example program, built by `cargo test` next to the `sluice` binary. (`cargo test --test
+/// integration` alone does not rebuild examples: run `cargo build --examples` first.)
 fn example_bin(name: &str) -> PathBuf {
     let bin = Path::new(sluice_bin())
         .parent()
@@ -360,6 +361,43 @@ async fn a_binary_of_ones_own_runs_job_files_calling_its_functions() {
     let good = paged_job("pages_per_batch = 2");
     assert_ok(&own(&["run", &good]));
     assert_eq!(table_rows(&paged_out).await.len(), 50);
+
+    // And the binary's own kind of sink: the same job into Parquet files, through the CLI.
+    let files_out = dir.path().join("files");
+    let text = std::fs::read_to_string(&good).unwrap().replace(
+        &format!(
+            "[sink]\nkind = \"delta\"\npath = \"{}\"",
+            paged_out.display()
+        ),
+        &format!(
+            "[sink]\nkind = \"parquet_files\"\npath = \"{}\"",
+            files_out.display()
+        ),
+    );
+    assert!(text.contains("parquet_files"), "{text}");
+    let to_files = dir.path().join("to_files.toml");
+    std::fs::write(&to_files, text).unwrap();
+    let ran = own(&["run", to_files.to_str().unwrap()]);
+    assert_ok(&ran);
+    let stdout = String::from_utf8_lossy(&ran.stdout);
+    assert!(stdout.contains("output: "), "{stdout}");
+    let markers = std::fs::read_dir(files_out.join("_commits/paged")).unwrap();
+    let rows: u64 = markers
+        .map(|m| {
+            let marker: Value =
+                serde_json::from_slice(&std::fs::read(m.unwrap().path()).unwrap()).unwrap();
+            marker["rows"].as_u64().unwrap()
+        })
+        .sum();
+    assert_eq!(rows, 50);
+    // A rerun finds everything committed in the sink's own markers and writes nothing.
+    assert_ok(&own(&["run", to_files.to_str().unwrap()]));
+    assert_eq!(
+        std::fs::read_dir(files_out.join("_commits/paged"))
+            .unwrap()
+            .count(),
+        3
+    );
 }
 
 #[path = "../examples/shared/paged_clicks_server.rs"]
