@@ -1,6 +1,7 @@
 //! The bundled clicks job, defined in Rust with the builder API instead of a job file.
 //!
-//! Run with `cargo run --example builder`; it writes `examples/out/clicks_builder`.
+//! Run with `cargo run --example builder [OUTPUT]`; it writes `examples/out/clicks_builder`, or
+//! the table at OUTPUT (a path or a URL such as `s3://bucket/clicks`).
 
 use std::time::Duration;
 
@@ -15,7 +16,13 @@ async fn main() -> anyhow::Result<()> {
     )
     .join("examples");
     let input = examples.join("data/clicks");
-    let output = examples.join("out/clicks_builder");
+    let output = match std::env::args().nth(1) {
+        Some(location) => location,
+        None => examples
+            .join("out/clicks_builder")
+            .to_string_lossy()
+            .into_owned(),
+    };
 
     let source = FilesSource::new(FilesSourceConfig {
         schema: Some("id BIGINT, user_id BIGINT, page VARCHAR, amount DOUBLE, ts TIMESTAMP".into()),
@@ -26,7 +33,7 @@ async fn main() -> anyhow::Result<()> {
         max_out_of_orderness: Duration::from_secs(10),
         ..EventTimeConfig::new("ts", EventTimeFormat::Rfc3339)
     };
-    let sink = DeltaSink::new(DeltaSinkConfig::new(output.to_string_lossy()))?;
+    let sink = DeltaSink::new(DeltaSinkConfig::new(output.clone()))?;
 
     let job = Job::builder("clicks_builder")
         .with_source("clicks", Box::new(source), Some(event_time))
@@ -45,7 +52,7 @@ async fn main() -> anyhow::Result<()> {
     println!(
         "{} batch(es) committed; table {} holds {} rows",
         summary.batches_committed,
-        output.display(),
+        output,
         table_row_count(&location, &Default::default()).await?
     );
     Ok(())

@@ -16,6 +16,10 @@ use serde_json::Value;
 
 use crate::support::{assert_fails_saying, assert_ok, run_sluice, sluice_bin, table_rows};
 
+/// The functions of the UDF examples (`page_section`, `amount_range`), for jobs built here.
+#[path = "../examples/shared/functions.rs"]
+mod functions;
+
 /// An example program, built by `cargo test` next to the `sluice` binary. (`cargo test --test
 /// integration` alone does not rebuild examples: run `cargo build --examples` first.)
 fn example_bin(name: &str) -> PathBuf {
@@ -100,6 +104,12 @@ fn write_clicks(dir: &Path, files: usize) -> Vec<Click> {
 /// in place of the user's: `page_section` as string functions, `amount_range` as max − min.
 /// Only windows the final watermark (newest event − 10 s) has closed.
 async fn recompute_by_section(clicks: &[Click]) -> Vec<String> {
+    recompute(clicks, false).await
+}
+
+/// [`recompute_by_section`], with `positioned`: each row's `position` among its window's rows
+/// by clicks (descending), then section.
+async fn recompute(clicks: &[Click], positioned: bool) -> Vec<String> {
     let schema = Arc::new(Schema::new(vec![
         Field::new("page", DataType::Utf8, false),
         Field::new("amount", DataType::Float64, false),
@@ -138,6 +148,14 @@ async fn recompute_by_section(clicks: &[Click]) -> Vec<String> {
          WHERE to_unixtime(window_end) * 1000000 <= {watermark} \
          GROUP BY window_start, window_end, section"
     );
+    let sql = if positioned {
+        format!(
+            "SELECT *, row_number() OVER (PARTITION BY window_start ORDER BY clicks DESC, \
+             section) AS position FROM ({sql})"
+        )
+    } else {
+        sql
+    };
     let batches = ctx.sql(&sql).await.unwrap().collect().await.unwrap();
     crate::support::rows_as_json(&batches)
 }
@@ -159,6 +177,7 @@ async fn window_rows(table: &Path) -> Vec<String> {
                         "section",
                         "clicks",
                         "amount_range",
+                        "position",
                     ]
                     .contains(&k.as_str())
                 })
@@ -276,6 +295,148 @@ sql = "SELECT id, user_id, upper(page) AS page, amount, ts FROM clicks WHERE amo
         frame_rows[0]
     );
     assert_eq!(frame_rows, table_rows(&from_sql).await);
+}
+
+/// `position(x) OVER (…)`: a window function numbering the rows of each partition in order
+/// (1, 2, …), as `row_number()` does.
+fn position() -> datafusion::logical_expr::WindowUDF {
+    use arrow::array::{ArrayRef, Int64Array};
+    use datafusion::logical_expr::{PartitionEvaluator, Volatility, create_udwf};
+
+    #[derive(Debug)]
+    struct Numbering;
+    impl PartitionEvaluator for Numbering {
+        fn evaluate_all(
+            &mut self,
+            _values: &[ArrayRef],
+            num_rows: usize,
+        ) -> datafusion::common::Result<ArrayRef> {
+            Ok(Arc::new(Int64Array::from_iter_values(1..=num_rows as i64)))
+        }
+    }
+    create_udwf(
+        "position",
+        DataType::Int64,
+        Arc::new(DataType::Int64),
+        Volatility::Immutable,
+        Arc::new(|| Ok(Box::new(Numbering))),
+    )
+}
+
+/// The windowed job of `examples/udf.rs` built with the DataFrame API, plus a window function
+/// of the user's ranking each window's sections: clicks per section of each 1-minute window,
+/// their amount range, and the section's position in its window.
+fn positioned_sections_job(input: &Path, out: &Path) -> sluice::engine::Job {
+    use datafusion::catalog::TableFunctionArgs;
+    use datafusion::common::ScalarValue;
+    use datafusion::execution::FunctionRegistry;
+    use datafusion::functions_aggregate::expr_fn::count;
+    use datafusion::logical_expr::ExprFunctionExt;
+    use datafusion::prelude::{col, lit};
+    use sluice::connectors::files::{FileFormat, FilesSource, FilesSourceConfig};
+    use sluice::engine::{EventTimeConfig, EventTimeFormat, Job};
+    use sluice::sinks::delta::{DeltaSink, DeltaSinkConfig};
+
+    let source = FilesSource::new(FilesSourceConfig {
+        schema: Some("id BIGINT, user_id BIGINT, page VARCHAR, amount DOUBLE, ts TIMESTAMP".into()),
+        max_files_per_batch: 2,
+        ..FilesSourceConfig::new(input.to_string_lossy(), FileFormat::Json)
+    })
+    .unwrap();
+    let event_time = EventTimeConfig {
+        max_out_of_orderness: std::time::Duration::from_secs(10),
+        ..EventTimeConfig::new("ts", EventTimeFormat::Rfc3339)
+    };
+    let sink = DeltaSink::new(DeltaSinkConfig::new(out.to_string_lossy())).unwrap();
+    Job::builder("positioned_sections")
+        .with_source("clicks", Box::new(source), Some(event_time))
+        .with_udf(functions::page_section())
+        .with_udaf(functions::amount_range())
+        .with_udwf(position())
+        .with_query(|ctx| async move {
+            let minute = lit(ScalarValue::new_interval_mdn(0, 0, 60_000_000_000));
+            let state = ctx.state();
+            let args = [col("clicks"), col("ts"), minute];
+            let windows = ctx
+                .table_function("tumble")?
+                .create_table_provider_with_args(TableFunctionArgs::new(&args, &state))?;
+            ctx.read_table(windows)?
+                .aggregate(
+                    vec![
+                        col("window_start"),
+                        col("window_end"),
+                        ctx.udf("page_section")?
+                            .call(vec![col("page")])
+                            .alias("section"),
+                    ],
+                    vec![
+                        count(lit(1)).alias("clicks"),
+                        ctx.udaf("amount_range")?
+                            .call(vec![col("amount")])
+                            .alias("amount_range"),
+                    ],
+                )?
+                .window(vec![
+                    ctx.udwf("position")?
+                        .call(vec![col("clicks")])
+                        .partition_by(vec![col("window_start")])
+                        .order_by(vec![
+                            col("clicks").sort(false, true),
+                            col("section").sort(true, true),
+                        ])
+                        .build()?
+                        .alias("position"),
+                ])
+        })
+        .with_sink(Box::new(sink))
+        .build()
+        .unwrap()
+}
+
+/// A DataFrame-built windowed query calling a UDF, a UDAF and a UDWF is planned again, the same
+/// way, wherever the engine plans it: the run equals a batch recomputation with built-in
+/// functions, a backfill of part of the period replaces it with the same rows, and a reconcile
+/// finds no difference.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dataframe_query_with_user_functions_runs_backfills_and_reconciles() {
+    use sluice::engine::backfill::BackfillRange;
+
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("clicks");
+    let out = dir.path().join("out");
+    let clicks = write_clicks(&input, 6);
+    let summary = positioned_sections_job(&input, &out).run().await.unwrap();
+    assert_eq!(summary.batches_committed, 3);
+    let expected = recompute(&clicks, true).await;
+    assert!(expected.len() > 20, "too few windows: {expected:?}");
+    assert_eq!(normalized(&window_rows(&out).await), normalized(&expected));
+
+    let base = 1_793_523_600_000_000i64; // write_clicks' first event: 2026-11-01T09:00:00Z
+    let minute = 60_000_000;
+    let report = positioned_sections_job(&input, &out)
+        .backfill(
+            BackfillRange::Time {
+                from: base + 2 * minute,
+                to: base + 5 * minute,
+            },
+            false,
+        )
+        .await
+        .unwrap();
+    assert!(report.rows_out > 0, "{report:?}");
+    assert_eq!(normalized(&window_rows(&out).await), normalized(&expected));
+
+    let reconciliation = positioned_sections_job(&input, &out)
+        .reconcile(base, base + 10 * minute)
+        .await
+        .unwrap();
+    assert_eq!(
+        reconciliation.diff.differences(),
+        0,
+        "{:?}",
+        reconciliation.diff
+    );
+    assert!(reconciliation.expected_rows > 20, "{reconciliation:?}");
 }
 
 /// A binary of one's own (`sluice::cli::run` with a registry) runs job files calling its
@@ -397,6 +558,22 @@ async fn a_binary_of_ones_own_runs_job_files_calling_its_functions() {
             .unwrap()
             .count(),
         3
+    );
+    // A sink that cannot replace rows cannot be backfilled: refused before anything is read.
+    assert_fails_saying(
+        &own(&[
+            "backfill",
+            to_files.to_str().unwrap(),
+            "--from",
+            "earliest",
+            "--to",
+            "latest",
+        ]),
+        &[
+            "cannot replace rows",
+            "cannot be backfilled",
+            "nothing was read",
+        ],
     );
 }
 

@@ -11,7 +11,6 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
 use serde::Deserialize;
 use sluice_connectors::files::{FilesSource, FilesSourceConfig};
 #[cfg(feature = "kafka")]
@@ -19,10 +18,12 @@ use sluice_connectors::kafka::{KafkaSource, KafkaSourceConfig};
 use sluice_connectors::nexmark::{NexmarkSource, NexmarkSourceConfig};
 use sluice_engine::storage::StorageOptions;
 use sluice_engine::{
-    EventTimeConfig, EventTimeFormat, Expectation, Job, OutputMode, Trigger, parse_duration,
+    BoxError, EventTimeConfig, EventTimeFormat, Expectation, Job, OutputMode, Trigger,
+    parse_duration,
 };
 use sluice_sinks::delta::{DeltaSink, DeltaSinkConfig};
 
+use crate::error::{Error, Result};
 use crate::registry::{Registry, Section, resolve};
 
 /// The whole job file.
@@ -191,8 +192,10 @@ pub async fn load(
     trigger: Option<Trigger>,
     registry: &Registry,
 ) -> Result<(Job, JobFileInfo)> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("cannot read job file {}", path.display()))?;
+    let text = std::fs::read_to_string(path).map_err(|source| Error::ReadJobFile {
+        path: path.to_path_buf(),
+        source,
+    })?;
     parse(&text, path, trigger, registry)
 }
 
@@ -207,29 +210,30 @@ pub fn parse(
     trigger: Option<Trigger>,
     registry: &Registry,
 ) -> Result<(Job, JobFileInfo)> {
-    let file: JobFile = toml::from_str(text)
-        .map_err(|e| anyhow::anyhow!("job file {}: {}", path.display(), one_line(&e, text)))?;
-    let base = path
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from("."));
-    let ctx = |section: &str| format!("job file {}: [{section}]", path.display());
+    let file: JobFile =
+        toml::from_str(text).map_err(|e| Error::job_file(path, None, one_line(&e, text)))?;
+    let base = crate::registry::job_dir(path);
+    // A refusal naming the section, and a cause in a section kept as the error's source.
+    let invalid = |section: &str, message: String| Error::job_file(path, Some(section), message);
+    let failed = |section: &str, cause: BoxError| Error::job_file_cause(path, Some(section), cause);
 
     let trigger = match trigger {
         Some(t) => t,
-        None => parse_trigger(&file.trigger).with_context(|| ctx("trigger"))?,
+        None => parse_trigger(&file.trigger).map_err(|e| failed("trigger", e))?,
     };
     let state_ttl = match &file.query.state_ttl {
-        Some(v) => Some(parse_duration("state_ttl", v).with_context(|| ctx("query"))?),
+        Some(v) => Some(parse_duration("state_ttl", v).map_err(|e| failed("query", e.into()))?),
         None => None,
     };
     let allowed_lateness = match &file.query.allowed_lateness {
-        Some(v) => parse_duration("allowed_lateness", v).with_context(|| ctx("query"))?,
+        Some(v) => parse_duration("allowed_lateness", v).map_err(|e| failed("query", e.into()))?,
         None => Duration::ZERO,
     };
 
     let store_unavailable_timeout = match &file.job.store_unavailable_timeout {
-        Some(v) => parse_duration("store_unavailable_timeout", v).with_context(|| ctx("job"))?,
+        Some(v) => {
+            parse_duration("store_unavailable_timeout", v).map_err(|e| failed("job", e.into()))?
+        }
         None => sluice_engine::storage::DEFAULT_UNAVAILABLE_TIMEOUT,
     };
 
@@ -243,19 +247,18 @@ pub fn parse(
     }
     if let Some(checkpoint) = &file.job.checkpoint {
         let url = sluice_engine::location::directory_url(&resolve(&base, checkpoint))
-            .with_context(|| ctx("job"))?;
+            .map_err(|e| failed("job", e.into()))?;
         builder = builder.with_checkpoint(url);
     }
 
     if file.sources.is_empty() {
-        bail!("{}: no [sources.<name>] table", ctx("sources"));
+        return Err(invalid("sources", "no [sources.<name>] table".into()));
     }
     for (name, table) in &file.sources {
         let section = format!("sources.{name}");
         let (shared, mut rest) = split(table, &SOURCE_COMMON_KEYS);
-        let common: SourceCommon =
-            from_table(shared).map_err(|e| anyhow::anyhow!("{}: {e}", ctx(&section)))?;
-        let event_time = event_time_config(&common).with_context(|| ctx(&section))?;
+        let common: SourceCommon = from_table(shared).map_err(|e| invalid(&section, e))?;
+        let event_time = event_time_config(&common).map_err(|e| failed(&section, e))?;
         let source = match common.kind.as_str() {
             "files" => {
                 if let Some(toml::Value::String(p)) = rest.get("path") {
@@ -264,50 +267,56 @@ pub fn parse(
                 }
                 add_unavailable_timeout(&mut rest, store_unavailable_timeout);
                 let config: FilesSourceConfig =
-                    from_table(rest).map_err(|e| anyhow::anyhow!("{}: {e}", ctx(&section)))?;
-                Box::new(FilesSource::new(config).with_context(|| ctx(&section))?)
+                    from_table(rest).map_err(|e| invalid(&section, e))?;
+                Box::new(FilesSource::new(config).map_err(|e| failed(&section, e.into()))?)
                     as Box<dyn sluice_engine::Source>
             }
             #[cfg(not(feature = "kafka"))]
-            "kafka" => bail!(
-                "{}: this build has no Kafka source (the sluice crate was built without its \
-                 `kafka` feature)",
-                ctx(&section)
-            ),
+            "kafka" => {
+                return Err(invalid(
+                    &section,
+                    "this build has no Kafka source (the sluice crate was built without its \
+                     `kafka` feature)"
+                        .into(),
+                ));
+            }
             #[cfg(feature = "kafka")]
             "kafka" => {
                 let config: KafkaSourceConfig =
-                    from_table(rest).map_err(|e| anyhow::anyhow!("{}: {e}", ctx(&section)))?;
-                Box::new(KafkaSource::new(config).with_context(|| ctx(&section))?)
+                    from_table(rest).map_err(|e| invalid(&section, e))?;
+                Box::new(KafkaSource::new(config).map_err(|e| failed(&section, e.into()))?)
             }
             "nexmark" => {
                 let config: NexmarkSourceConfig =
-                    from_table(rest).map_err(|e| anyhow::anyhow!("{}: {e}", ctx(&section)))?;
-                Box::new(NexmarkSource::new(config).with_context(|| ctx(&section))?)
+                    from_table(rest).map_err(|e| invalid(&section, e))?;
+                Box::new(NexmarkSource::new(config).map_err(|e| failed(&section, e.into()))?)
             }
             other => match registry.source(other) {
                 Some(factory) => {
                     let custom = Section {
                         name: section.clone(),
                         table: rest,
-                        job_dir: base.clone(),
+                        job_file: path.to_path_buf(),
                         store_unavailable_timeout,
                     };
-                    factory(&custom).with_context(|| ctx(&section))?
+                    factory(&custom).map_err(|e| failed(&section, e))?
                 }
-                None => bail!(
-                    "{}: kind = \"{other}\" is not a source this build has ({})",
-                    ctx(&section),
-                    registry.source_kinds().join(", ")
-                ),
+                None => {
+                    return Err(invalid(
+                        &section,
+                        format!(
+                            "kind = \"{other}\" is not a source this build has ({})",
+                            registry.source_kinds().join(", ")
+                        ),
+                    ));
+                }
             },
         };
         builder = builder.with_source(name.clone(), source, event_time);
     }
 
     let (shared, mut rest) = split(&file.sink, &SINK_COMMON_KEYS);
-    let common: SinkCommon =
-        from_table(shared).map_err(|e| anyhow::anyhow!("{}: {e}", ctx("sink")))?;
+    let common: SinkCommon = from_table(shared).map_err(|e| invalid("sink", e))?;
     let sink_storage: StorageOptions;
     let sink = match common.kind.as_str() {
         "delta" => {
@@ -318,52 +327,61 @@ pub fn parse(
                 }
             }
             add_unavailable_timeout(&mut rest, store_unavailable_timeout);
-            let config: DeltaSinkConfig =
-                from_table(rest).map_err(|e| anyhow::anyhow!("{}: {e}", ctx("sink")))?;
+            let config: DeltaSinkConfig = from_table(rest).map_err(|e| invalid("sink", e))?;
             sink_storage = config.storage_options.clone();
-            Box::new(DeltaSink::new(config).with_context(|| ctx("sink"))?)
+            Box::new(DeltaSink::new(config).map_err(|e| failed("sink", e.into()))?)
         }
         other => match registry.sink(other) {
             Some(factory) => {
                 let custom = Section {
                     name: "sink".into(),
                     table: rest,
-                    job_dir: base.clone(),
+                    job_file: path.to_path_buf(),
                     store_unavailable_timeout,
                 };
-                let sink = factory(&custom).with_context(|| ctx("sink"))?;
+                let sink = factory(&custom).map_err(|e| failed("sink", e))?;
                 sink_storage = sink.storage_options();
                 sink
             }
-            None => bail!(
-                "{}: kind = \"{other}\" is not a sink this build has ({})",
-                ctx("sink"),
-                registry.sink_kinds().join(", ")
-            ),
+            None => {
+                return Err(invalid(
+                    "sink",
+                    format!(
+                        "kind = \"{other}\" is not a sink this build has ({})",
+                        registry.sink_kinds().join(", ")
+                    ),
+                ));
+            }
         },
     };
     let mode: OutputMode = match &common.mode {
-        Some(m) => m.parse().with_context(|| ctx("sink"))?,
+        Some(m) => m
+            .parse()
+            .map_err(|e: sluice_engine::Error| failed("sink", e.into()))?,
         None => OutputMode::Append,
     };
     if common.key.is_some() && mode != OutputMode::Update {
-        bail!(
-            "{}: key is the upsert key of mode = \"update\"; remove it or set the mode",
-            ctx("sink")
-        );
+        return Err(invalid(
+            "sink",
+            "key is the upsert key of mode = \"update\"; remove it or set the mode".into(),
+        ));
     }
     if let Some(fraction) = common.max_dead_letter_fraction {
         builder = builder.with_max_dead_letter_fraction(fraction);
     }
     for (i, e) in file.expectations.into_iter().enumerate() {
-        let on_failure = e.on_failure.parse().with_context(|| {
-            format!(
-                "{}: [[expectations]] #{} ({})",
-                path.display(),
-                i + 1,
-                e.name
-            )
-        })?;
+        let on_failure = e
+            .on_failure
+            .parse()
+            .map_err(|cause: sluice_engine::Error| {
+                let message = format!("#{} ({}): {cause}", i + 1, e.name);
+                Error::JobFile {
+                    path: path.to_path_buf(),
+                    section: Some("[expectations]".into()),
+                    message,
+                    source: Some(cause.into()),
+                }
+            })?;
         builder = builder.with_expectation(Expectation {
             name: e.name,
             check: e.check,
@@ -375,14 +393,13 @@ pub fn parse(
         .with_output_mode(mode, common.key)
         .with_lineage(common.lineage)
         .build()
-        .with_context(|| format!("job file {}", path.display()))?;
+        .map_err(|e| Error::job_file_cause(path, None, e))?;
     let metrics_addr = match &file.job.metrics_addr {
         None => None,
         Some(text) => Some(text.parse().map_err(|e| {
-            anyhow::anyhow!(
-                "job file {}: [job] metrics_addr = \"{text}\" is not an address like \
-                 127.0.0.1:9898: {e}",
-                path.display()
+            invalid(
+                "job",
+                format!("metrics_addr = \"{text}\" is not an address like 127.0.0.1:9898: {e}"),
             )
         })?),
     };
@@ -433,16 +450,18 @@ pub(crate) fn from_table<T: serde::de::DeserializeOwned>(table: toml::Table) -> 
     })
 }
 
-fn parse_trigger(section: &TriggerSection) -> Result<Trigger> {
+fn parse_trigger(section: &TriggerSection) -> Result<Trigger, BoxError> {
     match (section.mode.as_str(), &section.interval) {
         ("interval", Some(every)) => Ok(Trigger::Interval(parse_duration("interval", every)?)),
-        ("interval", None) => bail!("mode = \"interval\" needs interval = \"<duration>\""),
-        (mode, Some(_)) => bail!("interval is only used with mode = \"interval\", not \"{mode}\""),
+        ("interval", None) => Err("mode = \"interval\" needs interval = \"<duration>\"".into()),
+        (mode, Some(_)) => {
+            Err(format!("interval is only used with mode = \"interval\", not \"{mode}\"").into())
+        }
         (mode, None) => Ok(mode.parse()?),
     }
 }
 
-fn event_time_config(common: &SourceCommon) -> Result<Option<EventTimeConfig>> {
+fn event_time_config(common: &SourceCommon) -> Result<Option<EventTimeConfig>, BoxError> {
     let Some(column) = &common.event_time else {
         for (key, v) in [
             ("event_time_format", &common.event_time_format),
@@ -451,7 +470,7 @@ fn event_time_config(common: &SourceCommon) -> Result<Option<EventTimeConfig>> {
             ("max_event_time_skew", &common.max_event_time_skew),
         ] {
             if v.is_some() {
-                bail!("{key} is set but event_time is not");
+                return Err(format!("{key} is set but event_time is not").into());
             }
         }
         return Ok(None);

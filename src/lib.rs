@@ -16,7 +16,7 @@
 //! Two JSON records in, a Delta table out (this example runs as a test):
 //!
 //! ```
-//! # #[tokio::main] async fn main() -> anyhow::Result<()> {
+//! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! use sluice::connectors::files::{FileFormat, FilesSource, FilesSourceConfig};
 //! use sluice::engine::Job;
 //! use sluice::sinks::delta::{DeltaSink, DeltaSinkConfig, table_row_count};
@@ -47,6 +47,7 @@
 
 #[cfg(feature = "cli")]
 pub mod cli;
+pub mod error;
 pub mod job_file;
 #[cfg(feature = "cli")]
 pub mod progress_display;
@@ -54,6 +55,7 @@ pub mod registry;
 #[cfg(feature = "cli")]
 pub mod status_server;
 
+pub use error::{Error, Result};
 pub use registry::Registry;
 
 pub use sluice_connectors as connectors;

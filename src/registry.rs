@@ -11,7 +11,7 @@
 //! use sluice::engine::datafusion::logical_expr::{ScalarUDF, AggregateUDF};
 //! # fn my_udf() -> ScalarUDF { unimplemented!() }
 //! # fn my_udaf() -> AggregateUDF { unimplemented!() }
-//! # fn my_source(_: &sluice::registry::Section) -> anyhow::Result<Box<dyn sluice::engine::Source>> { unimplemented!() }
+//! # fn my_source(_: &sluice::registry::Section) -> Result<Box<dyn sluice::engine::Source>, sluice::engine::BoxError> { unimplemented!() }
 //!
 //! fn main() -> std::process::ExitCode {
 //!     let registry = Registry::new()
@@ -27,11 +27,12 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::Result;
 use serde::de::DeserializeOwned;
 use sluice_engine::datafusion::logical_expr::{AggregateUDF, ScalarUDF, WindowUDF};
 use sluice_engine::datafusion::prelude::SessionContext;
-use sluice_engine::{Functions, Sink, Source};
+use sluice_engine::{BoxError, Functions, Sink, Source};
+
+use crate::error::{Error, Result};
 
 /// A `[sources.NAME]` or `[sink]` table of a job file, for a registered kind to build from: the
 /// keys every source or sink has (`kind`, `event_time`, `lineage`, `mode`, …) are already taken
@@ -42,8 +43,8 @@ pub struct Section {
     pub name: String,
     /// The section's own keys.
     pub table: toml::Table,
-    /// The job file's folder: relative paths in the section are relative to it.
-    pub job_dir: PathBuf,
+    /// The job file (relative paths in the section are relative to its folder).
+    pub job_file: PathBuf,
     /// `[job] store_unavailable_timeout`: how long a store the source or sink uses may stay
     /// unreachable before the job stops (see [`sluice_engine::storage::StorageOptions`]).
     pub store_unavailable_timeout: std::time::Duration,
@@ -54,16 +55,29 @@ impl Section {
     /// `#[serde(deny_unknown_fields)]` so a misspelt key is an error naming it).
     ///
     /// # Errors
-    /// If a key is unknown, missing or of the wrong type; the message shows the key (Sluice
-    /// adds the file and section).
+    /// [`Error::JobFile`] naming the file, the section and the key, if a key is unknown,
+    /// missing or of the wrong type.
     pub fn parse<T: DeserializeOwned>(&self) -> Result<T> {
-        crate::job_file::from_table(self.table.clone()).map_err(anyhow::Error::msg)
+        crate::job_file::from_table(self.table.clone())
+            .map_err(|message| Error::job_file(&self.job_file, Some(&self.name), message))
     }
 
     /// `path` resolved against the job file's folder (URLs and absolute paths unchanged).
     pub fn resolve(&self, path: &str) -> String {
-        resolve(&self.job_dir, path)
+        resolve(&self.job_dir(), path)
     }
+
+    /// The job file's folder.
+    pub fn job_dir(&self) -> PathBuf {
+        job_dir(&self.job_file)
+    }
+}
+
+/// The folder of the job file at `path` (`.` for a bare file name).
+pub(crate) fn job_dir(path: &Path) -> PathBuf {
+    path.parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
 }
 
 /// Resolves a path of a job file against the job file's folder (URLs and absolute paths stay).
@@ -75,10 +89,11 @@ pub(crate) fn resolve(base: &Path, path: &str) -> String {
     }
 }
 
-/// Builds a source from its job-file section.
-pub type SourceFactory = Arc<dyn Fn(&Section) -> Result<Box<dyn Source>> + Send + Sync>;
-/// Builds a sink from its job-file section.
-pub type SinkFactory = Arc<dyn Fn(&Section) -> Result<Box<dyn Sink>> + Send + Sync>;
+/// Builds a source from its job-file section. Any error type will do (`?` boxes it); the job
+/// file's error keeps it as its source, naming the file and section.
+pub type SourceFactory = Arc<dyn Fn(&Section) -> Result<Box<dyn Source>, BoxError> + Send + Sync>;
+/// Builds a sink from its job-file section, failing as a [`SourceFactory`] does.
+pub type SinkFactory = Arc<dyn Fn(&Section) -> Result<Box<dyn Sink>, BoxError> + Send + Sync>;
 
 /// The functions and the kinds of source and sink a binary adds to the built-in ones.
 #[derive(Clone, Default)]
@@ -166,7 +181,7 @@ impl Registry {
     /// thing in every Sluice binary.
     pub fn with_source<F>(mut self, kind: &str, factory: F) -> Self
     where
-        F: Fn(&Section) -> Result<Box<dyn Source>> + Send + Sync + 'static,
+        F: Fn(&Section) -> Result<Box<dyn Source>, BoxError> + Send + Sync + 'static,
     {
         assert!(
             !BUILT_IN_SOURCES.contains(&kind),
@@ -183,7 +198,7 @@ impl Registry {
     /// If `kind` is a built-in sink kind (delta).
     pub fn with_sink<F>(mut self, kind: &str, factory: F) -> Self
     where
-        F: Fn(&Section) -> Result<Box<dyn Sink>> + Send + Sync + 'static,
+        F: Fn(&Section) -> Result<Box<dyn Sink>, BoxError> + Send + Sync + 'static,
     {
         assert!(
             !BUILT_IN_SINKS.contains(&kind),

@@ -725,7 +725,7 @@ impl Source for NexmarkSource {
             .ok()
             .filter(|p| *p < u64::from(self.config.partitions))
             .ok_or_else(|| {
-                sluice_engine::Error::source(
+                sluice_engine::Error::in_source(
                     &self.name,
                     format!(
                         "has no partition '{partition}' (partitions 0..{})",
@@ -736,7 +736,7 @@ impl Source for NexmarkSource {
         let source = self.clone();
         let batch = cpu_bound(move || source.generate(p, range))
             .await
-            .map_err(|e| sluice_engine::Error::source(&self.name, e))?;
+            .map_err(|e| sluice_engine::Error::in_source(&self.name, e))?;
         Ok(SourceRead {
             batches: vec![batch],
             dead_letters: Vec::new(),

@@ -200,11 +200,15 @@ impl Job {
     /// `dry_run`, only resolves and reports the ranges.
     ///
     /// # Errors
-    /// If the job has several sources or no lineage columns, a bound names an unknown partition
+    /// If the sink cannot replace rows ([`crate::Sink::can_replace`]), the job has several
+    /// sources or no lineage columns, a bound names an unknown partition
     /// or lies outside what the source holds, `from > to`, or reading, the query or the commit
     /// fails.
     pub async fn backfill(self, range: BackfillRange, dry_run: bool) -> Result<BackfillReport> {
         let started = Instant::now();
+        if !self.sink.can_replace() {
+            return Err(crate::sink::cannot_replace(self.sink.location()));
+        }
         let checkpoint = checkpoint_location(&self)?;
         let settings = query_settings(&self);
         let (sources, query) =
@@ -297,7 +301,7 @@ impl Job {
             }
             BackfillRange::Time { from, to } => {
                 let Some(time) = &source.event_time else {
-                    return Err(Error::source(
+                    return Err(Error::in_source(
                         &source.name,
                         "--from-time/--to-time need event_time on the source",
                     ));
@@ -909,7 +913,7 @@ async fn recompute_windows(
     let time = &source
         .event_time
         .as_ref()
-        .ok_or_else(|| Error::source(&source.name, "a windowed job's source has event time"))?
+        .ok_or_else(|| Error::in_source(&source.name, "a windowed job's source has event time"))?
         .column;
     let mut letters = Vec::new();
     let mut rows_in = 0;
@@ -973,7 +977,7 @@ fn resolve_offsets(
         if let Bound::Offsets(named) = bound
             && let Some(unknown) = named.keys().find(|p| !available.contains_key(*p))
         {
-            return Err(Error::source(
+            return Err(Error::in_source(
                 source,
                 format!(
                     "has no partition '{unknown}' (partitions: {})",
@@ -1001,7 +1005,7 @@ fn resolve_offsets(
         let start = at(from, a.initial);
         let end = at(to, a.latest);
         if start > end {
-            return Err(Error::source(
+            return Err(Error::in_source(
                 source,
                 format!("partition {p}: --from {start} is after --to {end}"),
             ));
@@ -1013,7 +1017,7 @@ fn resolve_offsets(
             } else {
                 "the latest offset available"
             };
-            return Err(Error::source(
+            return Err(Error::in_source(
                 source,
                 format!("partition {p}: --to {end} is beyond {limit}: {}", a.latest),
             ));

@@ -679,7 +679,7 @@ impl Pipeline {
             if let Some(rows) = inputs.get_mut(&s.name)
                 && rows.schema() != s.planned
             {
-                *rows = conform(rows, &s.planned).map_err(|e| Error::source(&s.name, e))?;
+                *rows = conform(rows, &s.planned).map_err(|e| Error::in_source(&s.name, e))?;
             }
         }
         batch.times.read = t.elapsed();

@@ -3,8 +3,16 @@
 //! One enum for the crate, with `#[from]` conversions for the libraries underneath and messages
 //! that name the input at fault (source, partition, offset, file, column), so a user reading a
 //! log line knows what to fix without reading code.
+//!
+//! Errors are typed all the way down: a source's or a sink's own error type travels inside
+//! [`Error::Source`] and [`Error::Sink`] as the error's source, so a caller finds it with
+//! [`Error::find`] (e.g. the Kafka source's `ConnectorError::DataLoss`) instead of parsing text.
+//! Every message includes its cause's, so the top error's `to_string()` says it all.
 
 use crate::offsets::BatchId;
+
+/// Any error, boxed: what a source or a sink of another crate fails with, kept typed.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// Everything that can go wrong inside the engine.
 #[derive(Debug, thiserror::Error)]
@@ -178,16 +186,18 @@ pub enum Error {
         reasons: String,
     },
     /// A source failed; the message names the source and what it was reading.
-    #[error("source '{source_name}': {message}")]
+    #[error("source '{source_name}': {source}")]
     Source {
         /// The source's name in the job (its SQL table name).
         source_name: String,
-        /// What went wrong, naming partition/offset/file where known.
-        message: String,
+        /// What went wrong, naming partition/offset/file where known: the source's own error
+        /// (e.g. `sluice_connectors::ConnectorError`), or a message.
+        source: BoxError,
     },
-    /// The sink failed to commit.
+    /// The sink failed to write or commit: the sink's own error (e.g.
+    /// `sluice_sinks::SinkError`), or a message.
     #[error("sink: {0}")]
-    Sink(String),
+    Sink(#[source] BoxError),
     /// Any other I/O failure.
     #[error("io: {0}")]
     Io(#[from] std::io::Error),
@@ -197,11 +207,44 @@ pub enum Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
-    /// A source error, naming the source.
-    pub fn source(source_name: impl Into<String>, message: impl std::fmt::Display) -> Self {
+    /// An error of the source named `source_name` (its SQL table name): `cause` is the
+    /// source's own error, or a message (`&str`, `String`).
+    pub fn in_source(source_name: impl Into<String>, cause: impl Into<BoxError>) -> Self {
         Error::Source {
             source_name: source_name.into(),
-            message: message.to_string(),
+            source: cause.into(),
         }
     }
+
+    /// The first error of type `E` in this error's chain (itself, its source, its source's
+    /// source, …): how a caller matches a source's or a sink's own error.
+    ///
+    /// ```
+    /// use sluice_engine::Error;
+    /// let io = std::io::Error::new(std::io::ErrorKind::NotFound, "page 7");
+    /// let error = Error::in_source("pages", io);
+    /// let found = error.find::<std::io::Error>().map(|e| e.kind());
+    /// assert_eq!(found, Some(std::io::ErrorKind::NotFound));
+    /// ```
+    pub fn find<E: std::error::Error + 'static>(&self) -> Option<&E> {
+        find_in_chain(self)
+    }
+}
+
+/// The first error of type `E` in `error`'s chain of sources, `error` included; an `E` in a
+/// `Box<E>` counts (a large error is often boxed).
+pub fn find_in_chain<'a, E: std::error::Error + 'static>(
+    error: &'a (dyn std::error::Error + 'static),
+) -> Option<&'a E> {
+    let mut next = Some(error);
+    while let Some(e) = next {
+        if let Some(found) = e.downcast_ref::<E>() {
+            return Some(found);
+        }
+        if let Some(found) = e.downcast_ref::<Box<E>>() {
+            return Some(found);
+        }
+        next = e.source();
+    }
+    None
 }

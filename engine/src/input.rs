@@ -60,7 +60,7 @@ pub(crate) async fn open_sources_and_query(
         let mut schema = source.open(ctx).await?;
         for col in [SOURCE_PARTITION, SOURCE_OFFSET] {
             if schema.index_of(col).is_err() {
-                return Err(Error::source(
+                return Err(Error::in_source(
                     &spec.name,
                     format!("its batches lack the column {col}"),
                 ));
@@ -68,7 +68,7 @@ pub(crate) async fn open_sources_and_query(
         }
         if let Some(time) = &spec.event_time {
             schema = schema_with_event_time(&schema, &time.column)
-                .map_err(|e| Error::source(&spec.name, e))?;
+                .map_err(|e| Error::in_source(&spec.name, e))?;
         }
         sources.push(OpenSource {
             name: spec.name,
@@ -349,7 +349,7 @@ pub(crate) async fn read_source(
         }
         query_schema = match &s.event_time {
             Some(time) => schema_with_event_time(&current, &time.column)
-                .map_err(|e| Error::source(&s.name, e))?,
+                .map_err(|e| Error::in_source(&s.name, e))?,
             None => current,
         };
     }
@@ -366,8 +366,8 @@ pub(crate) async fn read_source(
                 batches.push(batch);
                 continue;
             };
-            let (parsed, mut bad) =
-                extract_event_time(&batch, time, clock).map_err(|e| Error::source(&s.name, e))?;
+            let (parsed, mut bad) = extract_event_time(&batch, time, clock)
+                .map_err(|e| Error::in_source(&s.name, e))?;
             if let FutureTimes::AsRecorded(recorded) = future
                 && !recorded.is_empty()
             {
@@ -396,7 +396,7 @@ pub(crate) async fn read_source(
         }
     }
     let rows = concat_consuming(&query_schema, batches)
-        .map_err(|e| Error::source(&s.name, format!("its reads disagree on the schema: {e}")))?;
+        .map_err(|e| Error::in_source(&s.name, format!("its reads disagree on the schema: {e}")))?;
     let grown = (query_schema != s.schema).then_some(query_schema);
     Ok(SourceRows {
         rows,
@@ -461,7 +461,7 @@ pub(crate) async fn read_source_as_opened(
 ) -> Result<(RecordBatch, Vec<DeadLetter>)> {
     let read = read_source(s, ranges, future).await?;
     if read.grown.is_some() {
-        return Err(Error::source(
+        return Err(Error::in_source(
             &s.name,
             "schema evolution added columns while this command read it; run the command again \
              (it then opens the source with them)",

@@ -54,7 +54,7 @@ pub mod window;
 
 pub use checkpoint::{BatchCounters, BatchIntent, BatchManifest, CheckpointStore};
 pub use driver::{BatchStats, RunSummary, Validation};
-pub use error::{Error, Result};
+pub use error::{BoxError, Error, Result};
 pub use event_time::{EventTimeConfig, EventTimeFormat};
 pub use expectations::{Expectation, OnFailure};
 pub use job::{Job, JobBuilder, SourceSpec, Trigger, parse_duration};

@@ -157,7 +157,7 @@ impl Job {
         let mut columns = BTreeSet::new();
         for s in &sources {
             let time = s.event_time.as_ref().ok_or_else(|| {
-                Error::source(
+                Error::in_source(
                     &s.name,
                     "reconcile compares event-time periods, and this source has no event_time",
                 )
@@ -223,7 +223,7 @@ impl Committed<'_> {
     /// The rows of `s` the committed batches read whose event time is in `[from, to)`.
     async fn read(&self, s: &OpenSource, from: i64, to: i64) -> Result<RecordBatch> {
         let time = s.event_time.as_ref().ok_or_else(|| {
-            Error::source(
+            Error::in_source(
                 &s.name,
                 "reconcile compares event-time periods, and this source has no event_time",
             )
@@ -242,7 +242,7 @@ impl Committed<'_> {
         let future = self
             .future
             .get(&s.name)
-            .ok_or_else(|| Error::source(&s.name, "no recorded judgement of its event times"))?;
+            .ok_or_else(|| Error::in_source(&s.name, "no recorded judgement of its event times"))?;
         let (rows, _dead_letters) = read_source_as_opened(s, &ranges, future).await?;
         rows_in_period(&rows, &time.column, from, to)
     }
@@ -301,7 +301,7 @@ async fn reconcile_windows(
         .sources
         .iter()
         .find(|s| s.name == window.source)
-        .ok_or_else(|| Error::source(&window.source, "not among the job's sources"))?;
+        .ok_or_else(|| Error::in_source(&window.source, "not among the job's sources"))?;
     // The events of the windows overlapping the period; for sessions, which can span any
     // length, every committed event.
     let (lo, hi) = if sessions {

@@ -15,7 +15,7 @@ use async_trait::async_trait;
 use datafusion::execution::SendableRecordBatchStream;
 use url::Url;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::offsets::{BatchId, OffsetRange, PartitionId};
 use crate::storage::StorageOptions;
 
@@ -211,12 +211,21 @@ pub trait Sink: Send + Sync {
     /// Commits one batch, idempotently.
     async fn commit(&self, batch: BatchCommit) -> Result<CommitOutcome>;
 
+    /// Whether the sink implements [`Sink::replace`], which a backfill needs: a backfill of a
+    /// job whose sink cannot replace is refused before anything is read. Default: no.
+    fn can_replace(&self) -> bool {
+        false
+    }
+
     /// Replaces, in one commit per table, every row the replacement's ranges produced with its
     /// recomputed rows (output first — the dead letters are known once its rows have been read
     /// — then the dead-letter and late tables). Retries when a concurrent writer (the live job)
     /// committed in between; returns [`CommitOutcome::AlreadyCommitted`] if the output table
-    /// already holds `txn(app_id, 0)`.
-    async fn replace(&self, replacement: Replacement) -> Result<CommitOutcome>;
+    /// already holds `txn(app_id, 0)`. A sink that implements it says so in
+    /// [`Sink::can_replace`]; the default refuses.
+    async fn replace(&self, _replacement: Replacement) -> Result<CommitOutcome> {
+        Err(cannot_replace(self.location()))
+    }
 
     /// The last batch `job_id` committed, read from the output table without writing or
     /// creating anything (`None`: no table, or nothing committed by that job): where a restart
@@ -299,4 +308,13 @@ pub fn row_groups(batches: &[RecordBatch], rows: usize) -> Vec<Vec<RecordBatch>>
         }
     }
     groups
+}
+
+/// The refusal of a backfill whose sink cannot replace rows.
+pub(crate) fn cannot_replace(location: &Url) -> Error {
+    Error::InvalidJob(format!(
+        "the sink writing to {location} cannot replace rows, so the job cannot be backfilled: \
+         backfill replaces what its range covers in one commit, which needs a sink that can \
+         (delta); nothing was read or written"
+    ))
 }

@@ -156,26 +156,43 @@ impl<'de> serde::Deserialize<'de> for StorageOptions {
 /// it with the path of `url` inside it. Cloud stores come wrapped in a [`PatientStore`].
 ///
 /// # Errors
-/// [`Error::InvalidJob`] naming the URL if its scheme is not one this build has (file, memory,
-/// s3, s3a, gs, az, abfs, abfss, azure), or naming an option key the store does not know.
+/// [`Error::InvalidJob`] naming the URL if its scheme is not one this build has (file and
+/// memory always; s3, s3a with the `s3` feature; gs with `gcs`; az, abfs, abfss, azure, adl
+/// with `azure`), or naming an option key the store does not know.
 pub fn open_store(url: &Url, options: &StorageOptions) -> Result<(Arc<dyn ObjectStore>, Path)> {
     let unsupported = |e: &dyn fmt::Display| {
         Error::InvalidJob(format!(
-            "location {url} is not supported: {e} (this build reads and writes local paths, \
-             file://, s3://, s3a://, gs://, az://, abfs://, abfss://, azure:// and adl:// URLs)"
+            "location {url} is not supported: {e} (this build reads and writes local paths and \
+             {} URLs)",
+            supported_schemes()
+                .iter()
+                .map(|s| format!("{s}://"))
+                .collect::<Vec<_>>()
+                .join(", ")
         ))
     };
-    if !matches!(
-        url.scheme(),
-        "file" | "memory" | "s3" | "s3a" | "gs" | "az" | "abfs" | "abfss" | "azure" | "adl"
-    ) {
+    if let Some((_, feature)) = CLOUD_FEATURES.iter().find(|(s, _)| *s == url.scheme()) {
+        if !supported_schemes().contains(&url.scheme()) {
+            return Err(unsupported(&format!(
+                "Sluice was built without its `{feature}` feature"
+            )));
+        }
+    } else if !supported_schemes().contains(&url.scheme()) {
         return Err(unsupported(&format!("scheme '{}'", url.scheme())));
     }
     let (scheme, path) = ObjectStoreScheme::parse(url).map_err(|e| unsupported(&e))?;
     let path = Path::parse(path).map_err(|e| unsupported(&e))?;
+    #[cfg_attr(
+        not(any(feature = "s3", feature = "gcs", feature = "azure")),
+        allow(unused_variables)
+    )]
     let invalid = |e: object_store::Error| {
         Error::InvalidJob(format!("location {url}: the store cannot be set up: {e}"))
     };
+    #[cfg_attr(
+        not(any(feature = "s3", feature = "gcs", feature = "azure")),
+        allow(unused_variables)
+    )]
     let unknown_key = |key: &str, store: &str| {
         Error::InvalidJob(format!(
             "location {url}: storage option '{key}' is not a {store} option (keys are spelled as \
@@ -194,6 +211,7 @@ pub fn open_store(url: &Url, options: &StorageOptions) -> Result<(Arc<dyn Object
             let (store, _) = object_store::parse_url(url).map_err(|e| unsupported(&e))?;
             return Ok((Arc::from(store), path));
         }
+        #[cfg(feature = "s3")]
         ObjectStoreScheme::AmazonS3 => {
             use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
             let mut builder = AmazonS3Builder::from_env().with_url(url.as_str());
@@ -208,6 +226,7 @@ pub fn open_store(url: &Url, options: &StorageOptions) -> Result<(Arc<dyn Object
                     .map_err(invalid)?,
             )
         }
+        #[cfg(feature = "gcs")]
         ObjectStoreScheme::GoogleCloudStorage => {
             use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey};
             let mut builder = GoogleCloudStorageBuilder::from_env().with_url(url.as_str());
@@ -222,6 +241,7 @@ pub fn open_store(url: &Url, options: &StorageOptions) -> Result<(Arc<dyn Object
                     .map_err(invalid)?,
             )
         }
+        #[cfg(feature = "azure")]
         ObjectStoreScheme::MicrosoftAzure => {
             use object_store::azure::{AzureConfigKey, MicrosoftAzureBuilder};
             let mut builder = MicrosoftAzureBuilder::from_env().with_url(url.as_str());
@@ -248,10 +268,42 @@ pub fn open_store(url: &Url, options: &StorageOptions) -> Result<(Arc<dyn Object
     ))
 }
 
+/// The URL schemes of the cloud stores, with the cargo feature that builds each.
+const CLOUD_FEATURES: [(&str, &str); 8] = [
+    ("s3", "s3"),
+    ("s3a", "s3"),
+    ("gs", "gcs"),
+    ("az", "azure"),
+    ("abfs", "azure"),
+    ("abfss", "azure"),
+    ("azure", "azure"),
+    ("adl", "azure"),
+];
+
+/// The URL schemes [`open_store`] opens in this build.
+pub fn supported_schemes() -> Vec<&'static str> {
+    let mut schemes = vec!["file", "memory"];
+    for (scheme, feature) in CLOUD_FEATURES {
+        let built = match feature {
+            "s3" => cfg!(feature = "s3"),
+            "gcs" => cfg!(feature = "gcs"),
+            _ => cfg!(feature = "azure"),
+        };
+        if built {
+            schemes.push(scheme);
+        }
+    }
+    schemes
+}
+
 /// object_store's own retries of one request (each logged by object_store at info): its
 /// defaults (10 retries within 3 min), never past `unavailable`. They also cover what
 /// [`PatientStore`] cannot retry whole: the parts and the completion of a multipart upload (a
 /// data file above 5 MiB); [`PatientStore`] waits longer for everything else.
+#[cfg_attr(
+    not(any(feature = "s3", feature = "gcs", feature = "azure")),
+    allow(dead_code)
+)]
 fn retry_config(unavailable: Duration) -> object_store::RetryConfig {
     let default = object_store::RetryConfig::default();
     object_store::RetryConfig {
@@ -684,13 +736,41 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("ftp://host/x/"), "{err}");
-        let url = Url::parse("s3://bucket/x/").unwrap();
         let options = StorageOptions::new([("aws_endpoit".to_string(), "x".to_string())]);
-        let err = open_store(&url, &options).unwrap_err().to_string();
-        assert!(err.contains("'aws_endpoit'"), "{err}");
+        if cfg!(feature = "s3") {
+            let url = Url::parse("s3://bucket/x/").unwrap();
+            let err = open_store(&url, &options).unwrap_err().to_string();
+            assert!(err.contains("'aws_endpoit'"), "{err}");
+        }
         let local = Url::parse("file:///tmp/x/").unwrap();
         let err = open_store(&local, &options).unwrap_err().to_string();
         assert!(err.contains("local path"), "{err}");
+    }
+
+    /// A cloud location opens in a build with its store's feature, and is refused naming the
+    /// feature in one without.
+    #[test]
+    fn a_cloud_location_needs_its_feature() {
+        for (scheme, feature) in CLOUD_FEATURES {
+            let url = Url::parse(&format!("{scheme}://bucket/x/")).unwrap();
+            let built = supported_schemes().contains(&scheme);
+            match open_store(&url, &StorageOptions::default()) {
+                Err(e) if !built => {
+                    let message = e.to_string();
+                    assert!(
+                        message.contains(&format!("`{feature}` feature")),
+                        "{message}"
+                    );
+                    assert!(message.contains(url.as_str()), "{message}");
+                }
+                Err(e) => {
+                    // Built in: a refusal may only be about the store's settings.
+                    let message = e.to_string();
+                    assert!(!message.contains("feature"), "{scheme}: {message}");
+                }
+                Ok(_) => assert!(built, "{scheme} opened without its feature"),
+            }
+        }
     }
 
     #[test]

@@ -80,7 +80,8 @@ impl PagedHttpSource {
     /// GETs `path` and parses the body as JSON; errors name the source and the URL.
     async fn get(&self, path: &str) -> Result<serde_json::Value> {
         let url = format!("{}{path}", self.base);
-        let fail = |e: &dyn std::fmt::Display| Error::source(&self.name, format!("GET {url}: {e}"));
+        let fail =
+            |e: &dyn std::fmt::Display| Error::in_source(&self.name, format!("GET {url}: {e}"));
         let response = self.client.get(&url).send().await.map_err(|e| fail(&e))?;
         let status = response.status();
         if !status.is_success() {
@@ -103,7 +104,7 @@ impl Source for PagedHttpSource {
     async fn available(&self) -> Result<BTreeMap<PartitionId, AvailableRange>> {
         let pages = self.get("/pages").await?;
         let latest = pages["pages"].as_i64().ok_or_else(|| {
-            Error::source(
+            Error::in_source(
                 &self.name,
                 format!("/pages answered {pages}, not {{\"pages\": N}}"),
             )
@@ -118,7 +119,7 @@ impl Source for PagedHttpSource {
             let records = match self.get(&format!("/clicks/{page}")).await? {
                 serde_json::Value::Array(records) => records,
                 other => {
-                    return Err(Error::source(
+                    return Err(Error::in_source(
                         &self.name,
                         format!("page {page} is not a JSON array: {other}"),
                     ));

@@ -17,7 +17,8 @@
 //!   they never opened, so the read methods work from the location alone (every marker in
 //!   `_commits/`, whichever job wrote it: the folder is the table);
 //! - **what it cannot do, it refuses**: update mode (no MERGE over Parquet files) when the job
-//!   starts, and a backfill's replacement (after its recomputation) with a message saying so.
+//!   starts; it does not implement `replace` (so `can_replace` stays false), and a backfill is
+//!   refused before it reads anything.
 
 // Each program including this file uses a part of it.
 #![allow(dead_code)]
@@ -36,7 +37,7 @@ use sluice::engine::object_store::path::Path;
 use sluice::engine::object_store::{ObjectStore, ObjectStoreExt, PutMode, PutPayload};
 use sluice::engine::storage::{StorageOptions, open_store};
 use sluice::engine::{
-    BatchCommit, BatchId, CommitOutcome, Error, OutputTables, Replacement, Result, Sink, TableScan,
+    BatchCommit, BatchId, CommitOutcome, Error, OutputTables, Result, Sink, TableScan,
 };
 use url::Url;
 
@@ -128,7 +129,7 @@ impl ParquetFilesSink {
         for name in names {
             let bytes = self.store.get(&name).await?.bytes().await?;
             let marker = serde_json::from_slice(&bytes)
-                .map_err(|e| Error::Sink(format!("commit marker {name}: {e}")))?;
+                .map_err(|e| Error::Sink(format!("commit marker {name}: {e}").into()))?;
             markers.push(marker);
         }
         Ok(markers)
@@ -214,7 +215,7 @@ impl Sink for ParquetFilesSink {
         // a kill here leaves files no marker lists, which readers ignore and a rerun rewrites.
         sluice::engine::fault::crash_point("after_files", batch.batch_id);
         let bytes = serde_json::to_vec_pretty(&record)
-            .map_err(|e| Error::Sink(format!("commit marker: {e}")))?;
+            .map_err(|e| Error::Sink(format!("commit marker: {e}").into()))?;
         // The commit: created only if absent, so two writers can never both commit a batch.
         let created = self
             .store
@@ -236,14 +237,6 @@ impl Sink for ParquetFilesSink {
             }
             Err(e) => Err(e.into()),
         }
-    }
-
-    async fn replace(&self, _replacement: Replacement) -> Result<CommitOutcome> {
-        Err(Error::InvalidJob(
-            "the parquet_files sink cannot replace rows, so it cannot be backfilled: backfill \
-             needs a sink that can (delta)"
-                .into(),
-        ))
     }
 
     async fn committed_batch(&self, job_id: &str) -> Result<Option<BatchId>> {

@@ -1376,6 +1376,10 @@ impl Sink for DeltaSink {
         Ok(done)
     }
 
+    fn can_replace(&self) -> bool {
+        true
+    }
+
     async fn replace(&self, r: Replacement) -> sluice_engine::Result<CommitOutcome> {
         let lineage = lineage_predicate(&r.ranges);
         let props = || {

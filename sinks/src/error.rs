@@ -52,7 +52,7 @@ impl From<SinkError> for sluice_engine::Error {
     fn from(e: SinkError) -> Self {
         match e {
             SinkError::Engine(inner) => inner,
-            other => sluice_engine::Error::Sink(other.to_string()),
+            other => sluice_engine::Error::Sink(Box::new(other)),
         }
     }
 }

@@ -394,7 +394,7 @@ impl FilesSource {
 impl Source for FilesSource {
     async fn open(&mut self, ctx: SourceContext) -> sluice_engine::Result<SchemaRef> {
         let name = ctx.name.clone();
-        let wrap = |e: ConnectorError| sluice_engine::Error::source(&name, e);
+        let wrap = |e: ConnectorError| sluice_engine::Error::in_source(&name, e);
         let declared = match &self.config.schema {
             Some(ddl) => Some(sluice_engine::schema::parse_schema(ddl).await?),
             None => None,
@@ -428,8 +428,8 @@ impl Source for FilesSource {
     async fn available(&self) -> sluice_engine::Result<BTreeMap<PartitionId, AvailableRange>> {
         let opened = self
             .opened()
-            .map_err(|e| sluice_engine::Error::source("files", e))?;
-        let wrap = |e: ConnectorError| sluice_engine::Error::source(&opened.name, e);
+            .map_err(|e| sluice_engine::Error::in_source("files", e))?;
+        let wrap = |e: ConnectorError| sluice_engine::Error::in_source(&opened.name, e);
         opened
             .schema_log
             .lock()
@@ -471,8 +471,8 @@ impl Source for FilesSource {
     ) -> sluice_engine::Result<SourceRead> {
         let opened = self
             .opened()
-            .map_err(|e| sluice_engine::Error::source("files", e))?;
-        let wrap = |e: ConnectorError| sluice_engine::Error::source(&opened.name, e);
+            .map_err(|e| sluice_engine::Error::in_source("files", e))?;
+        let wrap = |e: ConnectorError| sluice_engine::Error::in_source(&opened.name, e);
         if partition != PARTITION {
             return Err(wrap(ConnectorError::Config(format!(
                 "a files source has only partition {PARTITION}, not '{partition}'"

@@ -659,7 +659,7 @@ fn client_backoff() -> BackoffConfig {
 impl Source for KafkaSource {
     async fn open(&mut self, ctx: SourceContext) -> sluice_engine::Result<SchemaRef> {
         let name = ctx.name.clone();
-        let wrap = |e: ConnectorError| sluice_engine::Error::source(&name, e);
+        let wrap = |e: ConnectorError| sluice_engine::Error::in_source(&name, e);
         self.fail_fast = ctx.validating;
         let partitions = self.partitions().await.map_err(wrap)?;
         let recorded_starts: Option<StartingOffsets> =
@@ -733,8 +733,8 @@ impl Source for KafkaSource {
     async fn available(&self) -> sluice_engine::Result<BTreeMap<PartitionId, AvailableRange>> {
         let opened = self
             .opened()
-            .map_err(|e| sluice_engine::Error::source("kafka", e))?;
-        let wrap = |e: ConnectorError| sluice_engine::Error::source(&opened.name, e);
+            .map_err(|e| sluice_engine::Error::in_source("kafka", e))?;
+        let wrap = |e: ConnectorError| sluice_engine::Error::in_source(&opened.name, e);
         let to_record = std::mem::take(&mut *opened.to_record.lock().await);
         if let Some(starts) = to_record.starts.filter(|s| !s.partitions.is_empty()) {
             let bytes = opened.checkpoint.to_json(STARTING_OFFSETS_FILE, &starts)?;
@@ -803,8 +803,8 @@ impl Source for KafkaSource {
     ) -> sluice_engine::Result<SourceRead> {
         let opened = self
             .opened()
-            .map_err(|e| sluice_engine::Error::source("kafka", e))?;
-        let wrap = |e: ConnectorError| sluice_engine::Error::source(&opened.name, e);
+            .map_err(|e| sluice_engine::Error::in_source("kafka", e))?;
+        let wrap = |e: ConnectorError| sluice_engine::Error::in_source(&opened.name, e);
         let tp = self.topic_partition(partition).map_err(wrap)?;
         let (records, gaps) = self.fetch(&tp, range).await.map_err(wrap)?;
         let records = Arc::new(records);
@@ -889,7 +889,7 @@ impl Source for KafkaSource {
             .unwrap_or_else(|_| format!("partition {partition}"));
         if self.config.fail_on_data_loss {
             let name = self.opened.as_ref().map_or("kafka", |o| o.name.as_str());
-            return Err(sluice_engine::Error::source(
+            return Err(sluice_engine::Error::in_source(
                 name,
                 ConnectorError::OffsetsBehind {
                     partition: tp,
