@@ -15,9 +15,9 @@ use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use sluice::connectors::files::{FileFormat, FilesSource, FilesSourceConfig};
 use sluice::connectors::nexmark::{NexmarkSource, NexmarkSourceConfig, NexmarkTable};
 use sluice::engine::checkpoint::CheckpointStore;
+use sluice::engine::operators::state_store::StateLog;
 use sluice::engine::query::{BatchWatermark, QuerySettings, StreamingQuery};
 use sluice::engine::source::{SOURCE_OFFSET, SOURCE_PARTITION};
-use sluice::engine::state_store::StateLog;
 use sluice::engine::{
     BatchCommit, BatchId, OffsetRange, OutputTables, Sink, Source, SourceContext,
 };

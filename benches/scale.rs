@@ -36,9 +36,9 @@ use arrow::datatypes::{DataType, Field, Schema};
 use sluice::connectors::files::{FileFormat, FilesSource, FilesSourceConfig};
 use sluice::engine::checkpoint::CheckpointStore;
 use sluice::engine::event_time::event_time_type;
+use sluice::engine::operators::state_store::StateLog;
 use sluice::engine::query::{BatchWatermark, QuerySettings, StreamingQuery};
 use sluice::engine::source::{SOURCE_OFFSET, SOURCE_PARTITION};
-use sluice::engine::state_store::StateLog;
 use sluice::engine::{BatchId, OutputMode, Source, SourceContext};
 
 fn results() -> PathBuf {

@@ -63,12 +63,12 @@ use crate::lease::{Lease, LeaseSettings, REWRITE_LEASE_FOLDER};
 use crate::offsets::{
     BatchId, OffsetRange, SourceOffsets, SourceRanges, display_offsets, display_ranges, plan_ranges,
 };
+use crate::operators::state_store::StateLog;
 use crate::progress::{CommittedBatch, Progress};
 use crate::query::{BatchWatermark, Query, QuerySettings, StreamingQuery};
 use crate::sink::{BatchCommit, CommitOutcome, Compaction, Sink};
 use crate::source::DeadLetter;
 use crate::source::SchemaInference;
-use crate::state_store::StateLog;
 use crate::watermark::{
     SourcePartition, Watermark, WatermarkRules, display_watermark, max_event_time_by_partition,
 };

@@ -23,7 +23,6 @@
 //!
 //! Start reading at [`driver`]; the traits are [`Source`] and [`Sink`].
 
-pub mod aggregate_state;
 pub mod backfill;
 pub mod checkpoint;
 pub mod dead_letter;
@@ -32,7 +31,6 @@ pub mod error;
 pub mod event_time;
 pub mod expectations;
 pub mod fault;
-mod group_table;
 pub mod input;
 pub mod job;
 pub mod late;
@@ -40,14 +38,13 @@ pub mod lease;
 pub mod location;
 pub mod memory;
 pub mod offsets;
+pub mod operators;
 pub mod progress;
 pub mod query;
 pub mod reconcile;
 pub mod schema;
 pub mod sink;
 pub mod source;
-pub mod state_store;
-pub mod stateful_aggregate;
 pub mod storage;
 pub mod watermark;
 pub mod window;

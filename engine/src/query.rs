@@ -11,7 +11,7 @@
 //! A query is either **stateless** (expressions, WHERE, UNION ALL, UNNEST: each batch's output
 //! depends on its rows only) or **stateful**: one aggregate — over a `tumble`/`hop` window, or a
 //! running aggregate in update mode — whose state is carried between batches (see
-//! [`crate::stateful_aggregate`]).
+//! [`crate::operators::aggregate`]).
 //!
 //! A query-time error caused by some rows (a failing `CAST`) must not stall the job. Stateless
 //! output is row-local and partial aggregate states merge, so [`StreamingQuery::execute_isolating`]
@@ -25,43 +25,23 @@ use std::time::Duration;
 
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
-use arrow::error::ArrowError;
 use datafusion::catalog::MemTable;
 use datafusion::common::Column;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
-use datafusion::error::DataFusionError;
 use datafusion::execution::SessionStateBuilder;
 use datafusion::logical_expr::{AggregateUDF, Expr, LogicalPlan, Projection, ScalarUDF, WindowUDF};
 use datafusion::prelude::{DataFrame, SessionConfig, SessionContext};
 use futures::future::BoxFuture;
 
-use crate::aggregate_state::AggregateState;
 use crate::error::{Error, Result};
 use crate::offsets::BatchId;
+use crate::operators::aggregate::{StateSize, StatefulAggregate, StatefulSettings, plan_stateful};
+use crate::operators::aggregate_state::AggregateState;
+use crate::operators::is_data_error;
+use crate::operators::state_store::{StateLog, StateWrite};
+pub use crate::operators::{FailedRow, QueryOutput};
 use crate::sink::{OutputMode, OutputTables};
 use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION};
-use crate::state_store::{StateLog, StateWrite};
-use crate::stateful_aggregate::{StateSize, StatefulAggregate, StatefulSettings, plan_stateful};
-
-/// A row on which the query failed, with the error.
-#[derive(Debug)]
-pub struct FailedRow {
-    /// The source table the row came from.
-    pub source: String,
-    /// The row, as a one-row batch of that source's schema.
-    pub row: RecordBatch,
-    /// What DataFusion said.
-    pub error: String,
-}
-
-/// Output of one execution, after isolating failing rows.
-#[derive(Debug, Default)]
-pub struct QueryOutput {
-    /// Output rows.
-    pub batches: Vec<RecordBatch>,
-    /// Input rows on which the query failed.
-    pub failed: Vec<FailedRow>,
-}
 
 /// How the query is planned, besides its SQL and source schemas.
 #[derive(Debug, Clone, Default)]
@@ -408,7 +388,7 @@ impl StreamingQuery {
     }
 
     /// Restores the state from the files a committed manifest lists (nothing for a stateless
-    /// query); see [`crate::state_store`].
+    /// query); see [`crate::operators::state_store`].
     ///
     /// # Errors
     /// If a listed file is missing or unreadable.
@@ -477,7 +457,7 @@ impl StreamingQuery {
 
     /// Runs one batch: a stateless query over the rows; a stateful one merges the rows of open
     /// windows (under `watermark.before`) into its state and emits what its output mode says
-    /// under `watermark.after` (see [`crate::stateful_aggregate`]). Rows on which the query fails are found by splitting the
+    /// under `watermark.after` (see [`crate::operators::aggregate`]). Rows on which the query fails are found by splitting the
     /// input, returned as failed, and the rest proceeds.
     ///
     /// # Errors
@@ -694,65 +674,6 @@ impl SourceTables {
     }
 }
 
-/// Whether `error` comes from the values of the rows — a failing CAST, a division by zero, an
-/// overflow, an invalid argument — the only kind of error that may make a row a dead letter.
-/// Running out of memory, I/O, planning and internal errors are not about a row: they fail the
-/// batch, so that a rerun cannot isolate different rows than the first run did.
-pub(crate) fn is_data_error(error: &Error) -> bool {
-    match error {
-        Error::DataFusion(e) => datafusion_data_error(e),
-        Error::Arrow(e) => arrow_data_error(e),
-        _ => false,
-    }
-}
-
-fn datafusion_data_error(error: &DataFusionError) -> bool {
-    match error {
-        DataFusionError::ArrowError(e, _) => arrow_data_error(e),
-        DataFusionError::Execution(_) => true,
-        DataFusionError::Context(_, inner) | DataFusionError::Diagnostic(_, inner) => {
-            datafusion_data_error(inner)
-        }
-        DataFusionError::Shared(inner) => datafusion_data_error(inner),
-        DataFusionError::Collection(all) => {
-            !all.is_empty() && all.iter().all(datafusion_data_error)
-        }
-        DataFusionError::External(e) => {
-            if let Some(inner) = e.downcast_ref::<DataFusionError>() {
-                datafusion_data_error(inner)
-            } else if let Some(inner) = e.downcast_ref::<ArrowError>() {
-                arrow_data_error(inner)
-            } else {
-                false
-            }
-        }
-        _ => false,
-    }
-}
-
-fn arrow_data_error(error: &ArrowError) -> bool {
-    match error {
-        ArrowError::CastError(_)
-        | ArrowError::ComputeError(_)
-        | ArrowError::DivideByZero
-        | ArrowError::ArithmeticOverflow(_)
-        | ArrowError::InvalidArgumentError(_)
-        | ArrowError::ParseError(_)
-        | ArrowError::JsonError(_)
-        | ArrowError::CsvError(_) => true,
-        ArrowError::ExternalError(e) => {
-            if let Some(inner) = e.downcast_ref::<DataFusionError>() {
-                datafusion_data_error(inner)
-            } else if let Some(inner) = e.downcast_ref::<ArrowError>() {
-                arrow_data_error(inner)
-            } else {
-                false
-            }
-        }
-        _ => false,
-    }
-}
-
 /// Update mode's upsert key: the configured `key`, else the aggregate's group columns; every key
 /// column must be in the output.
 fn merge_key(
@@ -795,34 +716,6 @@ fn merge_key(
     Ok(key)
 }
 
-/// The first node that makes the plan's result depend on how the input is split into batches
-/// (an aggregate, join, sort, limit, distinct, window function), as text; `None` if there is
-/// none.
-pub(crate) fn stateful_node(plan: &LogicalPlan) -> Option<String> {
-    let mut problem = None;
-    // The visitor never fails.
-    let _ = plan.apply(|node| {
-        let allowed = matches!(
-            node,
-            LogicalPlan::Projection(_)
-                | LogicalPlan::Filter(_)
-                | LogicalPlan::TableScan(_)
-                | LogicalPlan::SubqueryAlias(_)
-                | LogicalPlan::Union(_)
-                | LogicalPlan::Unnest(_)
-                | LogicalPlan::EmptyRelation(_)
-                | LogicalPlan::Values(_)
-        );
-        if allowed {
-            Ok(TreeNodeRecursion::Continue)
-        } else {
-            problem = Some(node.display().to_string());
-            Ok(TreeNodeRecursion::Stop)
-        }
-    });
-    problem
-}
-
 /// Adds the lineage columns to every projection whose input has them and whose output lacks them.
 fn carry_lineage(plan: LogicalPlan) -> Result<LogicalPlan> {
     let rewritten = plan.transform_up(|node| {
@@ -863,6 +756,7 @@ mod tests {
     use super::*;
     use arrow::array::{Int64Array, StringArray};
     use arrow::datatypes::{DataType, Field, Schema};
+    use datafusion::error::DataFusionError;
 
     fn lineage() -> QuerySettings {
         QuerySettings {

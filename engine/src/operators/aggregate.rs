@@ -19,7 +19,7 @@
 //! ```
 //!
 //! Each batch, the rows of windows still open under the watermark in force are aggregated into
-//! partial states (DataFusion's own, see [`crate::aggregate_state`]) and merged into the state:
+//! partial states (DataFusion's own, see [`super::aggregate_state`]) and merged into the state:
 //! one row per (window, group). Rows of windows already closed are late (see [`crate::late`])
 //! and left out. What is emitted depends on the output mode:
 //!
@@ -57,15 +57,15 @@ use datafusion::functions_aggregate::expr_fn::max;
 use datafusion::logical_expr::{Aggregate, Expr, LogicalPlan, LogicalPlanBuilder, lit};
 use datafusion::prelude::SessionContext;
 
-use crate::aggregate_state::AggregateState;
+use super::aggregate_state::AggregateState;
+use super::group_table::GroupTable;
+use super::state_store::{StateLog, StateWrite};
+use super::{FailedRow, QueryOutput, is_data_error};
 use crate::error::{Error, Result};
-use crate::group_table::GroupTable;
 use crate::late::Lateness;
 use crate::offsets::BatchId;
-use crate::query::{FailedRow, QueryOutput, is_data_error};
 use crate::sink::OutputMode;
 use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_POSITION};
-use crate::state_store::{StateLog, StateWrite};
 use crate::window::{WINDOW_END, WINDOW_START, WindowKind, WindowUse};
 
 /// The table the upper part reads the finished groups from.
@@ -189,14 +189,14 @@ pub(crate) async fn plan_stateful(
     uses: &[WindowUse],
     settings: StatefulSettings<'_>,
 ) -> Result<Option<StatefulAggregate>> {
-    if crate::query::stateful_node(plan).is_none() {
+    if super::stateful_node(plan).is_none() {
         return Ok(None);
     }
     // The aggregates whose input needs no state: the candidates.
     let mut aggregates: Vec<LogicalPlan> = Vec::new();
     let _ = plan.apply(|node| {
         if let LogicalPlan::Aggregate(a) = node
-            && crate::query::stateful_node(&a.input).is_none()
+            && super::stateful_node(&a.input).is_none()
             && !aggregates.contains(node)
         {
             aggregates.push(node.clone());
@@ -205,7 +205,7 @@ pub(crate) async fn plan_stateful(
     });
     let original = match aggregates.as_slice() {
         [] => {
-            let node = crate::query::stateful_node(plan).unwrap_or_default();
+            let node = super::stateful_node(plan).unwrap_or_default();
             return Err(Error::UnsupportedQuery(format!(
                 "`{node}` needs state across batches; streaming jobs run SELECT with expressions, \
                  WHERE, UNION ALL, UNNEST, and one aggregate (over tumble/hop windows, or a \
@@ -638,7 +638,7 @@ impl StatefulAggregate {
     }
 
     /// Merges a batch's partial states into the state: only the groups the batch touches are
-    /// taken out, merged with their partial rows and put back (see [`crate::group_table`]) —
+    /// taken out, merged with their partial rows and put back (see [`super::group_table`]) —
     /// unless the batch has at least as many partial rows as the state has groups, when the
     /// whole state is merged with them (a lookup per group would cost more).
     /// Sessions merge with every overlapping session of their key, so they are merged with the

@@ -1,0 +1,139 @@
+//! The stateful operators of a query: the parts that keep state between batches.
+//!
+//! A streaming query is planned into a stateless part (expressions, filters, unions: each
+//! batch's output depends on its rows only; see [`crate::query`]) and the operators here, each
+//! of which holds state that the next batch needs. Every operator's state lives in immutable
+//! Parquet files under the checkpoint ([`state_store`]), listed in the batch manifest and made
+//! live by the same Delta commit as the batch's output and offsets, and is bounded by its own
+//! purge rule (the watermark passing a window's end plus the allowed lateness, or `state_ttl`).
+//!
+//! - [`aggregate`] — `StatefulAggregate`: a windowed (`tumble`, `hop`, `session`) or running
+//!   aggregate; how a query is split at it, what it emits in append and update mode.
+//! - [`aggregate_state`] — `AggregateState`: DataFusion's own accumulator states as the
+//!   aggregate's state (partial → merge → final), so any aggregate, a UDAF included, restores.
+//! - `group_table` — `GroupTable`: the aggregate's state in memory, one row per live group.
+//! - [`state_store`] — `StateLog`: state files (a base snapshot plus per-batch deltas),
+//!   compacted and garbage-collected up to the committed batch.
+//!
+//! This module depends on nothing of the query planner: the types an operator's execution
+//! yields ([`QueryOutput`], [`FailedRow`]) are defined here and used by [`crate::query`].
+
+use arrow::array::RecordBatch;
+use arrow::error::ArrowError;
+use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
+use datafusion::error::DataFusionError;
+use datafusion::logical_expr::LogicalPlan;
+
+use crate::error::Error;
+
+pub mod aggregate;
+pub mod aggregate_state;
+mod group_table;
+pub mod state_store;
+
+/// A row on which the query failed, with the error.
+#[derive(Debug)]
+pub struct FailedRow {
+    /// The source table the row came from.
+    pub source: String,
+    /// The row, as a one-row batch of that source's schema.
+    pub row: RecordBatch,
+    /// What DataFusion said.
+    pub error: String,
+}
+
+/// Output of one execution, after isolating failing rows.
+#[derive(Debug, Default)]
+pub struct QueryOutput {
+    /// Output rows.
+    pub batches: Vec<RecordBatch>,
+    /// Input rows on which the query failed.
+    pub failed: Vec<FailedRow>,
+}
+
+/// Whether `error` comes from the values of the rows — a failing CAST, a division by zero, an
+/// overflow, an invalid argument — the only kind of error that may make a row a dead letter.
+/// Running out of memory, I/O, planning and internal errors are not about a row: they fail the
+/// batch, so that a rerun cannot isolate different rows than the first run did.
+pub(crate) fn is_data_error(error: &Error) -> bool {
+    match error {
+        Error::DataFusion(e) => datafusion_data_error(e),
+        Error::Arrow(e) => arrow_data_error(e),
+        _ => false,
+    }
+}
+
+fn datafusion_data_error(error: &DataFusionError) -> bool {
+    match error {
+        DataFusionError::ArrowError(e, _) => arrow_data_error(e),
+        DataFusionError::Execution(_) => true,
+        DataFusionError::Context(_, inner) | DataFusionError::Diagnostic(_, inner) => {
+            datafusion_data_error(inner)
+        }
+        DataFusionError::Shared(inner) => datafusion_data_error(inner),
+        DataFusionError::Collection(all) => {
+            !all.is_empty() && all.iter().all(datafusion_data_error)
+        }
+        DataFusionError::External(e) => {
+            if let Some(inner) = e.downcast_ref::<DataFusionError>() {
+                datafusion_data_error(inner)
+            } else if let Some(inner) = e.downcast_ref::<ArrowError>() {
+                arrow_data_error(inner)
+            } else {
+                false
+            }
+        }
+        _ => false,
+    }
+}
+
+fn arrow_data_error(error: &ArrowError) -> bool {
+    match error {
+        ArrowError::CastError(_)
+        | ArrowError::ComputeError(_)
+        | ArrowError::DivideByZero
+        | ArrowError::ArithmeticOverflow(_)
+        | ArrowError::InvalidArgumentError(_)
+        | ArrowError::ParseError(_)
+        | ArrowError::JsonError(_)
+        | ArrowError::CsvError(_) => true,
+        ArrowError::ExternalError(e) => {
+            if let Some(inner) = e.downcast_ref::<DataFusionError>() {
+                datafusion_data_error(inner)
+            } else if let Some(inner) = e.downcast_ref::<ArrowError>() {
+                arrow_data_error(inner)
+            } else {
+                false
+            }
+        }
+        _ => false,
+    }
+}
+
+/// The first node that makes the plan's result depend on how the input is split into batches
+/// (an aggregate, join, sort, limit, distinct, window function), as text; `None` if there is
+/// none.
+pub(crate) fn stateful_node(plan: &LogicalPlan) -> Option<String> {
+    let mut problem = None;
+    // The visitor never fails.
+    let _ = plan.apply(|node| {
+        let allowed = matches!(
+            node,
+            LogicalPlan::Projection(_)
+                | LogicalPlan::Filter(_)
+                | LogicalPlan::TableScan(_)
+                | LogicalPlan::SubqueryAlias(_)
+                | LogicalPlan::Union(_)
+                | LogicalPlan::Unnest(_)
+                | LogicalPlan::EmptyRelation(_)
+                | LogicalPlan::Values(_)
+        );
+        if allowed {
+            Ok(TreeNodeRecursion::Continue)
+        } else {
+            problem = Some(node.display().to_string());
+            Ok(TreeNodeRecursion::Stop)
+        }
+    });
+    problem
+}
