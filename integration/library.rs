@@ -423,6 +423,19 @@ async fn a_dataframe_query_with_user_functions_runs_backfills_and_reconciles() {
         )
         .await
         .unwrap();
+    // It committed its own replacement: every window the events of the files holding the
+    // period fall into, the period's three among them.
+    assert!(
+        !report.already_committed && report.files_written > 0,
+        "{report:?}"
+    );
+    let replaced = report.windows.as_ref().expect("a windowed backfill");
+    for m in 2..5 {
+        assert!(
+            replaced.values.contains(&(base + m * minute)),
+            "{replaced:?}"
+        );
+    }
     assert!(report.rows_out > 0, "{report:?}");
     assert_eq!(normalized(&window_rows(&out).await), normalized(&expected));
 
@@ -559,11 +572,18 @@ async fn a_binary_of_ones_own_runs_job_files_calling_its_functions() {
             .count(),
         3
     );
-    // A sink that cannot replace rows cannot be backfilled: refused before anything is read.
+    // A sink that cannot replace rows cannot be backfilled: refused before anything is read
+    // (the source's endpoint is a closed port here, so a read would fail differently).
+    let unreachable = dir.path().join("unreachable.toml");
+    let text = std::fs::read_to_string(&to_files)
+        .unwrap()
+        .replace(&url, "http://127.0.0.1:9/clicks");
+    assert!(text.contains("127.0.0.1:9/"), "{text}");
+    std::fs::write(&unreachable, text).unwrap();
     assert_fails_saying(
         &own(&[
             "backfill",
-            to_files.to_str().unwrap(),
+            unreachable.to_str().unwrap(),
             "--from",
             "earliest",
             "--to",

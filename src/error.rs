@@ -59,7 +59,7 @@ pub enum Error {
     },
     /// A built-in source refused its configuration or failed outside a job run.
     #[error("{0}")]
-    Connector(#[from] ConnectorError),
+    Connector(#[source] ConnectorError),
     /// A built-in sink refused its configuration or failed outside a job run (e.g. reading a
     /// table).
     #[error("{0}")]
@@ -72,8 +72,21 @@ pub enum Error {
 
 impl From<SinkError> for Error {
     fn from(e: SinkError) -> Self {
-        // Boxed: delta-rs's errors are large, and every `Result` of the API carries the size.
-        Error::Sink(Box::new(e))
+        match e {
+            // The engine's error (a location refused) is the engine's, wherever it surfaced.
+            SinkError::Engine(inner) => Error::Engine(inner),
+            // Boxed: delta-rs's errors are large, and every `Result` of the API carries the size.
+            other => Error::Sink(Box::new(other)),
+        }
+    }
+}
+
+impl From<ConnectorError> for Error {
+    fn from(e: ConnectorError) -> Self {
+        match e {
+            ConnectorError::Engine(inner) => Error::Engine(inner),
+            other => Error::Connector(other),
+        }
     }
 }
 

@@ -89,8 +89,8 @@ pub enum ConnectorError {
     /// Arrow failed.
     #[error("arrow: {0}")]
     Arrow(#[from] arrow::error::ArrowError),
-    /// The engine failed (checkpoint access).
-    #[error(transparent)]
+    /// The engine failed (checkpoint access, a location refused).
+    #[error("{0}")]
     Engine(#[from] sluice_engine::Error),
 }
 

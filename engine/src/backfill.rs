@@ -207,7 +207,9 @@ impl Job {
     pub async fn backfill(self, range: BackfillRange, dry_run: bool) -> Result<BackfillReport> {
         let started = Instant::now();
         if !self.sink.can_replace() {
-            return Err(crate::sink::cannot_replace(self.sink.location()));
+            return Err(Error::CannotReplace {
+                location: self.sink.location().to_string(),
+            });
         }
         let checkpoint = checkpoint_location(&self)?;
         let settings = query_settings(&self);

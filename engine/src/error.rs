@@ -7,7 +7,9 @@
 //! Errors are typed all the way down: a source's or a sink's own error type travels inside
 //! [`Error::Source`] and [`Error::Sink`] as the error's source, so a caller finds it with
 //! [`Error::find`] (e.g. the Kafka source's `ConnectorError::DataLoss`) instead of parsing text.
-//! Every message includes its cause's, so the top error's `to_string()` says it all.
+//! Every message includes its cause's, so the top error's `to_string()` says it all: print an
+//! error with `{}`. (A reporter that also walks `source()` — anyhow's `{:#}` — repeats the
+//! causes; the `sluice` command line prints the chain with each text once.)
 
 use crate::offsets::BatchId;
 
@@ -184,6 +186,29 @@ pub enum Error {
         fraction: f64,
         /// The three most common reasons with their counts.
         reasons: String,
+    },
+    /// A backfill of a job whose sink cannot replace rows ([`crate::Sink::can_replace`]).
+    #[error(
+        "the sink writing to {location} cannot replace rows, so the job cannot be backfilled: \
+         backfill replaces what its range covers in one commit, which needs a sink that can \
+         (delta); nothing was read or written"
+    )]
+    CannotReplace {
+        /// The sink's location.
+        location: String,
+    },
+    /// A location on a store this build does not have (a cargo feature of the `sluice` crate).
+    #[error(
+        "location {location} is not supported: Sluice was built without its `{feature}` feature \
+         (this build reads and writes local paths and {schemes} URLs)"
+    )]
+    StoreNotBuilt {
+        /// The location.
+        location: String,
+        /// The feature that builds its store: `s3`, `gcs` or `azure`.
+        feature: String,
+        /// The URL schemes this build has, as `file://, s3://, …`.
+        schemes: String,
     },
     /// A source failed; the message names the source and what it was reading.
     #[error("source '{source_name}': {source}")]

@@ -212,19 +212,26 @@ pub trait Sink: Send + Sync {
     async fn commit(&self, batch: BatchCommit) -> Result<CommitOutcome>;
 
     /// Whether the sink implements [`Sink::replace`], which a backfill needs: a backfill of a
-    /// job whose sink cannot replace is refused before anything is read. Default: no.
-    fn can_replace(&self) -> bool {
-        false
-    }
+    /// job whose sink cannot replace is refused before anything is read. (No default: a sink
+    /// says what it can do.)
+    fn can_replace(&self) -> bool;
 
     /// Replaces, in one commit per table, every row the replacement's ranges produced with its
     /// recomputed rows (output first — the dead letters are known once its rows have been read
     /// — then the dead-letter and late tables). Retries when a concurrent writer (the live job)
     /// committed in between; returns [`CommitOutcome::AlreadyCommitted`] if the output table
     /// already holds `txn(app_id, 0)`. A sink that implements it says so in
-    /// [`Sink::can_replace`]; the default refuses.
+    /// [`Sink::can_replace`]; the default, for sinks that cannot, is an error (a backfill never
+    /// calls it for them).
     async fn replace(&self, _replacement: Replacement) -> Result<CommitOutcome> {
-        Err(cannot_replace(self.location()))
+        Err(Error::Sink(
+            format!(
+                "the sink writing to {} was asked to replace rows, which it cannot \
+                 (can_replace is false)",
+                self.location()
+            )
+            .into(),
+        ))
     }
 
     /// The last batch `job_id` committed, read from the output table without writing or
@@ -308,13 +315,4 @@ pub fn row_groups(batches: &[RecordBatch], rows: usize) -> Vec<Vec<RecordBatch>>
         }
     }
     groups
-}
-
-/// The refusal of a backfill whose sink cannot replace rows.
-pub(crate) fn cannot_replace(location: &Url) -> Error {
-    Error::InvalidJob(format!(
-        "the sink writing to {location} cannot replace rows, so the job cannot be backfilled: \
-         backfill replaces what its range covers in one commit, which needs a sink that can \
-         (delta); nothing was read or written"
-    ))
 }

@@ -164,18 +164,16 @@ pub fn open_store(url: &Url, options: &StorageOptions) -> Result<(Arc<dyn Object
         Error::InvalidJob(format!(
             "location {url} is not supported: {e} (this build reads and writes local paths and \
              {} URLs)",
-            supported_schemes()
-                .iter()
-                .map(|s| format!("{s}://"))
-                .collect::<Vec<_>>()
-                .join(", ")
+            schemes_in_words()
         ))
     };
     if let Some((_, feature)) = CLOUD_FEATURES.iter().find(|(s, _)| *s == url.scheme()) {
         if !supported_schemes().contains(&url.scheme()) {
-            return Err(unsupported(&format!(
-                "Sluice was built without its `{feature}` feature"
-            )));
+            return Err(Error::StoreNotBuilt {
+                location: url.to_string(),
+                feature: feature.to_string(),
+                schemes: schemes_in_words(),
+            });
         }
     } else if !supported_schemes().contains(&url.scheme()) {
         return Err(unsupported(&format!("scheme '{}'", url.scheme())));
@@ -200,7 +198,7 @@ pub fn open_store(url: &Url, options: &StorageOptions) -> Result<(Arc<dyn Object
              azure_storage_account_name)"
         ))
     };
-    let store: Arc<dyn ObjectStore> = match scheme {
+    match scheme {
         ObjectStoreScheme::Local | ObjectStoreScheme::Memory => {
             if let Some(key) = options.options.keys().next() {
                 return Err(Error::InvalidJob(format!(
@@ -209,7 +207,7 @@ pub fn open_store(url: &Url, options: &StorageOptions) -> Result<(Arc<dyn Object
                 )));
             }
             let (store, _) = object_store::parse_url(url).map_err(|e| unsupported(&e))?;
-            return Ok((Arc::from(store), path));
+            Ok((Arc::from(store), path))
         }
         #[cfg(feature = "s3")]
         ObjectStoreScheme::AmazonS3 => {
@@ -219,12 +217,11 @@ pub fn open_store(url: &Url, options: &StorageOptions) -> Result<(Arc<dyn Object
                 let key: AmazonS3ConfigKey = key.parse().map_err(|_| unknown_key(key, "S3"))?;
                 builder = builder.with_config(key, value);
             }
-            Arc::new(
-                builder
-                    .with_retry(retry_config(options.unavailable_timeout))
-                    .build()
-                    .map_err(invalid)?,
-            )
+            let store = builder
+                .with_retry(retry_config(options.unavailable_timeout))
+                .build()
+                .map_err(invalid)?;
+            Ok((patient(Arc::new(store), url, options), path))
         }
         #[cfg(feature = "gcs")]
         ObjectStoreScheme::GoogleCloudStorage => {
@@ -234,12 +231,11 @@ pub fn open_store(url: &Url, options: &StorageOptions) -> Result<(Arc<dyn Object
                 let key: GoogleConfigKey = key.parse().map_err(|_| unknown_key(key, "GCS"))?;
                 builder = builder.with_config(key, value);
             }
-            Arc::new(
-                builder
-                    .with_retry(retry_config(options.unavailable_timeout))
-                    .build()
-                    .map_err(invalid)?,
-            )
+            let store = builder
+                .with_retry(retry_config(options.unavailable_timeout))
+                .build()
+                .map_err(invalid)?;
+            Ok((patient(Arc::new(store), url, options), path))
         }
         #[cfg(feature = "azure")]
         ObjectStoreScheme::MicrosoftAzure => {
@@ -249,23 +245,40 @@ pub fn open_store(url: &Url, options: &StorageOptions) -> Result<(Arc<dyn Object
                 let key: AzureConfigKey = key.parse().map_err(|_| unknown_key(key, "Azure"))?;
                 builder = builder.with_config(key, value);
             }
-            Arc::new(
-                builder
-                    .with_retry(retry_config(options.unavailable_timeout))
-                    .build()
-                    .map_err(invalid)?,
-            )
+            let store = builder
+                .with_retry(retry_config(options.unavailable_timeout))
+                .build()
+                .map_err(invalid)?;
+            Ok((patient(Arc::new(store), url, options), path))
         }
-        other => return Err(unsupported(&format!("{other:?} is not built in"))),
-    };
-    Ok((
-        Arc::new(PatientStore {
-            inner: store,
-            url: url.clone(),
-            timeout: options.unavailable_timeout,
-        }),
-        path,
-    ))
+        other => Err(unsupported(&format!("{other:?} is not built in"))),
+    }
+}
+
+/// A cloud store wrapped in a [`PatientStore`].
+#[cfg_attr(
+    not(any(feature = "s3", feature = "gcs", feature = "azure")),
+    allow(dead_code)
+)]
+fn patient(
+    inner: Arc<dyn ObjectStore>,
+    url: &Url,
+    options: &StorageOptions,
+) -> Arc<dyn ObjectStore> {
+    Arc::new(PatientStore {
+        inner,
+        url: url.clone(),
+        timeout: options.unavailable_timeout,
+    })
+}
+
+/// The schemes of this build as `file://, memory://, s3://, …`, for messages.
+fn schemes_in_words() -> String {
+    supported_schemes()
+        .iter()
+        .map(|s| format!("{s}://"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// The URL schemes of the cloud stores, with the cargo feature that builds each.
@@ -300,10 +313,7 @@ pub fn supported_schemes() -> Vec<&'static str> {
 /// defaults (10 retries within 3 min), never past `unavailable`. They also cover what
 /// [`PatientStore`] cannot retry whole: the parts and the completion of a multipart upload (a
 /// data file above 5 MiB); [`PatientStore`] waits longer for everything else.
-#[cfg_attr(
-    not(any(feature = "s3", feature = "gcs", feature = "azure")),
-    allow(dead_code)
-)]
+#[cfg(any(feature = "s3", feature = "gcs", feature = "azure"))]
 fn retry_config(unavailable: Duration) -> object_store::RetryConfig {
     let default = object_store::RetryConfig::default();
     object_store::RetryConfig {
@@ -418,6 +428,8 @@ pub fn is_transient(error: &object_store::Error) -> bool {
         if e.is::<Retry>() {
             return true;
         }
+        // object_store's HTTP client exists in builds with a cloud store.
+        #[cfg(any(feature = "s3", feature = "gcs", feature = "azure"))]
         if e.is::<object_store::client::HttpError>() {
             return true;
         }

@@ -17,8 +17,8 @@
 //!   they never opened, so the read methods work from the location alone (every marker in
 //!   `_commits/`, whichever job wrote it: the folder is the table);
 //! - **what it cannot do, it refuses**: update mode (no MERGE over Parquet files) when the job
-//!   starts; it does not implement `replace` (so `can_replace` stays false), and a backfill is
-//!   refused before it reads anything.
+//!   starts; it cannot replace rows (`can_replace` is false), so a backfill of its job is refused
+//!   before it reads anything.
 
 // Each program including this file uses a part of it.
 #![allow(dead_code)]
@@ -237,6 +237,11 @@ impl Sink for ParquetFilesSink {
             }
             Err(e) => Err(e.into()),
         }
+    }
+
+    fn can_replace(&self) -> bool {
+        // No replacement of rows over Parquet files and markers: a backfill is refused.
+        false
     }
 
     async fn committed_batch(&self, job_id: &str) -> Result<Option<BatchId>> {

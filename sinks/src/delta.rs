@@ -1813,8 +1813,11 @@ impl deltalake::logstore::ObjectStoreFactory for SluiceStores {
         url: &Url,
         config: &deltalake::logstore::StorageConfig,
     ) -> deltalake::DeltaResult<(deltalake::logstore::ObjectStoreRef, deltalake::Path)> {
-        open_store(url, &StorageOptions::from_map(&config.raw))
-            .map_err(|e| deltalake::DeltaTableError::Generic(e.to_string()))
+        open_store(url, &StorageOptions::from_map(&config.raw)).map_err(|e| {
+            deltalake::DeltaTableError::GenericError {
+                source: Box::new(e),
+            }
+        })
     }
 }
 

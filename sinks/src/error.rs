@@ -44,7 +44,7 @@ pub enum SinkError {
     #[error("io: {0}")]
     Io(#[from] std::io::Error),
     /// The engine refused an input (a location).
-    #[error(transparent)]
+    #[error("{0}")]
     Engine(#[from] sluice_engine::Error),
 }
 
