@@ -81,7 +81,22 @@ fn validate_prints_the_plan_and_writes_nothing() {
     assert!(stdout.contains("job validate_me is valid"), "{stdout}");
     assert!(stdout.contains("Projection"), "{stdout}");
     assert!(stdout.contains("_source_offset"), "{stdout}");
+    assert!(stdout.contains("state: none (stateless"), "{stdout}");
     assert!(!out.exists(), "validate must not write");
+
+    // A windowed job: its operator, state key and purge rule.
+    let windowed = crate::support::repo_root().join("examples/clicks_per_minute.toml");
+    let run = run_sluice(&["validate", windowed.to_str().unwrap()], &[]);
+    assert_ok(&run);
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    for line in [
+        "0-aggregate  windowed aggregate over tumble(1m, clicks.ts)",
+        "state key: window_start, window_end, page",
+        "purge: a window leaves when the watermark passes its end + allowed lateness (30s)",
+        "emits: each window once, when it closes",
+    ] {
+        assert!(stdout.contains(line), "missing `{line}` in:\n{stdout}");
+    }
 }
 
 #[test]

@@ -397,6 +397,17 @@ async fn validate(path: PathBuf, registry: &Registry) -> Result<()> {
     for f in validation.output.fields() {
         println!("  {} {}", f.name(), f.data_type());
     }
+    if validation.operators.is_empty() {
+        println!("\nstate: none (stateless: each batch's output depends on its rows only)");
+    } else {
+        println!("\nstateful operators (state carried between batches, bounded by its purge):");
+        for op in &validation.operators {
+            println!("  {}  {}", op.id, op.what);
+            println!("    state key: {}", op.state_key.join(", "));
+            println!("    purge: {}", op.purge);
+            println!("    emits: {}", op.emits);
+        }
+    }
     println!("\nplan:\n{}", validation.plan);
     Ok(())
 }

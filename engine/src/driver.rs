@@ -122,6 +122,8 @@ pub struct Validation {
     pub output: SchemaRef,
     /// The optimised logical plan.
     pub plan: String,
+    /// The stateful operators, in chain order (empty: a stateless query).
+    pub operators: Vec<crate::operators::OperatorDescription>,
 }
 
 impl Job {
@@ -182,6 +184,7 @@ impl Job {
                 .collect(),
             output: query.output_schema(),
             plan: query.display_plan()?,
+            operators: query.operators(),
         })
     }
 }

@@ -353,6 +353,11 @@ impl StreamingQuery {
         self.stateful.is_some()
     }
 
+    /// The query's stateful operators in chain order (empty for a stateless query).
+    pub fn operators(&self) -> Vec<crate::operators::OperatorDescription> {
+        self.stateful.iter().map(|s| s.describe(0)).collect()
+    }
+
     /// The optimised logical plan, for `sluice validate`.
     pub fn display_plan(&self) -> Result<String> {
         let optimized = self.tables.ctx.state().optimize(&self.plan)?;

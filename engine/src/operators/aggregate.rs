@@ -174,6 +174,75 @@ impl std::fmt::Debug for StatefulAggregate {
     }
 }
 
+impl StatefulAggregate {
+    /// The aggregate as the `position`-th operator of the query's chain.
+    pub(crate) fn describe(&self, position: usize) -> super::OperatorDescription {
+        let micros = |us: i64| {
+            humantime::format_duration(std::time::Duration::from_micros(us.max(0) as u64))
+                .to_string()
+        };
+        let state_key = self
+            .operator
+            .state_schema()
+            .fields()
+            .iter()
+            .take(self.group_count)
+            .map(|f| f.name().clone())
+            .collect();
+        let (what, purge) = match &self.grouping {
+            Grouping::Window {
+                window, lateness, ..
+            } => {
+                let call = match window.kind {
+                    WindowKind::Tumble { size } => format!("tumble({}", micros(size)),
+                    WindowKind::Hop { slide, size } => {
+                        format!("hop({} every {}", micros(size), micros(slide))
+                    }
+                    WindowKind::Session { gap } => format!("session(gap {}", micros(gap)),
+                };
+                let end = if matches!(window.kind, WindowKind::Session { .. }) {
+                    "its end (its last event + the gap)"
+                } else {
+                    "its end"
+                };
+                (
+                    format!(
+                        "windowed aggregate over {call}, {}.{})",
+                        window.source, window.time_column
+                    ),
+                    format!(
+                        "a window leaves when the watermark passes {end} + allowed lateness ({})",
+                        micros(lateness.allowed_lateness)
+                    ),
+                )
+            }
+            Grouping::Running { ttl } => (
+                format!("running aggregate over {}", self.source),
+                format!(
+                    "a group leaves when the watermark is state_ttl ({}) past its newest event",
+                    micros(*ttl)
+                ),
+            ),
+        };
+        let emits = match (self.mode, &self.grouping) {
+            (OutputMode::Append, _) => "each window once, when it closes".to_string(),
+            (OutputMode::Update, Grouping::Window { .. }) => {
+                "every window and group a batch changed (upserted)".to_string()
+            }
+            (OutputMode::Update, Grouping::Running { .. }) => {
+                "every group a batch changed (upserted)".to_string()
+            }
+        };
+        super::OperatorDescription {
+            id: format!("{position}-aggregate"),
+            what,
+            state_key,
+            purge,
+            emits,
+        }
+    }
+}
+
 /// The rows `rows` of `batch`.
 fn take_rows(batch: &RecordBatch, rows: &[u32]) -> Result<RecordBatch> {
     Ok(arrow::compute::take_record_batch(
@@ -1525,6 +1594,56 @@ mod tests {
                 ("2024-05-01T00:02:00Z".into(), "k0".into(), "1".into()),
             ]
         );
+    }
+
+    /// `sluice validate`'s view of the operator: its state key, purge rule and emissions, for a
+    /// windowed aggregate in append mode and a running aggregate in update mode.
+    #[tokio::test]
+    async fn the_operator_describes_its_state_key_and_purge_rule() {
+        let sources = [("t".to_string(), schema())];
+        let windowed = StreamingQuery::plan(
+            "SELECT window_start, k, count(*) AS c FROM hop(t, ts, INTERVAL '10' SECOND, \
+             INTERVAL '1' MINUTE) GROUP BY window_start, window_end, k",
+            &sources,
+            &settings(Duration::from_secs(30)),
+        )
+        .await
+        .unwrap();
+        let [op] = windowed.operators().try_into().unwrap();
+        assert_eq!(op.id, "0-aggregate");
+        assert_eq!(op.what, "windowed aggregate over hop(1m every 10s, t.ts)");
+        assert_eq!(op.state_key, ["window_start", "window_end", "k"]);
+        assert_eq!(
+            op.purge,
+            "a window leaves when the watermark passes its end + allowed lateness (30s)"
+        );
+        assert_eq!(op.emits, "each window once, when it closes");
+
+        let running = StreamingQuery::plan(
+            "SELECT k, sum(n) AS total FROM t GROUP BY k",
+            &sources,
+            &QuerySettings {
+                output_mode: OutputMode::Update,
+                state_ttl: Some(Duration::from_secs(3600)),
+                ..settings(Duration::ZERO)
+            },
+        )
+        .await
+        .unwrap();
+        let [op] = running.operators().try_into().unwrap();
+        assert_eq!(op.what, "running aggregate over t");
+        assert_eq!(op.state_key, ["k"]);
+        assert_eq!(
+            op.purge,
+            "a group leaves when the watermark is state_ttl (1h) past its newest event"
+        );
+        assert_eq!(op.emits, "every group a batch changed (upserted)");
+
+        let stateless =
+            StreamingQuery::plan("SELECT k FROM t", &sources, &settings(Duration::ZERO))
+                .await
+                .unwrap();
+        assert!(stateless.operators().is_empty());
     }
 
     /// Runs `sql` over `events` as one batch whose watermark closes every window before the

@@ -31,6 +31,22 @@ pub mod aggregate_state;
 mod group_table;
 pub mod state_store;
 
+/// A stateful operator as `sluice validate` shows it: what its state is keyed by, when a state
+/// row leaves (its purge rule, which bounds the state) and what it emits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OperatorDescription {
+    /// Its id: position in the chain and kind, e.g. `0-aggregate`.
+    pub id: String,
+    /// What it computes, e.g. `windowed aggregate over tumble(clicks.ts, 1m)`.
+    pub what: String,
+    /// The columns one state row is keyed by.
+    pub state_key: Vec<String>,
+    /// When a state row leaves the state.
+    pub purge: String,
+    /// What it emits, and when.
+    pub emits: String,
+}
+
 /// A row on which the query failed, with the error.
 #[derive(Debug)]
 pub struct FailedRow {
