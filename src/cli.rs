@@ -146,7 +146,9 @@ enum Command {
     },
     /// Check a job file: parse it, open its sources, plan the SQL and print the plan.
     ///
-    /// Writes nothing.
+    /// Prints each source's schema (inferred ones with how), the output schema, every stateful
+    /// operator (what its state is keyed by, when a state row leaves, what it emits) and the
+    /// optimised plan. Writes nothing.
     Validate {
         /// The job file (TOML).
         job: PathBuf,
