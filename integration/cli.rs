@@ -92,7 +92,7 @@ fn validate_prints_the_plan_and_writes_nothing() {
     for line in [
         "0-aggregate  windowed aggregate over tumble(1m, clicks.ts)",
         "state key: window_start, window_end, page",
-        "purge: a window leaves when the watermark passes its end + allowed lateness (30s)",
+        "purge: a window leaves when the watermark reaches its end + allowed lateness (30s)",
         "emits: each window once, when it closes",
     ] {
         assert!(stdout.contains(line), "missing `{line}` in:\n{stdout}");

@@ -211,7 +211,7 @@ impl StatefulAggregate {
                         window.source, window.time_column
                     ),
                     format!(
-                        "a window leaves when the watermark passes {end} + allowed lateness ({})",
+                        "a window leaves when the watermark reaches {end} + allowed lateness ({})",
                         micros(lateness.allowed_lateness)
                     ),
                 )
@@ -1615,7 +1615,7 @@ mod tests {
         assert_eq!(op.state_key, ["window_start", "window_end", "k"]);
         assert_eq!(
             op.purge,
-            "a window leaves when the watermark passes its end + allowed lateness (30s)"
+            "a window leaves when the watermark reaches its end + allowed lateness (30s)"
         );
         assert_eq!(op.emits, "each window once, when it closes");
 
@@ -1638,6 +1638,39 @@ mod tests {
             "a group leaves when the watermark is state_ttl (1h) past its newest event"
         );
         assert_eq!(op.emits, "every group a batch changed (upserted)");
+
+        let sessions = StreamingQuery::plan(
+            "SELECT window_start, k, count(*) AS c FROM session(t, ts, INTERVAL '10' SECOND) \
+             GROUP BY window_start, window_end, k",
+            &sources,
+            &settings(Duration::ZERO),
+        )
+        .await
+        .unwrap();
+        let [op] = sessions.operators().try_into().unwrap();
+        assert_eq!(op.what, "windowed aggregate over session(gap 10s, t.ts)");
+        assert_eq!(
+            op.purge,
+            "a window leaves when the watermark reaches its end (its last event + the gap) + \
+             allowed lateness (0s)"
+        );
+
+        let upserted = StreamingQuery::plan(
+            "SELECT window_start, window_end, k, count(*) AS c FROM tumble(t, ts, INTERVAL '1' MINUTE) \
+             GROUP BY window_start, window_end, k",
+            &sources,
+            &QuerySettings {
+                output_mode: OutputMode::Update,
+                ..settings(Duration::ZERO)
+            },
+        )
+        .await
+        .unwrap();
+        let [op] = upserted.operators().try_into().unwrap();
+        assert_eq!(
+            op.emits,
+            "every window and group a batch changed (upserted)"
+        );
 
         let stateless =
             StreamingQuery::plan("SELECT k FROM t", &sources, &settings(Duration::ZERO))

@@ -37,7 +37,7 @@ pub mod state_store;
 pub struct OperatorDescription {
     /// Its id: position in the chain and kind, e.g. `0-aggregate`.
     pub id: String,
-    /// What it computes, e.g. `windowed aggregate over tumble(clicks.ts, 1m)`.
+    /// What it computes, e.g. `windowed aggregate over tumble(1m, clicks.ts)`.
     pub what: String,
     /// The columns one state row is keyed by.
     pub state_key: Vec<String>,
