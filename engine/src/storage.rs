@@ -167,16 +167,17 @@ pub fn open_store(url: &Url, options: &StorageOptions) -> Result<(Arc<dyn Object
             schemes_in_words()
         ))
     };
-    if let Some((_, feature)) = CLOUD_FEATURES.iter().find(|(s, _)| *s == url.scheme()) {
-        if !supported_schemes().contains(&url.scheme()) {
-            return Err(Error::StoreNotBuilt {
-                location: url.to_string(),
-                feature: feature.to_string(),
-                schemes: schemes_in_words(),
-            });
-        }
-    } else if !supported_schemes().contains(&url.scheme()) {
-        return Err(unsupported(&format!("scheme '{}'", url.scheme())));
+    if !supported_schemes().contains(&url.scheme()) {
+        return Err(
+            match CLOUD_STORES.iter().find(|s| s.scheme == url.scheme()) {
+                Some(store) => Error::StoreNotBuilt {
+                    location: url.to_string(),
+                    feature: store.feature.to_string(),
+                    schemes: schemes_in_words(),
+                },
+                None => unsupported(&format!("scheme '{}'", url.scheme())),
+            },
+        );
     }
     let (scheme, path) = ObjectStoreScheme::parse(url).map_err(|e| unsupported(&e))?;
     let path = Path::parse(path).map_err(|e| unsupported(&e))?;
@@ -281,32 +282,38 @@ fn schemes_in_words() -> String {
         .join(", ")
 }
 
-/// The URL schemes of the cloud stores, with the cargo feature that builds each.
-const CLOUD_FEATURES: [(&str, &str); 8] = [
-    ("s3", "s3"),
-    ("s3a", "s3"),
-    ("gs", "gcs"),
-    ("az", "azure"),
-    ("abfs", "azure"),
-    ("abfss", "azure"),
-    ("azure", "azure"),
-    ("adl", "azure"),
+/// A URL scheme of a cloud store: the cargo feature that builds its store, and whether this
+/// build has it.
+struct CloudScheme {
+    scheme: &'static str,
+    feature: &'static str,
+    built: bool,
+}
+
+const fn cloud(scheme: &'static str, feature: &'static str, built: bool) -> CloudScheme {
+    CloudScheme {
+        scheme,
+        feature,
+        built,
+    }
+}
+
+/// The URL schemes of the cloud stores.
+const CLOUD_STORES: [CloudScheme; 8] = [
+    cloud("s3", "s3", cfg!(feature = "s3")),
+    cloud("s3a", "s3", cfg!(feature = "s3")),
+    cloud("gs", "gcs", cfg!(feature = "gcs")),
+    cloud("az", "azure", cfg!(feature = "azure")),
+    cloud("abfs", "azure", cfg!(feature = "azure")),
+    cloud("abfss", "azure", cfg!(feature = "azure")),
+    cloud("azure", "azure", cfg!(feature = "azure")),
+    cloud("adl", "azure", cfg!(feature = "azure")),
 ];
 
 /// The URL schemes [`open_store`] opens in this build.
 pub fn supported_schemes() -> Vec<&'static str> {
-    let mut schemes = vec!["file", "memory"];
-    for (scheme, feature) in CLOUD_FEATURES {
-        let built = match feature {
-            "s3" => cfg!(feature = "s3"),
-            "gcs" => cfg!(feature = "gcs"),
-            _ => cfg!(feature = "azure"),
-        };
-        if built {
-            schemes.push(scheme);
-        }
-    }
-    schemes
+    let built = CLOUD_STORES.iter().filter(|s| s.built).map(|s| s.scheme);
+    ["file", "memory"].into_iter().chain(built).collect()
 }
 
 /// object_store's own retries of one request (each logged by object_store at info): its
@@ -763,9 +770,14 @@ mod tests {
     /// feature in one without.
     #[test]
     fn a_cloud_location_needs_its_feature() {
-        for (scheme, feature) in CLOUD_FEATURES {
+        for CloudScheme {
+            scheme,
+            feature,
+            built,
+        } in CLOUD_STORES
+        {
             let url = Url::parse(&format!("{scheme}://bucket/x/")).unwrap();
-            let built = supported_schemes().contains(&scheme);
+            assert_eq!(built, supported_schemes().contains(&scheme));
             match open_store(&url, &StorageOptions::default()) {
                 Err(e) if !built => {
                     let message = e.to_string();

@@ -90,15 +90,7 @@ fn datafusion_data_error(error: &DataFusionError) -> bool {
         DataFusionError::Collection(all) => {
             !all.is_empty() && all.iter().all(datafusion_data_error)
         }
-        DataFusionError::External(e) => {
-            if let Some(inner) = e.downcast_ref::<DataFusionError>() {
-                datafusion_data_error(inner)
-            } else if let Some(inner) = e.downcast_ref::<ArrowError>() {
-                arrow_data_error(inner)
-            } else {
-                false
-            }
-        }
+        DataFusionError::External(e) => external_data_error(e.as_ref()),
         _ => false,
     }
 }
@@ -113,16 +105,20 @@ fn arrow_data_error(error: &ArrowError) -> bool {
         | ArrowError::ParseError(_)
         | ArrowError::JsonError(_)
         | ArrowError::CsvError(_) => true,
-        ArrowError::ExternalError(e) => {
-            if let Some(inner) = e.downcast_ref::<DataFusionError>() {
-                datafusion_data_error(inner)
-            } else if let Some(inner) = e.downcast_ref::<ArrowError>() {
-                arrow_data_error(inner)
-            } else {
-                false
-            }
-        }
+        ArrowError::ExternalError(e) => external_data_error(e.as_ref()),
         _ => false,
+    }
+}
+
+/// An error wrapped by DataFusion or Arrow as "external": about values if it is one of theirs
+/// that is.
+fn external_data_error(error: &(dyn std::error::Error + Send + Sync + 'static)) -> bool {
+    if let Some(inner) = error.downcast_ref::<DataFusionError>() {
+        datafusion_data_error(inner)
+    } else if let Some(inner) = error.downcast_ref::<ArrowError>() {
+        arrow_data_error(inner)
+    } else {
+        false
     }
 }
 
