@@ -512,7 +512,7 @@ fn state_size(sizes: &[usize], batch: usize) {
                     .await
                     .unwrap();
                 query
-                    .restore_state(StateLog::new(&checkpoint, 1), &[], None)
+                    .restore_state(StateLog::new(&checkpoint, 1), None, None)
                     .await
                     .unwrap();
                 // A watermark inside the hour, 1 ms further each batch: purges are looked for,

@@ -231,6 +231,81 @@ async fn late_rows_go_to_the_late_table_rows_within_the_lateness_count_and_recon
     );
 }
 
+/// A restart checks that the state it restores was written by the same windows and
+/// aggregates: a changed window size is refused by operator name before anything is read. A
+/// manifest written before operators were recorded (only `state_files`) still restores.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restart_refuses_state_another_query_wrote_and_restores_old_manifests() {
+    let ws = tempfile::tempdir().unwrap();
+    let input = ws.path().join("input");
+    let out = ws.path().join("out");
+    let path = ws.path().join("job.toml");
+    let sql = |minutes: u32| {
+        format!(
+            "SELECT window_start, user_id, count(*) AS clicks, sum(amount) AS amount \
+             FROM tumble(events, ts, INTERVAL '{minutes}' MINUTE) GROUP BY window_start, user_id"
+        )
+    };
+    let job = |minutes: u32| {
+        let job = write_job_with(&path, "refit", &input, &out, 1, &sql(minutes), "");
+        job.to_str().unwrap().to_string()
+    };
+    // Batch 0: 09:00:00 … 09:01:50; the watermark 09:01:48 closes 09:00, 09:01 stays in state.
+    file(&input, "a.json", every_10s(1, (0, 0), 12));
+    assert_ok(&run_sluice(&["run", &job(1)], &[]));
+    let manifest_path = out.join("_sluice/refit/batches/0/manifest.json");
+    let manifest: Value = serde_json::from_slice(&std::fs::read(&manifest_path).unwrap()).unwrap();
+    let fingerprint = manifest["operators"]["0-aggregate"]["fingerprint"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        fingerprint.starts_with("aggregate: tumble(1m) over events.ts"),
+        "{fingerprint}"
+    );
+    assert_eq!(
+        manifest["operators"]["0-aggregate"]["files"],
+        manifest["state_files"]
+    );
+    let commits = delta_commits(&out).len();
+
+    // Two-minute windows over the one-minute state: refused, naming the operator and both.
+    file(&input, "b.json", every_10s(100, (2, 0), 12));
+    let refused = run_sluice(&["run", &job(2)], &[]);
+    assert_fails_saying(
+        &refused,
+        &[
+            "holds state of operator 0-aggregate written by `aggregate: tumble(1m)",
+            "but this query plans `aggregate: tumble(2m)",
+            "nothing was read or committed",
+        ],
+    );
+    assert_eq!(delta_commits(&out).len(), commits);
+
+    // The manifest as a binary before the operators map wrote it: restored unchecked, so the
+    // open 09:01 window keeps its six batch-0 rows.
+    let mut old = manifest.clone();
+    old.as_object_mut().unwrap().remove("operators");
+    std::fs::write(&manifest_path, serde_json::to_vec(&old).unwrap()).unwrap();
+    assert_ok(&run_sluice(&["run", &job(1)], &[]));
+    assert_eq!(
+        clicks_per_window(&out).await,
+        vec![
+            ("09:00".to_string(), 6),
+            ("09:01".to_string(), 6),
+            ("09:02".to_string(), 6),
+        ]
+    );
+    let manifest: Value = serde_json::from_slice(
+        &std::fs::read(out.join("_sluice/refit/batches/1/manifest.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        manifest["operators"]["0-aggregate"]["fingerprint"],
+        fingerprint.as_str()
+    );
+}
+
 /// The three files of the late-data test.
 fn write_late_test_input(input: &Path) {
     file(input, "a.json", every_10s(1, (0, 0), 12));

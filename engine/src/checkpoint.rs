@@ -305,7 +305,7 @@ pub struct SkippedOffsets {
 }
 
 /// Everything a restart needs, written before the batch's commit and live once it lands.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct BatchManifest {
     /// The batch.
     pub batch_id: BatchId,
@@ -318,7 +318,14 @@ pub struct BatchManifest {
     /// epoch): what the watermark is computed from, restored on restart.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub max_event_time: SourceOffsets,
-    /// State files that hold the operators' state after this batch.
+    /// Each stateful operator's state after this batch, by operator id (`0-aggregate`); empty
+    /// for a stateless query. `None` in manifests written before operators were recorded: their
+    /// `state_files` are the one aggregate's, restored unchecked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub operators: Option<BTreeMap<String, OperatorCheckpoint>>,
+    /// Every live state file, all operators together: what a manifest written before
+    /// `operators` lists, still written so that an older binary restores the state rather than
+    /// silently starting without it.
     #[serde(default)]
     pub state_files: Vec<String>,
     /// Per-batch counters (rows in, out, dead-lettered, …).
@@ -335,6 +342,17 @@ pub struct BatchManifest {
     /// planned, by the committed end (already dead-lettered: not reported again while it holds).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub behind: SourceOffsets,
+}
+
+/// One stateful operator's state as a manifest records it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OperatorCheckpoint {
+    /// What the state means: the operator's window or keys and the layout of its state rows,
+    /// as text. A restart whose query plans this operator with another fingerprint refuses to
+    /// restore the state (it would mix two queries' results).
+    pub fingerprint: String,
+    /// The files holding its state, oldest first.
+    pub files: Vec<String>,
 }
 
 /// Row counts of one batch.
@@ -483,6 +501,7 @@ mod tests {
             end_offsets: SourceOffsets::new(),
             watermark_micros: None,
             max_event_time: SourceOffsets::new(),
+            operators: Some(BTreeMap::new()),
             state_files: vec![],
             counters: BatchCounters::default(),
             lag: SourceOffsets::new(),
@@ -507,6 +526,28 @@ mod tests {
         assert_eq!(store.write_manifest(second).await.unwrap(), first);
         assert_eq!(store.read_manifest(BatchId(4)).await.unwrap(), Some(first));
         assert_eq!(store.newest_batch_folder().await.unwrap(), Some(BatchId(4)));
+    }
+
+    /// A manifest written before operators were recorded reads with `operators: None` (its
+    /// `state_files` are the one aggregate's); a new one round-trips its operators.
+    #[test]
+    fn manifests_from_before_the_operators_map_still_read() {
+        let old = r#"{"batch_id":2,"end_offsets":{},"watermark_micros":5,
+            "state_files":["x-base.parquet"],"counters":{"rows_in":1,"rows_out":1,
+            "rows_dead_lettered":0}}"#;
+        let read: BatchManifest = serde_json::from_str(old).unwrap();
+        assert_eq!(read.operators, None);
+        assert_eq!(read.state_files, ["x-base.parquet"]);
+        let mut new = manifest(3);
+        new.operators = Some(BTreeMap::from([(
+            "0-aggregate".to_string(),
+            OperatorCheckpoint {
+                fingerprint: "aggregate: tumble(1m) over s.ts".into(),
+                files: vec!["y-base.parquet".into()],
+            },
+        )]));
+        let text = serde_json::to_string(&new).unwrap();
+        assert_eq!(serde_json::from_str::<BatchManifest>(&text).unwrap(), new);
     }
 
     #[tokio::test]

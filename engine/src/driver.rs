@@ -865,9 +865,9 @@ impl Pipeline {
     ) -> Result<BatchManifest> {
         let t = Instant::now();
         let id = batch.id();
-        let state = self.query.write_state(id).await?;
-        if let Some(written) = &state {
-            batch.counters.state_bytes_written = written.bytes_written;
+        let (operators, bytes_written) = self.query.write_state(id).await?;
+        if !operators.is_empty() {
+            batch.counters.state_bytes_written = bytes_written;
             crash_point("after_state", id);
         }
         if let Some(size) = self.query.state_size() {
@@ -879,7 +879,8 @@ impl Pipeline {
             end_offsets: batch.end_offsets.clone(),
             watermark_micros: watermark.current(),
             max_event_time: watermark.max_event_time().clone(),
-            state_files: state.map(|s| s.live_files).unwrap_or_default(),
+            state_files: operators.values().flat_map(|o| o.files.clone()).collect(),
+            operators: Some(operators),
             counters: batch.counters.clone(),
             lag: consumer_lag(&self.latest_at_plan, &batch.end_offsets),
             planned_at_micros: batch.intent.planned_at_micros,
@@ -898,12 +899,13 @@ impl Pipeline {
                 display_watermark(manifest.watermark_micros),
             )));
         }
-        if in_force.state_files != manifest.state_files {
+        if in_force.state_files != manifest.state_files || in_force.operators != manifest.operators
+        {
             info!(
                 batch_id = id.0,
                 "adopting the manifest an earlier attempt at this batch wrote"
             );
-            self.query.adopt_state(&in_force.state_files).await?;
+            self.query.adopt_state(&in_force).await?;
         }
         crash_point("after_manifest", id);
         batch.times.checkpoint = t.elapsed();
@@ -1143,7 +1145,7 @@ async fn restore(
     sink.open(job_id, query.output_tables()).await?;
     let last = sink.committed_batch(job_id).await?;
     refuse_leftovers(checkpoint, sink, job_id, last).await?;
-    let (position, state_files) = match last {
+    let (position, manifest) = match last {
         None => (
             Position {
                 last,
@@ -1152,7 +1154,7 @@ async fn restore(
                 watermark: Watermark::default(),
                 behind: SourceOffsets::new(),
             },
-            Vec::new(),
+            None,
         ),
         Some(v) => {
             let manifest =
@@ -1167,17 +1169,21 @@ async fn restore(
             let position = Position {
                 last,
                 next_batch: v.next(),
-                committed: manifest.end_offsets,
-                watermark: Watermark::restore(manifest.watermark_micros, manifest.max_event_time),
-                behind: manifest.behind,
+                committed: manifest.end_offsets.clone(),
+                watermark: Watermark::restore(
+                    manifest.watermark_micros,
+                    manifest.max_event_time.clone(),
+                ),
+                behind: manifest.behind.clone(),
             };
-            (position, manifest.state_files)
+            (position, Some(manifest))
         }
     };
-    // The state the last committed batch left, from the files its manifest lists.
+    // The state the last committed batch left, from the files its manifest lists, if this
+    // query's operators are the ones that wrote it.
     let log = StateLog::new(checkpoint, epoch);
     query
-        .restore_state(log, &state_files, position.watermark.current())
+        .restore_state(log, manifest.as_ref(), position.watermark.current())
         .await?;
     Ok(position)
 }

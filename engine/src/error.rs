@@ -130,6 +130,26 @@ pub enum Error {
         /// What it is ahead of, in words.
         expected: String,
     },
+    /// The checkpoint's state was written by a query whose stateful operators differ from this
+    /// one's (another window, other keys or aggregates, an operator added or removed):
+    /// restoring it would mix two queries' results in one table.
+    #[error(
+        "the checkpoint {checkpoint} holds state of operator {operator} written by {recorded}, \
+         but this query plans {planned}: the state means something else now, and merging it \
+         would mix two queries' results. Restore the job's earlier query, or start it over \
+         with a new checkpoint and output table (then `sluice backfill` the past); nothing was \
+         read or committed"
+    )]
+    StateOfAnotherQuery {
+        /// The operator id, e.g. `0-aggregate`.
+        operator: String,
+        /// The checkpoint folder.
+        checkpoint: String,
+        /// What wrote the state: the recorded fingerprint, or "a query without it".
+        recorded: String,
+        /// What this query plans for the operator: its fingerprint, or "no such operator".
+        planned: String,
+    },
     /// The checkpoint holds batches the output table does not know: the table was deleted or
     /// replaced while the checkpoint was kept.
     #[error(

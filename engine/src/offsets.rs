@@ -18,7 +18,9 @@ pub type Offset = i64;
 pub type PartitionId = String;
 
 /// The id of one micro-batch: the Delta `txn` version it commits with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
 #[serde(transparent)]
 pub struct BatchId(pub i64);
 

@@ -33,12 +33,13 @@ use datafusion::logical_expr::{AggregateUDF, Expr, LogicalPlan, Projection, Scal
 use datafusion::prelude::{DataFrame, SessionConfig, SessionContext};
 use futures::future::BoxFuture;
 
+use crate::checkpoint::{BatchManifest, OperatorCheckpoint};
 use crate::error::{Error, Result};
 use crate::offsets::BatchId;
 use crate::operators::aggregate::{StateSize, StatefulAggregate, StatefulSettings, plan_stateful};
 use crate::operators::aggregate_state::AggregateState;
 use crate::operators::is_data_error;
-use crate::operators::state_store::{StateLog, StateWrite};
+use crate::operators::state_store::StateLog;
 pub use crate::operators::{FailedRow, QueryOutput};
 use crate::sink::{OutputMode, OutputTables};
 use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION};
@@ -392,44 +393,127 @@ impl StreamingQuery {
         }
     }
 
-    /// Restores the state from the files a committed manifest lists (nothing for a stateless
-    /// query); see [`crate::operators::state_store`].
+    /// Restores each stateful operator's state from the last committed manifest (`None`: the
+    /// job's first batch), after checking that this query plans the same operators with the
+    /// same fingerprints ([`OperatorCheckpoint`]). A manifest written before operators were
+    /// recorded lists the one aggregate's files, restored unchecked.
     ///
     /// # Errors
-    /// If a listed file is missing or unreadable.
+    /// [`Error::StateOfAnotherQuery`] if the state was written by other operators; an error if
+    /// a listed file is missing or unreadable.
     pub async fn restore_state(
         &mut self,
         log: StateLog,
-        files: &[String],
+        manifest: Option<&BatchManifest>,
         watermark: Option<i64>,
     ) -> Result<()> {
+        let files = match manifest {
+            None => Vec::new(),
+            Some(m) => self.recorded_state_files(m, &log.location())?,
+        };
         match self.stateful.as_mut() {
-            Some(stateful) => stateful.restore(log, files, watermark).await,
+            Some(stateful) => stateful.restore(log, &files, watermark).await,
             None => Ok(()),
         }
     }
 
-    /// Writes this batch's state files; `None` for a stateless query.
+    /// Writes this batch's state files and returns each operator's live state for the manifest
+    /// (empty for a stateless query), with the bytes written.
     ///
     /// # Errors
     /// If a file cannot be written.
-    pub async fn write_state(&mut self, batch_id: BatchId) -> Result<Option<StateWrite>> {
+    pub async fn write_state(
+        &mut self,
+        batch_id: BatchId,
+    ) -> Result<(BTreeMap<String, OperatorCheckpoint>, u64)> {
+        let mut operators = BTreeMap::new();
+        let mut bytes_written = 0;
+        if let Some(stateful) = self.stateful.as_mut() {
+            let written = stateful.write_state(batch_id).await?;
+            bytes_written += written.bytes_written;
+            operators.insert(
+                stateful.describe(0).id,
+                OperatorCheckpoint {
+                    fingerprint: stateful.fingerprint(),
+                    files: written.live_files,
+                },
+            );
+        }
+        Ok((operators, bytes_written))
+    }
+
+    /// Takes the state `manifest` lists as the live state: the manifest another attempt at
+    /// this batch wrote first (same intent, so the same state), checked as on restore.
+    ///
+    /// # Errors
+    /// [`Error::StateOfAnotherQuery`], or a listed file is missing.
+    pub async fn adopt_state(&mut self, manifest: &BatchManifest) -> Result<()> {
+        let Some(stateful) = self.stateful.as_ref() else {
+            return Ok(());
+        };
+        let location = stateful.state_location().unwrap_or_default();
+        let files = self.recorded_state_files(manifest, &location)?;
         match self.stateful.as_mut() {
-            Some(stateful) => Ok(Some(stateful.write_state(batch_id).await?)),
-            None => Ok(None),
+            Some(stateful) => stateful.adopt_state(&files).await,
+            None => Ok(()),
         }
     }
 
-    /// Takes `files` as the live state files: the manifest another attempt at this batch wrote
-    /// first (same intent, so the same state).
-    ///
-    /// # Errors
-    /// If a file is missing.
-    pub async fn adopt_state(&mut self, files: &[String]) -> Result<()> {
-        match self.stateful.as_mut() {
-            Some(stateful) => stateful.adopt_state(files).await,
-            None => Ok(()),
+    /// The state files `manifest` records for this query's operators, refusing state written
+    /// by other operators (another fingerprint, an operator added or removed). `checkpoint`
+    /// names the state folder in the error.
+    fn recorded_state_files(
+        &self,
+        manifest: &BatchManifest,
+        checkpoint: &str,
+    ) -> Result<Vec<String>> {
+        let Some(recorded) = &manifest.operators else {
+            return Ok(manifest.state_files.clone());
+        };
+        let planned: BTreeMap<String, String> = self
+            .stateful
+            .iter()
+            .map(|s| (s.describe(0).id, s.fingerprint()))
+            .collect();
+        let mismatch = |operator: &str, recorded: String, planned: String| {
+            Err(Error::StateOfAnotherQuery {
+                operator: operator.to_string(),
+                checkpoint: checkpoint.to_string(),
+                recorded,
+                planned,
+            })
+        };
+        for (id, state) in recorded {
+            match planned.get(id) {
+                Some(fingerprint) if *fingerprint == state.fingerprint => {}
+                Some(fingerprint) => {
+                    return mismatch(
+                        id,
+                        format!("`{}`", state.fingerprint),
+                        format!("`{fingerprint}`"),
+                    );
+                }
+                None => {
+                    return mismatch(
+                        id,
+                        format!("`{}`", state.fingerprint),
+                        "no such operator".into(),
+                    );
+                }
+            }
         }
+        if let Some((id, fingerprint)) = planned.iter().find(|(id, _)| !recorded.contains_key(*id))
+        {
+            return mismatch(
+                id,
+                "a query without it (it would miss every row read before)".into(),
+                format!("`{fingerprint}`"),
+            );
+        }
+        Ok(recorded
+            .values()
+            .flat_map(|state| state.files.clone())
+            .collect())
     }
 
     /// Deletes state files of batches up to `committed` that are no longer live.

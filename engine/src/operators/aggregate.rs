@@ -243,6 +243,45 @@ impl StatefulAggregate {
     }
 }
 
+impl StatefulAggregate {
+    /// What the state means, as text: the window (or running grouping) over its source and
+    /// time column, and every state column with its type — group keys and each aggregate's
+    /// partial state, named after its expression. Recorded in the manifest; a restart whose
+    /// query gives another fingerprint is refused rather than merging into state another query
+    /// wrote. What does not change the state's meaning is left out on purpose: filters and
+    /// projections around the aggregate, allowed lateness, `state_ttl`, the output mode.
+    pub(crate) fn fingerprint(&self) -> String {
+        let grouping = match &self.grouping {
+            Grouping::Window { window, .. } => {
+                let d = |us: i64| {
+                    humantime::format_duration(std::time::Duration::from_micros(us.max(0) as u64))
+                };
+                let kind = match window.kind {
+                    WindowKind::Tumble { size } => format!("tumble({})", d(size)),
+                    WindowKind::Hop { slide, size } => {
+                        format!("hop({} every {})", d(size), d(slide))
+                    }
+                    WindowKind::Session { gap } => format!("session(gap {})", d(gap)),
+                };
+                format!("{kind} over {}.{}", window.source, window.time_column)
+            }
+            Grouping::Running { .. } => format!("running over {}", self.source),
+        };
+        let columns: Vec<String> = self
+            .operator
+            .state_schema()
+            .fields()
+            .iter()
+            .map(|f| format!("{}: {}", f.name(), f.data_type()))
+            .collect();
+        format!(
+            "aggregate: {grouping}; {} key column(s); state [{}]",
+            self.group_count,
+            columns.join(", ")
+        )
+    }
+}
+
 /// The rows `rows` of `batch`.
 fn take_rows(batch: &RecordBatch, rows: &[u32]) -> Result<RecordBatch> {
     Ok(arrow::compute::take_record_batch(
@@ -1162,6 +1201,11 @@ impl StatefulAggregate {
         .await
     }
 
+    /// The state folder, once restored (for messages).
+    pub(crate) fn state_location(&self) -> Option<String> {
+        self.log.as_ref().map(StateLog::location)
+    }
+
     /// Takes `files` as the live state files (a manifest another attempt wrote first).
     pub(crate) async fn adopt_state(&mut self, files: &[String]) -> Result<()> {
         let log = self
@@ -1183,7 +1227,7 @@ impl StatefulAggregate {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::checkpoint::CheckpointStore;
+    use crate::checkpoint::{BatchManifest, CheckpointStore};
     use crate::event_time::event_time_type;
     use crate::query::{BatchWatermark, QuerySettings, StreamingQuery};
     use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION};
@@ -1365,7 +1409,7 @@ mod tests {
         let plan = || StreamingQuery::plan(sql, &sources, settings);
         let mut query = plan().await.unwrap();
         query
-            .restore_state(StateLog::new(&checkpoint, 0), &[], None)
+            .restore_state(StateLog::new(&checkpoint, 0), None, None)
             .await
             .unwrap();
         let mut out = Vec::new();
@@ -1393,15 +1437,15 @@ mod tests {
             out.push(result.batches);
             state_rows.push(query.state_size().unwrap().rows);
             watermark = after;
-            let written = query.write_state(BatchId(i as i64)).await.unwrap().unwrap();
+            let (operators, _) = query.write_state(BatchId(i as i64)).await.unwrap();
             if i == restart_after {
+                let manifest = BatchManifest {
+                    operators: Some(operators),
+                    ..BatchManifest::default()
+                };
                 query = plan().await.unwrap();
                 query
-                    .restore_state(
-                        StateLog::new(&checkpoint, 1),
-                        &written.live_files,
-                        watermark,
-                    )
+                    .restore_state(StateLog::new(&checkpoint, 1), Some(&manifest), watermark)
                     .await
                     .unwrap();
             }
@@ -1599,6 +1643,77 @@ mod tests {
     /// `sluice validate`'s view of the operator: its state key, purge rule and emissions, for a
     /// windowed aggregate in append mode and a running aggregate in update mode.
     #[tokio::test]
+    async fn a_restore_refuses_state_written_by_other_windows_or_aggregates() {
+        let sources = [("t".to_string(), schema())];
+        let sql = |window: &str, agg: &str, filter: &str| {
+            format!(
+                "SELECT window_start, k, {agg}(v) AS x FROM tumble(t, ts, INTERVAL '{window}') \
+                 {filter} GROUP BY window_start, window_end, k"
+            )
+        };
+        let plan = |sql: String, lateness: u64| {
+            let sources = sources.clone();
+            async move {
+                StreamingQuery::plan(sql, &sources, &settings(Duration::from_secs(lateness)))
+                    .await
+                    .unwrap()
+            }
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let checkpoint =
+            CheckpointStore::open(&url::Url::from_directory_path(dir.path()).unwrap()).unwrap();
+        let mut first = plan(sql("1 minute", "sum", ""), 0).await;
+        first
+            .restore_state(StateLog::new(&checkpoint, 0), None, None)
+            .await
+            .unwrap();
+        let step = BatchWatermark {
+            before: None,
+            after: Some(BASE),
+        };
+        let inputs = BTreeMap::from([("t".to_string(), batch(&[(BASE, 1, 7)]))]);
+        first.execute_isolating(&inputs, step).await.unwrap();
+        let (operators, _) = first.write_state(BatchId(0)).await.unwrap();
+        let manifest = BatchManifest {
+            operators: Some(operators),
+            ..BatchManifest::default()
+        };
+        let restore = |sql: String, lateness: u64| {
+            let (manifest, checkpoint) = (&manifest, &checkpoint);
+            async move {
+                let mut query = plan(sql, lateness).await;
+                query
+                    .restore_state(StateLog::new(checkpoint, 1), Some(manifest), None)
+                    .await
+                    .map(|()| query.state_size().unwrap().rows)
+            }
+        };
+        // What does not change the state's meaning restores it: a filter, the lateness.
+        assert_eq!(restore(sql("1 minute", "sum", ""), 0).await.unwrap(), 1);
+        assert_eq!(
+            restore(sql("1 minute", "sum", "WHERE v > 0"), 30)
+                .await
+                .unwrap(),
+            1
+        );
+        // Another window size or aggregate (the same state types) is refused, naming both.
+        for (other, planned) in [
+            (sql("2 minutes", "sum", ""), "tumble(2m)"),
+            (sql("1 minute", "max", ""), "max(tumble().v)"),
+        ] {
+            let err = restore(other, 0).await.unwrap_err();
+            assert!(matches!(err, Error::StateOfAnotherQuery { .. }), "{err}");
+            let text = err.to_string();
+            assert!(text.contains("operator 0-aggregate"), "{text}");
+            assert!(text.contains("tumble(1m)"), "{text}");
+            assert!(text.contains(planned), "{text}");
+        }
+        // A stateless query over the checkpoint: the operator is gone.
+        let err = restore("SELECT k FROM t".into(), 0).await.unwrap_err();
+        assert!(err.to_string().contains("no such operator"), "{err}");
+    }
+
+    #[tokio::test]
     async fn the_operator_describes_its_state_key_and_purge_rule() {
         let sources = [("t".to_string(), schema())];
         let windowed = StreamingQuery::plan(
@@ -1693,7 +1808,7 @@ mod tests {
         .await
         .unwrap();
         query
-            .restore_state(StateLog::new(&checkpoint, 0), &[], None)
+            .restore_state(StateLog::new(&checkpoint, 0), None, None)
             .await
             .unwrap();
         let after = events.iter().map(|e| e.0 - OUT_OF_ORDERNESS).max();

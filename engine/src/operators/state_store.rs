@@ -91,6 +91,11 @@ impl StateLog {
         }
     }
 
+    /// The state folder, for messages.
+    pub fn location(&self) -> String {
+        self.store.url().to_string()
+    }
+
     /// Reads the files a committed manifest lists, oldest first. The rows are partial states to
     /// be merged by the caller.
     ///
