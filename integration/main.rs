@@ -17,6 +17,7 @@ mod evolution;
 mod formats;
 mod hostile;
 mod instances;
+mod joins;
 mod kafka;
 mod library;
 mod maintenance;

@@ -395,6 +395,15 @@ async fn validate(path: PathBuf, registry: &Registry) -> Result<()> {
             }
         }
     }
+    for (name, schema) in &validation.tables {
+        println!(
+            "\ntable {name} (static: read whole at the version each batch records, joined \
+             without state):"
+        );
+        for f in schema.fields() {
+            println!("  {} {}", f.name(), f.data_type());
+        }
+    }
     println!("\noutput:");
     for f in validation.output.fields() {
         println!("  {} {}", f.name(), f.data_type());

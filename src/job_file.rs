@@ -1,4 +1,5 @@
-//! The job file: TOML that names the sources, the query, the sink and the trigger.
+//! The job file: TOML that names the sources, the static tables the query joins, the query,
+//! the sink and the trigger.
 //!
 //! This is the one place that maps `kind = "…"` to a concrete connector or sink (built in,
 //! or registered by the binary: [`Registry`]), so the engine stays free of them. Keys shared
@@ -22,6 +23,7 @@ use sluice_engine::{
     parse_duration,
 };
 use sluice_sinks::delta::{DeltaSink, DeltaSinkConfig};
+use sluice_sinks::delta_table::DeltaTableSource;
 
 use crate::error::{Error, Result};
 use crate::registry::{Registry, Section, resolve};
@@ -32,6 +34,8 @@ use crate::registry::{Registry, Section, resolve};
 struct JobFile {
     job: JobSection,
     sources: BTreeMap<String, toml::Table>,
+    #[serde(default)]
+    tables: BTreeMap<String, toml::Table>,
     sink: toml::Table,
     #[serde(default)]
     trigger: TriggerSection,
@@ -119,6 +123,16 @@ const SOURCE_COMMON_KEYS: [&str; 6] = [
     "idle_timeout",
     "max_event_time_skew",
 ];
+
+/// A `[tables.<name>]` table: a Delta table the query joins whole, read at the version each
+/// batch's intent records.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TableSection {
+    path: String,
+    #[serde(default)]
+    storage_options: StorageOptions,
+}
 
 /// The keys every sink has, whatever its kind.
 #[derive(Debug, Deserialize)]
@@ -313,6 +327,30 @@ pub fn parse(
             },
         };
         builder = builder.with_source(name.clone(), source, event_time);
+    }
+
+    for (name, table) in &file.tables {
+        let section = format!("tables.{name}");
+        match table.get("kind").and_then(toml::Value::as_str) {
+            Some("delta") => {}
+            Some(other) => {
+                return Err(invalid(
+                    &section,
+                    format!("kind = \"{other}\" is not a static table this build has (delta)"),
+                ));
+            }
+            None => return Err(invalid(&section, "needs kind = \"delta\"".into())),
+        }
+        let mut table = table.clone();
+        table.remove("kind");
+        add_unavailable_timeout(&mut table, store_unavailable_timeout);
+        let config: TableSection = from_table(table).map_err(|e| invalid(&section, e))?;
+        let url = sluice_engine::location::directory_url(&resolve(&base, &config.path))
+            .map_err(|e| failed(&section, e.into()))?;
+        builder = builder.with_table(
+            name.clone(),
+            Box::new(DeltaTableSource::new(url, config.storage_options)),
+        );
     }
 
     let (shared, mut rest) = split(&file.sink, &SINK_COMMON_KEYS);

@@ -211,11 +211,27 @@ impl Job {
                 location: self.sink.location().to_string(),
             });
         }
+        if !self.tables.is_empty() {
+            let names: Vec<&str> = self.tables.iter().map(|t| t.name.as_str()).collect();
+            return Err(Error::UnsupportedQuery(format!(
+                "backfill of a job joining static tables ({}) is not available yet: each streamed \
+                 batch joined the tables at the version its intent recorded, and replacing a range would \
+                 need each row's version, which outlives the batch only in its purged manifest; \
+                 nothing was read",
+                names.join(", ")
+            )));
+        }
         let checkpoint = checkpoint_location(&self)?;
-        let settings = query_settings(&self);
-        let (sources, query) =
-            open_sources_and_query(self.sources, &self.query, &settings, &checkpoint, false)
-                .await?;
+        let mut settings = query_settings(&self);
+        let (sources, _tables, query) = open_sources_and_query(
+            self.sources,
+            self.tables,
+            &self.query,
+            &mut settings,
+            &checkpoint,
+            false,
+        )
+        .await?;
         if self.output_mode == crate::sink::OutputMode::Update {
             return Err(Error::UnsupportedQuery(
                 "backfill of update-mode jobs is not available yet; backfill replaces the rows \

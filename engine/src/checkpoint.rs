@@ -286,6 +286,10 @@ pub struct BatchIntent {
     /// each becoming one dead letter of this batch; see [`crate::source::Source::offsets_behind`].
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub skipped: Vec<SkippedOffsets>,
+    /// Each static table's version the batch joins (the newest at planning), so a rerun joins
+    /// the same rows; see [`crate::static_table`].
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub table_versions: BTreeMap<String, String>,
 }
 
 /// Offsets of a partition that will never be read: its log went backwards below what the job
@@ -338,6 +342,9 @@ pub struct BatchManifest {
     /// The clock the batch judged event times by (its intent's), µs since the epoch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub planned_at_micros: Option<i64>,
+    /// Each static table's version the batch joined (its intent's).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub table_versions: BTreeMap<String, String>,
     /// Partitions whose latest offset was below their committed end when this batch was
     /// planned, by the committed end (already dead-lettered: not reported again while it holds).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -486,6 +493,7 @@ mod tests {
             idle: BTreeSet::new(),
             planned_at_micros: Some(1),
             skipped: Vec::new(),
+            table_versions: BTreeMap::from([("users".to_string(), "4".to_string())]),
         };
         let mut second = first.clone();
         second.idle.insert(("s".into(), "0".into()));
@@ -498,15 +506,8 @@ mod tests {
     fn manifest(id: i64) -> BatchManifest {
         BatchManifest {
             batch_id: BatchId(id),
-            end_offsets: SourceOffsets::new(),
-            watermark_micros: None,
-            max_event_time: SourceOffsets::new(),
             operators: Some(BTreeMap::new()),
-            state_files: vec![],
-            counters: BatchCounters::default(),
-            lag: SourceOffsets::new(),
-            planned_at_micros: None,
-            behind: SourceOffsets::new(),
+            ..BatchManifest::default()
         }
     }
 

@@ -69,6 +69,7 @@ use crate::query::{BatchWatermark, Query, QuerySettings, StreamingQuery};
 use crate::sink::{BatchCommit, CommitOutcome, Compaction, Sink};
 use crate::source::DeadLetter;
 use crate::source::SchemaInference;
+use crate::static_table::StaticTables;
 use crate::watermark::{
     SourcePartition, Watermark, WatermarkRules, display_watermark, max_event_time_by_partition,
 };
@@ -118,6 +119,8 @@ pub struct Validation {
     pub sources: Vec<(String, SchemaRef)>,
     /// How the schemas that were not declared were inferred, by source.
     pub inferred: Vec<(String, SchemaInference)>,
+    /// Each static table's schema, by name.
+    pub tables: BTreeMap<String, SchemaRef>,
     /// The output schema.
     pub output: SchemaRef,
     /// The optimised logical plan.
@@ -165,9 +168,16 @@ impl Job {
     /// Opens the sources and plans the query without writing anything.
     pub async fn validate(self) -> Result<Validation> {
         let checkpoint = checkpoint_location(&self)?;
-        let settings = query_settings(&self);
-        let (sources, query) =
-            open_sources_and_query(self.sources, &self.query, &settings, &checkpoint, true).await?;
+        let mut settings = query_settings(&self);
+        let (sources, tables, query) = open_sources_and_query(
+            self.sources,
+            self.tables,
+            &self.query,
+            &mut settings,
+            &checkpoint,
+            true,
+        )
+        .await?;
         Expectations::plan(
             &self.expectations,
             &query.output_schema(),
@@ -182,6 +192,7 @@ impl Job {
                 .iter()
                 .filter_map(|s| Some((s.name.clone(), s.source.schema_inference()?)))
                 .collect(),
+            tables: tables.schemas().clone(),
             output: query.output_schema(),
             plan: query.display_plan()?,
             operators: query.operators(),
@@ -222,6 +233,7 @@ pub(crate) fn query_settings(job: &Job) -> QuerySettings {
         key: job.key.clone(),
         state_ttl: job.state_ttl,
         functions: job.functions.clone(),
+        static_tables: BTreeMap::new(),
         event_time: job
             .sources
             .iter()
@@ -235,6 +247,8 @@ pub(crate) fn query_settings(job: &Job) -> QuerySettings {
 struct Pipeline {
     job_id: String,
     sources: Vec<OpenSource>,
+    /// Tables the query joins whole, at the version each batch's intent records.
+    tables: StaticTables,
     /// The job's query and how it is planned: planned again when a source's schema grows.
     query_definition: Query,
     settings: QuerySettings,
@@ -340,10 +354,11 @@ impl Pipeline {
     /// table.
     async fn open(job: Job) -> Result<Pipeline> {
         let checkpoint = checkpoint_location(&job)?;
-        let settings = query_settings(&job);
+        let mut settings = query_settings(&job);
         let Job {
             id: job_id,
             sources,
+            tables,
             query: query_definition,
             mut sink,
             keep_batches,
@@ -352,9 +367,15 @@ impl Pipeline {
             progress,
             ..
         } = job;
-        let (sources, mut query) =
-            open_sources_and_query(sources, &query_definition, &settings, &checkpoint, false)
-                .await?;
+        let (sources, tables, mut query) = open_sources_and_query(
+            sources,
+            tables,
+            &query_definition,
+            &mut settings,
+            &checkpoint,
+            false,
+        )
+        .await?;
         let expectations =
             Expectations::plan(&expectations, &query.output_schema(), &settings.functions)?;
         checkpoint.check_conditional_put().await?;
@@ -412,6 +433,7 @@ impl Pipeline {
         Ok(Pipeline {
             job_id,
             sources,
+            tables,
             query_definition,
             settings,
             query,
@@ -588,6 +610,7 @@ impl Pipeline {
             idle,
             planned_at_micros: Some(chrono::Utc::now().timestamp_micros()),
             skipped,
+            table_versions: self.tables.latest_versions().await?,
         };
         let intent = self.checkpoint.write_intent(intent).await?;
         crash_point("after_intent", intent.batch_id);
@@ -598,6 +621,7 @@ impl Pipeline {
     async fn run_batch(&mut self, intent: BatchIntent, started: Instant) -> Result<()> {
         let mut batch = Batch::new(intent, &self.committed, started);
         let inputs = self.read(&mut batch).await?;
+        self.load_tables(&batch).await?;
         let watermark = self.next_watermark(&batch);
         let output = self.execute(&mut batch, inputs, &watermark).await?;
         self.check_dead_letters(&batch)?;
@@ -726,6 +750,29 @@ impl Pipeline {
         self.expectations = self.expectations.replan(&self.query.output_schema())?;
         for s in &mut self.sources {
             s.planned = Arc::clone(&s.schema);
+        }
+        Ok(())
+    }
+
+    /// Step 5, before executing: each static table at the version the intent records, read
+    /// only when it is not the version the query holds (a query planned again because a
+    /// source's schema grew holds none). An intent from before tables
+    /// were recorded, or one that lacks a table added since, takes the newest version.
+    async fn load_tables(&mut self, batch: &Batch) -> Result<()> {
+        for name in self.tables.names() {
+            let version = match batch.intent.table_versions.get(&name) {
+                Some(version) => version.clone(),
+                None => match self.tables.latest_versions().await?.remove(&name) {
+                    Some(version) => version,
+                    None => continue,
+                },
+            };
+            if self.query.table_version(&name) == Some(version.as_str()) {
+                continue;
+            }
+            let rows = self.tables.read(&name, &version).await?;
+            info!(batch_id = batch.id().0, table = %name, version = %version, rows = rows.iter().map(|b| b.num_rows()).sum::<usize>(), "static table loaded");
+            self.query.load_table(&name, &version, rows).await?;
         }
         Ok(())
     }
@@ -884,6 +931,7 @@ impl Pipeline {
             counters: batch.counters.clone(),
             lag: consumer_lag(&self.latest_at_plan, &batch.end_offsets),
             planned_at_micros: batch.intent.planned_at_micros,
+            table_versions: batch.intent.table_versions.clone(),
             behind: still_behind(&self.behind, &batch.intent.skipped, &batch.end_offsets),
         };
         let in_force = self.checkpoint.write_manifest(manifest.clone()).await?;

@@ -239,6 +239,14 @@ pub enum Error {
         /// (e.g. `sluice_connectors::ConnectorError`), or a message.
         source: BoxError,
     },
+    /// A static table (joined whole, see [`crate::static_table`]) failed to open or read.
+    #[error("table '{table_name}': {source}")]
+    StaticTable {
+        /// The table's name in the job (its SQL table name).
+        table_name: String,
+        /// What went wrong: the table's own error, or a message.
+        source: BoxError,
+    },
     /// The sink failed to write or commit: the sink's own error (e.g.
     /// `sluice_sinks::SinkError`), or a message.
     #[error("sink: {0}")]
@@ -257,6 +265,15 @@ impl Error {
     pub fn in_source(source_name: impl Into<String>, cause: impl Into<BoxError>) -> Self {
         Error::Source {
             source_name: source_name.into(),
+            source: cause.into(),
+        }
+    }
+
+    /// An error of the static table named `table_name`: `cause` is the table's own error, or
+    /// a message.
+    pub fn in_table(table_name: impl Into<String>, cause: impl Into<BoxError>) -> Self {
+        Error::StaticTable {
+            table_name: table_name.into(),
             source: cause.into(),
         }
     }

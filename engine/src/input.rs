@@ -25,6 +25,7 @@ use crate::sink::{Sink, TableScan};
 use crate::source::{
     DeadLetter, SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_POSITION, Source, SourceContext,
 };
+use crate::static_table::{StaticTables, TableSpec};
 
 /// One opened source.
 pub(crate) struct OpenSource {
@@ -39,16 +40,19 @@ pub(crate) struct OpenSource {
     pub(crate) planned: SchemaRef,
 }
 
-/// Opens every source (with its folder of the checkpoint) and plans the query over their
-/// schemas. `validating`: the job is only being checked — sources write nothing and give up on
+/// Opens every source (with its folder of the checkpoint) and static table, and plans the
+/// query over their schemas (recorded in `settings`, for planning again). `validating`: the job is only being checked — sources write nothing and give up on
 /// an unreachable service instead of retrying.
 pub(crate) async fn open_sources_and_query(
     specs: Vec<SourceSpec>,
+    tables: Vec<TableSpec>,
     query: &Query,
-    settings: &QuerySettings,
+    settings: &mut QuerySettings,
     checkpoint: &CheckpointStore,
     validating: bool,
-) -> Result<(Vec<OpenSource>, StreamingQuery)> {
+) -> Result<(Vec<OpenSource>, StaticTables, StreamingQuery)> {
+    let tables = StaticTables::open(tables).await?;
+    settings.static_tables = tables.schemas().clone();
     let mut sources = Vec::with_capacity(specs.len());
     for spec in specs {
         let mut source = spec.source;
@@ -83,7 +87,7 @@ pub(crate) async fn open_sources_and_query(
         .map(|s| (s.name.clone(), Arc::clone(&s.schema)))
         .collect();
     let query = plan_query(query, &schemas, settings, &sources).await?;
-    Ok((sources, query))
+    Ok((sources, tables, query))
 }
 
 /// Plans the job's query over the sources' schemas, a planning error explained in the job's

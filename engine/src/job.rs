@@ -18,6 +18,7 @@ use crate::progress::{JobDescription, Progress};
 use crate::query::{Functions, Query};
 use crate::sink::{OutputMode, Sink};
 use crate::source::Source;
+use crate::static_table::{StaticTable, TableSpec};
 use crate::storage::StorageOptions;
 
 /// When batches run.
@@ -81,6 +82,8 @@ pub struct Job {
     pub id: String,
     /// The sources, each a SQL table.
     pub sources: Vec<SourceSpec>,
+    /// Tables the query joins whole, read at the version each batch's intent records.
+    pub tables: Vec<TableSpec>,
     /// The query.
     pub query: Query,
     /// Functions the query may call besides DataFusion's own.
@@ -144,6 +147,7 @@ impl Job {
         JobBuilder {
             id: id.into(),
             sources: Vec::new(),
+            tables: Vec::new(),
             query: None,
             functions: Functions::default(),
             sink: None,
@@ -180,6 +184,7 @@ impl Job {
 pub struct JobBuilder {
     id: String,
     sources: Vec<SourceSpec>,
+    tables: Vec<TableSpec>,
     query: Option<Query>,
     functions: Functions,
     sink: Option<Box<dyn Sink>>,
@@ -208,6 +213,17 @@ impl JobBuilder {
             name: name.into(),
             source,
             event_time,
+        });
+        self
+    }
+
+    /// Adds a static table: read whole (not streamed) at the version each batch's intent
+    /// records, joined by the query under `name` — e.g. a Delta dimension table
+    /// (`sluice_sinks::DeltaTableSource`). See [`crate::static_table`].
+    pub fn with_table(mut self, name: impl Into<String>, table: Box<dyn StaticTable>) -> Self {
+        self.tables.push(TableSpec {
+            name: name.into(),
+            table,
         });
         self
     }
@@ -367,11 +383,16 @@ impl JobBuilder {
                 self.id
             )));
         }
-        let mut names: Vec<&str> = self.sources.iter().map(|s| s.name.as_str()).collect();
+        let mut names: Vec<&str> = self
+            .sources
+            .iter()
+            .map(|s| s.name.as_str())
+            .chain(self.tables.iter().map(|t| t.name.as_str()))
+            .collect();
         names.sort_unstable();
         if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
             return Err(Error::InvalidJob(format!(
-                "source '{}' is defined twice",
+                "source '{}' is defined twice (sources and tables share one SQL namespace)",
                 w[0]
             )));
         }
@@ -406,6 +427,7 @@ impl JobBuilder {
         Ok(Job {
             id: self.id,
             sources: self.sources,
+            tables: self.tables,
             query,
             functions: self.functions,
             sink,

@@ -45,6 +45,7 @@ pub mod reconcile;
 pub mod schema;
 pub mod sink;
 pub mod source;
+pub mod static_table;
 pub mod storage;
 pub mod watermark;
 pub mod window;
@@ -65,6 +66,7 @@ pub use source::{
     AvailableRange, DeadLetter, InferredColumn, SchemaInference, Source, SourceContext, SourceRead,
     cpu_bound,
 };
+pub use static_table::{StaticTable, TableSpec};
 
 /// Re-exported so connectors and sinks use the engine's exact versions.
 pub use arrow;

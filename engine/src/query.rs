@@ -62,6 +62,9 @@ pub struct QuerySettings {
     pub state_ttl: Option<Duration>,
     /// Functions the query may call besides DataFusion's own.
     pub functions: Functions,
+    /// Static tables the query joins whole, by name, with their schemas (their rows are loaded
+    /// per version with [`StreamingQuery::load_table`]).
+    pub static_tables: BTreeMap<String, SchemaRef>,
 }
 
 /// What a job computes: SQL over its sources, or a plan built with DataFusion's DataFrame API.
@@ -230,6 +233,8 @@ pub struct StreamingQuery {
 struct SourceTables {
     ctx: SessionContext,
     tables: BTreeMap<String, (SchemaRef, Arc<MemTable>)>,
+    /// Static tables by name, with the version whose rows they hold.
+    statics: BTreeMap<String, (Arc<MemTable>, Option<String>)>,
     partitions: usize,
 }
 
@@ -281,6 +286,12 @@ impl StreamingQuery {
             ctx.register_table(name.as_str(), Arc::clone(&table) as _)?;
             tables.insert(name.clone(), (Arc::clone(schema), table));
         }
+        let mut statics = BTreeMap::new();
+        for (name, schema) in &settings.static_tables {
+            let table = Arc::new(MemTable::try_new(Arc::clone(schema), vec![Vec::new()])?);
+            ctx.register_table(name.as_str(), Arc::clone(&table) as _)?;
+            statics.insert(name.clone(), (table, None));
+        }
         let providers = tables
             .iter()
             .map(|(name, (_, table))| (name.clone(), Arc::clone(table) as _))
@@ -294,6 +305,7 @@ impl StreamingQuery {
             allowed_lateness: micros(settings.allowed_lateness),
             mode: settings.output_mode,
             state_ttl: settings.state_ttl.map(micros),
+            statics: &settings.static_tables.keys().cloned().collect(),
         };
         let stateful = plan_stateful(&ctx, &plan, &uses, stateful_settings).await?;
         let plan = if settings.lineage && stateful.is_none() {
@@ -326,6 +338,7 @@ impl StreamingQuery {
             tables: SourceTables {
                 ctx,
                 tables,
+                statics,
                 partitions,
             },
             plan,
@@ -347,6 +360,30 @@ impl StreamingQuery {
     /// The schema of the rows the query produces.
     pub fn output_schema(&self) -> SchemaRef {
         Arc::new(self.plan.schema().as_arrow().clone())
+    }
+
+    /// The version of static table `name` whose rows the query holds, if any.
+    pub fn table_version(&self, name: &str) -> Option<&str> {
+        self.tables.statics.get(name)?.1.as_deref()
+    }
+
+    /// Makes `rows` (static table `name` at `version`) what the query joins from now on.
+    ///
+    /// # Errors
+    /// If the query has no static table `name`.
+    pub async fn load_table(
+        &mut self,
+        name: &str,
+        version: &str,
+        rows: Vec<RecordBatch>,
+    ) -> Result<()> {
+        let (table, loaded) =
+            self.tables.statics.get_mut(name).ok_or_else(|| {
+                Error::InvalidJob(format!("the query has no static table '{name}'"))
+            })?;
+        *table.batches[0].write().await = rows;
+        *loaded = Some(version.to_string());
+        Ok(())
     }
 
     /// Whether the query carries state between batches (an aggregate).
@@ -877,6 +914,75 @@ mod tests {
     fn source() -> (SchemaRef, RecordBatch) {
         let codes = ["1", "2", "x", "4", "y", "6"].map(String::from).to_vec();
         code_batch(codes, vec![0, 0, 1, 1, 2, 2])
+    }
+
+    /// A stream row joined with a static table: the table's rows are the loaded version's, a
+    /// row failing on a value it joined is isolated like any other, and loading another
+    /// version changes what the next run joins.
+    #[tokio::test]
+    async fn a_static_table_joins_at_the_loaded_version_and_failing_rows_are_isolated() {
+        let (schema, batch) = code_batch(["1", "2", "3"].map(String::from).to_vec(), vec![0, 1, 2]);
+        let table_schema = Arc::new(Schema::new(vec![
+            Field::new("code", DataType::Utf8, false),
+            Field::new("label", DataType::Utf8, false),
+        ]));
+        let version = |labels: [&str; 3]| {
+            RecordBatch::try_new(
+                Arc::clone(&table_schema),
+                vec![
+                    Arc::new(StringArray::from(vec!["1", "2", "3"])),
+                    Arc::new(StringArray::from(labels.to_vec())),
+                ],
+            )
+            .unwrap()
+        };
+        let settings = QuerySettings {
+            static_tables: BTreeMap::from([("labels".to_string(), Arc::clone(&table_schema))]),
+            ..lineage()
+        };
+        let mut query = StreamingQuery::plan(
+            "SELECT t.code, CAST(l.label AS INT) AS n FROM t JOIN labels l ON t.code = l.code",
+            &[("t".into(), schema)],
+            &settings,
+        )
+        .await
+        .unwrap();
+        assert!(!query.is_stateful());
+        let inputs = BTreeMap::from([("t".to_string(), batch)]);
+        let mut run = async |version: &str, rows: RecordBatch| {
+            query
+                .load_table("labels", version, vec![rows])
+                .await
+                .unwrap();
+            assert_eq!(query.table_version("labels"), Some(version));
+            let out = query
+                .execute_isolating(&inputs, BatchWatermark::default())
+                .await
+                .unwrap();
+            let mut n: Vec<i64> = out
+                .batches
+                .iter()
+                .flat_map(|b| {
+                    let column = b.column_by_name("n").unwrap();
+                    let cast = arrow::compute::cast(column, &DataType::Int64).unwrap();
+                    cast.as_any()
+                        .downcast_ref::<Int64Array>()
+                        .unwrap()
+                        .values()
+                        .to_vec()
+                })
+                .collect();
+            n.sort_unstable();
+            (n, out.failed.len())
+        };
+        assert_eq!(
+            run("0", version(["10", "x", "30"])).await,
+            (vec![10, 30], 1)
+        );
+        assert_eq!(
+            run("1", version(["11", "21", "31"])).await,
+            (vec![11, 21, 31], 0)
+        );
     }
 
     #[tokio::test]

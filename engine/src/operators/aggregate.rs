@@ -132,6 +132,8 @@ pub(crate) struct StatefulSettings<'a> {
     pub(crate) mode: OutputMode,
     /// Running aggregates: how long a group outlives its newest event, µs.
     pub(crate) state_ttl: Option<i64>,
+    /// The static tables (joined whole; every other table is a stream).
+    pub(crate) statics: &'a BTreeSet<String>,
 }
 
 /// A query's stateful aggregate, its state, and what runs above it.
@@ -297,14 +299,16 @@ pub(crate) async fn plan_stateful(
     uses: &[WindowUse],
     settings: StatefulSettings<'_>,
 ) -> Result<Option<StatefulAggregate>> {
-    if super::stateful_node(plan).is_none() {
+    let statics = settings.statics;
+    if super::stateful_node(plan, statics).is_none() {
         return Ok(None);
     }
     // The aggregates whose input needs no state: the candidates.
     let mut aggregates: Vec<LogicalPlan> = Vec::new();
     let _ = plan.apply(|node| {
         if let LogicalPlan::Aggregate(a) = node
-            && super::stateful_node(&a.input).is_none()
+            && super::reads_stream(&a.input, statics)
+            && super::stateful_node(&a.input, statics).is_none()
             && !aggregates.contains(node)
         {
             aggregates.push(node.clone());
@@ -313,11 +317,13 @@ pub(crate) async fn plan_stateful(
     });
     let original = match aggregates.as_slice() {
         [] => {
-            let node = super::stateful_node(plan).unwrap_or_default();
+            let node = super::stateful_node(plan, statics).unwrap_or_default();
             return Err(Error::UnsupportedQuery(format!(
                 "`{node}` needs state across batches; streaming jobs run SELECT with expressions, \
-                 WHERE, UNION ALL, UNNEST, and one aggregate (over tumble/hop windows, or a \
-                 running aggregate in update mode) — no joins, ORDER BY, LIMIT or DISTINCT below it"
+                 WHERE, UNION ALL, UNNEST, inner or left joins of a stream with a static table \
+                 ([tables.NAME] in a job file), and one aggregate (over tumble/hop windows, or a \
+                 running aggregate in update mode) — no join of two streams, no ORDER BY, LIMIT \
+                 or DISTINCT below it"
             )));
         }
         [one] => one.clone(),

@@ -18,11 +18,13 @@
 //! This module depends on nothing of the query planner: the types an operator's execution
 //! yields ([`QueryOutput`], [`FailedRow`]) are defined here and used by [`crate::query`].
 
+use std::collections::BTreeSet;
+
 use arrow::array::RecordBatch;
 use arrow::error::ArrowError;
 use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::error::DataFusionError;
-use datafusion::logical_expr::LogicalPlan;
+use datafusion::logical_expr::{JoinType, LogicalPlan};
 
 use crate::error::Error;
 
@@ -122,30 +124,61 @@ fn external_data_error(error: &(dyn std::error::Error + Send + Sync + 'static)) 
     }
 }
 
-/// The first node that makes the plan's result depend on how the input is split into batches
-/// (an aggregate, join, sort, limit, distinct, window function), as text; `None` if there is
-/// none.
-pub(crate) fn stateful_node(plan: &LogicalPlan) -> Option<String> {
-    let mut problem = None;
+/// The first node that makes the plan's result depend on how the stream is split into batches
+/// (an aggregate, join, sort, limit, distinct, window function over a stream), as text; `None`
+/// if there is none. `statics` names the static tables, read whole at the batch's version: a
+/// subtree reading only static tables may hold anything. Every other scan is a stream (a
+/// source, or a window function over one).
+///
+/// A join of a stream with a static table needs no state when every output row comes from a
+/// stream row of this batch: an inner join, a left (semi, anti) join with the stream on the
+/// left, or the mirror image. A join that keeps the table's unmatched rows (the table's side
+/// outer, a full join) would emit them again every batch; two streams need the join state
+/// the engine does not have yet — both are refused.
+pub(crate) fn stateful_node(plan: &LogicalPlan, statics: &BTreeSet<String>) -> Option<String> {
+    if !reads_stream(plan, statics) {
+        return None;
+    }
+    match plan {
+        LogicalPlan::Projection(_)
+        | LogicalPlan::Filter(_)
+        | LogicalPlan::TableScan(_)
+        | LogicalPlan::SubqueryAlias(_)
+        | LogicalPlan::Union(_)
+        | LogicalPlan::Unnest(_)
+        | LogicalPlan::EmptyRelation(_)
+        | LogicalPlan::Values(_) => plan
+            .inputs()
+            .into_iter()
+            .find_map(|input| stateful_node(input, statics)),
+        LogicalPlan::Join(join) => {
+            let left = reads_stream(&join.left, statics);
+            let right = reads_stream(&join.right, statics);
+            let stream_side = match (left, right, join.join_type) {
+                (true, false, JoinType::Inner | JoinType::Left)
+                | (true, false, JoinType::LeftSemi | JoinType::LeftAnti) => &join.left,
+                (false, true, JoinType::Inner | JoinType::Right)
+                | (false, true, JoinType::RightSemi | JoinType::RightAnti) => &join.right,
+                _ => return Some(plan.display().to_string()),
+            };
+            stateful_node(stream_side, statics)
+        }
+        _ => Some(plan.display().to_string()),
+    }
+}
+
+/// Whether `plan` scans a stream: any table but the `statics`.
+pub(crate) fn reads_stream(plan: &LogicalPlan, statics: &BTreeSet<String>) -> bool {
+    let mut found = false;
     // The visitor never fails.
     let _ = plan.apply(|node| {
-        let allowed = matches!(
-            node,
-            LogicalPlan::Projection(_)
-                | LogicalPlan::Filter(_)
-                | LogicalPlan::TableScan(_)
-                | LogicalPlan::SubqueryAlias(_)
-                | LogicalPlan::Union(_)
-                | LogicalPlan::Unnest(_)
-                | LogicalPlan::EmptyRelation(_)
-                | LogicalPlan::Values(_)
-        );
-        if allowed {
-            Ok(TreeNodeRecursion::Continue)
-        } else {
-            problem = Some(node.display().to_string());
-            Ok(TreeNodeRecursion::Stop)
+        if let LogicalPlan::TableScan(scan) = node
+            && !statics.contains(scan.table_name.table())
+        {
+            found = true;
+            return Ok(TreeNodeRecursion::Stop);
         }
+        Ok(TreeNodeRecursion::Continue)
     });
-    problem
+    found
 }

@@ -1,0 +1,308 @@
+//! Stream-static joins: a stream joined with a Delta dimension table (`[tables.NAME]`), each
+//! batch at the table version its intent recorded — across SIGKILLs, a rerun joins the version
+//! its first attempt recorded even after the table changed — and the golden cases under
+//! `integration/golden/`, each run straight through and again with a crash at a named point.
+
+use std::collections::BTreeMap;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use arrow::array::{Int64Array, RecordBatch, StringArray};
+use arrow::datatypes::{DataType, Field, Schema};
+use deltalake::protocol::SaveMode;
+use serde_json::Value;
+
+use crate::support::*;
+
+/// Writes `users` (user_id → country) as the whole Delta table at `path` (a new version).
+async fn write_users(path: &Path, users: &[(i64, &str)]) {
+    std::fs::create_dir_all(path).unwrap();
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("user_id", DataType::Int64, false),
+        Field::new("country", DataType::Utf8, true),
+    ]));
+    let batch = RecordBatch::try_new(
+        schema,
+        vec![
+            Arc::new(Int64Array::from_iter_values(users.iter().map(|u| u.0))),
+            Arc::new(StringArray::from_iter_values(users.iter().map(|u| u.1))),
+        ],
+    )
+    .unwrap();
+    let url = url::Url::from_directory_path(path).unwrap();
+    deltalake::DeltaTable::try_from_url(url)
+        .await
+        .unwrap()
+        .write(vec![batch])
+        .with_save_mode(SaveMode::Overwrite)
+        .await
+        .unwrap();
+}
+
+/// One JSON file of events `(id, user_id)`, ten seconds apart from `09:MM:00`.
+fn write_events(dir: &Path, name: &str, minute: u32, events: &[(i64, i64)]) {
+    std::fs::create_dir_all(dir).unwrap();
+    let text: String = events
+        .iter()
+        .enumerate()
+        .map(|(i, (id, user))| {
+            format!(
+                r#"{{"id":{id},"user_id":{user},"code":"c{id}","amount":{id}.5,"ts":"2026-11-01T09:{minute:02}:{:02}Z"}}"#,
+                i * 10 % 60
+            ) + "\n"
+        })
+        .collect();
+    std::fs::write(dir.join(name), text).unwrap();
+}
+
+/// A job file over `input` and the Delta table `users`, writing to `out`.
+fn write_join_job(ws: &Path, job_id: &str, input: &Path, users: &Path, out: &Path, sql: &str) {
+    let job = write_job_with(&ws.join("job.toml"), job_id, input, out, 1, sql, "");
+    let mut text = std::fs::read_to_string(&job).unwrap();
+    text.push_str(&format!(
+        "\n[tables.users]\nkind = \"delta\"\npath = \"{}\"\n",
+        users.display()
+    ));
+    std::fs::write(&job, text).unwrap();
+}
+
+const LEFT_JOIN: &str = "SELECT e.id, e.user_id, u.country FROM events e \
+    LEFT JOIN users u ON e.user_id = u.user_id";
+
+/// A left join of the stream with a Delta table that changes while the job runs, killed after
+/// batch 1's manifest: the rerun of batch 1 joins version 0 (what its intent recorded), not the
+/// newer version 1 written meanwhile; batch 2 joins version 1. Every event is in the output
+/// once, users missing from the table with a null country.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stream_joins_a_delta_table_at_the_version_each_batch_recorded() {
+    let ws = tempfile::tempdir().unwrap();
+    let input = ws.path().join("input");
+    let users = ws.path().join("users");
+    let out = ws.path().join("out");
+    write_users(&users, &[(0, "fr"), (1, "de"), (2, "us")]).await;
+    // User 3 is in no version of the table.
+    let files: [Vec<(i64, i64)>; 3] = [
+        (1..=6).map(|id| (id, id % 4)).collect(),
+        (7..=12).map(|id| (id, id % 4)).collect(),
+        (13..=18).map(|id| (id, id % 4)).collect(),
+    ];
+    for (i, events) in files.iter().enumerate() {
+        write_events(
+            &input,
+            &format!("{}.json", (b'a' + i as u8) as char),
+            i as u32,
+            events,
+        );
+    }
+    write_join_job(ws.path(), "enrich", &input, &users, &out, LEFT_JOIN);
+    let job = ws.path().join("job.toml");
+    let job = job.to_str().unwrap();
+
+    let validated = run_sluice(&["validate", job], &[]);
+    assert_ok(&validated);
+    let text = String::from_utf8_lossy(&validated.stdout);
+    assert!(text.contains("table users (static"), "{text}");
+    assert!(text.contains("state: none"), "{text}");
+
+    // Batch 0 commits; batch 1 is killed after its manifest (its intent recorded version 0).
+    let killed = run_sluice(&["run", job], &[("SLUICE_CRASH_AT", "after_manifest:1")]);
+    assert_eq!(killed.status.signal(), Some(9), "{killed:?}");
+    // The table changes: user 2 moves, user 0 leaves.
+    write_users(&users, &[(1, "de"), (2, "es")]).await;
+    assert_ok(&run_sluice(&["run", job], &[]));
+
+    let version = |v: u32| {
+        let path = out.join(format!("_sluice/enrich/batches/{v}/manifest.json"));
+        let manifest: Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+        manifest["table_versions"]["users"].clone()
+    };
+    assert_eq!([version(0), version(1), version(2)], ["0", "0", "1"]);
+
+    let v0: BTreeMap<i64, &str> = [(0, "fr"), (1, "de"), (2, "us")].into();
+    let v1: BTreeMap<i64, &str> = [(1, "de"), (2, "es")].into();
+    let mut expected: Vec<(i64, Option<String>)> = Vec::new();
+    for (batch, events) in files.iter().enumerate() {
+        let table = if batch < 2 { &v0 } else { &v1 };
+        for (id, user) in events {
+            expected.push((*id, table.get(user).map(|c| c.to_string())));
+        }
+    }
+    let mut got: Vec<(i64, Option<String>)> = table_values(&out, &[])
+        .await
+        .iter()
+        .map(|r| {
+            (
+                r["id"].as_i64().unwrap(),
+                r.get("country").and_then(Value::as_str).map(String::from),
+            )
+        })
+        .collect();
+    got.sort();
+    assert_eq!(got, expected);
+    // The lineage columns came through the join.
+    let rows = table_values(&out, &[]).await;
+    assert!(
+        rows.iter()
+            .all(|r| r.get("_source_offset").is_some_and(Value::is_i64)),
+        "{rows:?}"
+    );
+
+    // Backfill and reconcile cannot know each row's version yet: refused before reading.
+    let refused = run_sluice(&["backfill", job, "--from", "0:0", "--to", "0:1"], &[]);
+    assert_fails_saying(
+        &refused,
+        &["backfill of a job joining static tables (users) is not available yet"],
+    );
+    let refused = run_sluice(
+        &[
+            "reconcile",
+            job,
+            "--from-time",
+            "2026-11-01T09:00:00Z",
+            "--to-time",
+            "2026-11-01T09:01:00Z",
+        ],
+        &[],
+    );
+    assert_fails_saying(
+        &refused,
+        &["reconcile of a job joining static tables (users) is not available yet"],
+    );
+}
+
+/// The joins a stream may take part in without state: the stream inner- or left-joined with a
+/// table. A join keeping the table's unmatched rows would emit them every batch: refused by
+/// name, as is a stream joined with itself.
+#[tokio::test(flavor = "multi_thread")]
+async fn joins_that_would_need_state_are_refused_by_name() {
+    let ws = tempfile::tempdir().unwrap();
+    let input = ws.path().join("input");
+    let users = ws.path().join("users");
+    let out = ws.path().join("out");
+    write_users(&users, &[(0, "fr")]).await;
+    write_events(&input, "a.json", 0, &[(1, 0)]);
+    for sql in [
+        "SELECT e.id, u.country FROM users u LEFT JOIN events e ON e.user_id = u.user_id",
+        "SELECT e.id, u.country FROM events e FULL JOIN users u ON e.user_id = u.user_id",
+        "SELECT a.id, b.id AS other FROM events a JOIN events b ON a.user_id = b.user_id",
+    ] {
+        write_join_job(ws.path(), "refused", &input, &users, &out, sql);
+        let out = run_sluice(
+            &["validate", ws.path().join("job.toml").to_str().unwrap()],
+            &[],
+        );
+        assert_fails_saying(
+            &out,
+            &["needs state across batches", "no join of two streams"],
+        );
+    }
+    // Anything on the table's side: an aggregate over the table joined to the stream.
+    let sql = "SELECT e.id, c.n FROM events e JOIN \
+        (SELECT country, count(*) AS n FROM users GROUP BY country) c ON c.country = 'fr'";
+    write_join_job(ws.path(), "table_side", &input, &users, &out, sql);
+    let job = ws.path().join("job.toml");
+    assert_ok(&run_sluice(&["run", job.to_str().unwrap()], &[]));
+    let rows = table_values(&out, &["_source_partition", "_source_offset"]).await;
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0]["n"], 1);
+}
+
+/// A golden case: `integration/golden/<case>/` holds `job.toml` (paths relative to a work
+/// folder: `input/`, `tables/<name>`, `out`), `input/` (the stream's files), `tables/<name>.jsonl`
+/// (each static table's rows, written as a Delta table before the run), `expected.jsonl` (the
+/// hand-checked output rows, lineage columns left out) and `crash` (a named crash point, e.g.
+/// `after_commit:1`). The case runs straight through, and again from scratch killed at the
+/// crash point and restarted; both outputs must equal the expected rows.
+async fn run_golden_case(case: &Path) {
+    let expected: Vec<Value> = std::fs::read_to_string(case.join("expected.jsonl"))
+        .unwrap()
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let mut expected: Vec<String> = expected.iter().map(Value::to_string).collect();
+    expected.sort();
+    let crash = std::fs::read_to_string(case.join("crash")).unwrap();
+    for crash_at in [None, Some(crash.trim())] {
+        let ws = tempfile::tempdir().unwrap();
+        copy_dir(&case.join("input"), &ws.path().join("input"));
+        std::fs::copy(case.join("job.toml"), ws.path().join("job.toml")).unwrap();
+        for entry in std::fs::read_dir(case.join("tables")).into_iter().flatten() {
+            let path = entry.unwrap().path();
+            let name = path.file_stem().unwrap().to_str().unwrap().to_string();
+            write_jsonl_as_delta(&path, &ws.path().join("tables").join(name)).await;
+        }
+        let job = ws.path().join("job.toml");
+        let job = job.to_str().unwrap();
+        if let Some(point) = crash_at {
+            let killed = run_sluice(&["run", job], &[("SLUICE_CRASH_AT", point)]);
+            assert_eq!(
+                killed.status.signal(),
+                Some(9),
+                "{}: expected a SIGKILL at {point}: {}",
+                case.display(),
+                String::from_utf8_lossy(&killed.stderr)
+            );
+        }
+        assert_ok(&run_sluice(&["run", job], &[]));
+        let got: Vec<String> = table_values(
+            &ws.path().join("out"),
+            &["_source_partition", "_source_offset"],
+        )
+        .await
+        .into_iter()
+        .map(|r| Value::Object(r).to_string())
+        .collect();
+        assert_eq!(
+            got,
+            expected,
+            "golden case {} (crash at {crash_at:?})",
+            case.display()
+        );
+    }
+}
+
+/// Writes a JSON-lines file as a new Delta table (schema inferred from the rows).
+async fn write_jsonl_as_delta(jsonl: &Path, table: &Path) {
+    let file = std::fs::File::open(jsonl).unwrap();
+    let (schema, _) =
+        arrow::json::reader::infer_json_schema(std::io::BufReader::new(&file), None).unwrap();
+    let file = std::fs::File::open(jsonl).unwrap();
+    let reader = arrow::json::ReaderBuilder::new(Arc::new(schema))
+        .build(std::io::BufReader::new(file))
+        .unwrap();
+    let batches: Vec<RecordBatch> = reader.map(Result::unwrap).collect();
+    std::fs::create_dir_all(table).unwrap();
+    let url = url::Url::from_directory_path(table).unwrap();
+    deltalake::DeltaTable::try_from_url(url)
+        .await
+        .unwrap()
+        .write(batches)
+        .await
+        .unwrap();
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, to.join(path.file_name().unwrap())).unwrap();
+    }
+}
+
+/// Every case under `integration/golden/`.
+#[tokio::test(flavor = "multi_thread")]
+async fn golden_cases_give_their_expected_output_straight_and_after_a_crash() {
+    let root: PathBuf = repo_root().join("integration/golden");
+    let mut cases: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_dir())
+        .collect();
+    cases.sort();
+    assert!(!cases.is_empty(), "no golden case in {}", root.display());
+    for case in cases {
+        run_golden_case(&case).await;
+    }
+}
