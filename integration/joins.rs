@@ -1,7 +1,8 @@
 //! Stream-static joins: a stream joined with a Delta dimension table (`[tables.NAME]`), each
 //! batch at the table version its intent recorded — across SIGKILLs, a rerun joins the version
-//! its first attempt recorded even after the table changed — and the golden cases under
-//! `integration/golden/`, each run straight through and again with a crash at a named point.
+//! its first attempt recorded even after the table changed, and backfill and reconcile join each
+//! row with its batch's version — and the golden cases under `integration/golden/`, each run
+//! straight through and again with a crash at a named point.
 
 use std::collections::BTreeMap;
 use std::os::unix::process::ExitStatusExt;
@@ -67,13 +68,13 @@ fn write_join_job(ws: &Path, job_id: &str, input: &Path, users: &Path, out: &Pat
     std::fs::write(&job, text).unwrap();
 }
 
-const LEFT_JOIN: &str = "SELECT e.id, e.user_id, u.country FROM events e \
+const LEFT_JOIN: &str = "SELECT e.id, e.user_id, u.country, e.ts FROM events e \
     LEFT JOIN users u ON e.user_id = u.user_id";
 
 /// A left join of the stream with a Delta table that changes while the job runs, killed after
 /// batch 1's manifest: the rerun of batch 1 joins version 0 (what its intent recorded), not the
 /// newer version 1 written meanwhile; batch 2 joins version 1. Every event is in the output
-/// once, users missing from the table with a null country.
+/// once, users missing from the table with a null country. Reconcile and backfill agree.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_stream_joins_a_delta_table_at_the_version_each_batch_recorded() {
     let ws = tempfile::tempdir().unwrap();
@@ -148,64 +149,112 @@ async fn a_stream_joins_a_delta_table_at_the_version_each_batch_recorded() {
         "{rows:?}"
     );
 
-    // Backfill and reconcile cannot know each row's version yet: refused before reading.
-    let refused = run_sluice(&["backfill", job, "--from", "0:0", "--to", "0:1"], &[]);
-    assert_fails_saying(
-        &refused,
-        &["backfill of a job joining static tables (users) is not available yet"],
-    );
-    let refused = run_sluice(
-        &[
-            "reconcile",
-            job,
-            "--from-time",
-            "2026-11-01T09:00:00Z",
-            "--to-time",
-            "2026-11-01T09:01:00Z",
-        ],
+    // Reconcile joins each raw event with the version its batch joined (the version log):
+    // joining the newest version instead would differ on users 0 and 2 of batches 0 and 1.
+    let (from, to) = ("2026-11-01T09:00:00Z", "2026-11-01T09:03:00Z");
+    let reconciled = run_sluice(
+        &["reconcile", job, "--from-time", from, "--to-time", to],
         &[],
     );
-    assert_fails_saying(
-        &refused,
-        &["reconcile of a job joining static tables (users) is not available yet"],
+    assert_ok(&reconciled);
+    let text = String::from_utf8_lossy(&reconciled.stdout);
+    assert!(
+        text.contains("matching 18, missing 0, extra 0, different 0"),
+        "{text}"
     );
+    // A backfill of batch 1's file recomputes its rows at version 0 and of batch 2's at
+    // version 1: the table is unchanged.
+    let before = table_rows(&out).await;
+    for (from, to) in [("0:1", "0:2"), ("0:2", "0:3")] {
+        let done = run_sluice(&["backfill", job, "--from", from, "--to", to], &[]);
+        assert_ok(&done);
+    }
+    assert_eq!(table_rows(&out).await, before);
+    // A wrong country in the table is caught.
+    let table = deltalake::open_table(url::Url::from_directory_path(&out).unwrap())
+        .await
+        .unwrap();
+    table
+        .update()
+        .with_predicate("id = 14")
+        .with_update("country", "'us'")
+        .await
+        .unwrap();
+    let reconciled = run_sluice(
+        &["reconcile", job, "--from-time", from, "--to-time", to],
+        &[],
+    );
+    let text = String::from_utf8_lossy(&reconciled.stdout);
+    assert!(!reconciled.status.success(), "{text}");
+    assert!(text.contains("different 1"), "{text}");
 }
 
 /// The joins a stream may take part in without state: the stream inner- or left-joined with a
-/// table. A join keeping the table's unmatched rows would emit them every batch: refused by
-/// name, as is a stream joined with itself.
+/// table, a semi join (`IN`) over the table, anything on the table's side. Each other shape is
+/// refused naming the node at fault and why.
 #[tokio::test(flavor = "multi_thread")]
 async fn joins_that_would_need_state_are_refused_by_name() {
     let ws = tempfile::tempdir().unwrap();
     let input = ws.path().join("input");
     let users = ws.path().join("users");
     let out = ws.path().join("out");
-    write_users(&users, &[(0, "fr")]).await;
-    write_events(&input, "a.json", 0, &[(1, 0)]);
-    for sql in [
-        "SELECT e.id, u.country FROM users u LEFT JOIN events e ON e.user_id = u.user_id",
-        "SELECT e.id, u.country FROM events e FULL JOIN users u ON e.user_id = u.user_id",
-        "SELECT a.id, b.id AS other FROM events a JOIN events b ON a.user_id = b.user_id",
+    write_users(&users, &[(0, "fr"), (1, "de")]).await;
+    write_events(&input, "a.json", 0, &[(1, 0), (2, 1), (3, 2)]);
+    let job = ws.path().join("job.toml");
+    let job = job.to_str().unwrap();
+    let unmatched = "would emit them again every batch";
+    for (sql, wanted) in [
+        (
+            "SELECT e.id, u.country FROM users u LEFT JOIN events e ON e.user_id = u.user_id",
+            ["Left Join", unmatched],
+        ),
+        (
+            "SELECT e.id, u.country FROM events e FULL JOIN users u ON e.user_id = u.user_id",
+            ["Full Join", unmatched],
+        ),
+        (
+            "SELECT a.id, b.id AS other FROM events a JOIN events b ON a.user_id = b.user_id",
+            ["Inner Join", "a join of two streams"],
+        ),
+        (
+            "SELECT window_start, count(*) AS n FROM tumble(events, ts, INTERVAL '1' MINUTE) e \
+             FULL JOIN users u ON e.user_id = u.user_id GROUP BY window_start, window_end",
+            ["Full Join", unmatched],
+        ),
+        (
+            "SELECT id FROM events WHERE user_id IN (SELECT user_id FROM events WHERE id > 1)",
+            [
+                "Filter",
+                "a subquery over a stream would see only the batch's rows",
+            ],
+        ),
+        (
+            "SELECT id, user_id FROM events UNION ALL SELECT user_id AS id, user_id FROM users",
+            [
+                "Union",
+                "a UNION of the stream with a table or constant rows",
+            ],
+        ),
+        (
+            "SELECT user_id FROM users",
+            ["reads no source", "tables are joined"],
+        ),
     ] {
         write_join_job(ws.path(), "refused", &input, &users, &out, sql);
-        let out = run_sluice(
-            &["validate", ws.path().join("job.toml").to_str().unwrap()],
-            &[],
-        );
-        assert_fails_saying(
-            &out,
-            &["needs state across batches", "no join of two streams"],
-        );
+        assert_fails_saying(&run_sluice(&["validate", job], &[]), &wanted);
     }
-    // Anything on the table's side: an aggregate over the table joined to the stream.
+    // A semi join over the table, and an aggregate on the table's side, run.
     let sql = "SELECT e.id, c.n FROM events e JOIN \
-        (SELECT country, count(*) AS n FROM users GROUP BY country) c ON c.country = 'fr'";
+        (SELECT country, count(*) AS n FROM users GROUP BY country) c ON c.country = 'fr' \
+        WHERE e.user_id IN (SELECT user_id FROM users WHERE country = 'de')";
     write_join_job(ws.path(), "table_side", &input, &users, &out, sql);
-    let job = ws.path().join("job.toml");
-    assert_ok(&run_sluice(&["run", job.to_str().unwrap()], &[]));
+    assert_ok(&run_sluice(&["run", job], &[]));
     let rows = table_values(&out, &["_source_partition", "_source_offset"]).await;
     assert_eq!(rows.len(), 1, "{rows:?}");
-    assert_eq!(rows[0]["n"], 1);
+    assert_eq!(
+        (rows[0]["id"].as_i64(), rows[0]["n"].as_i64()),
+        (Some(2), Some(1))
+    );
 }
 
 /// A golden case: `integration/golden/<case>/` holds `job.toml` (paths relative to a work

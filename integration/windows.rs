@@ -260,7 +260,7 @@ async fn a_restart_refuses_state_another_query_wrote_and_restores_old_manifests(
         .unwrap()
         .to_string();
     assert!(
-        fingerprint.starts_with("aggregate: tumble(1m) over events.ts"),
+        fingerprint.starts_with("aggregate over tumble(1m, events.ts)"),
         "{fingerprint}"
     );
     assert_eq!(
@@ -275,8 +275,8 @@ async fn a_restart_refuses_state_another_query_wrote_and_restores_old_manifests(
     assert_fails_saying(
         &refused,
         &[
-            "holds state of operator 0-aggregate written by `aggregate: tumble(1m)",
-            "but this query plans `aggregate: tumble(2m)",
+            "holds state of operator 0-aggregate written by `aggregate over tumble(1m, events.ts)",
+            "but this query plans `aggregate over tumble(2m, events.ts)",
             "nothing was read or committed",
         ],
     );

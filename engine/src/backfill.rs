@@ -76,6 +76,7 @@ use crate::query::BatchWatermark;
 use crate::query::StreamingQuery;
 use crate::sink::{CommitOutcome, RecomputedRows, ReplacedWindows, Replacement, Sink, TableScan};
 use crate::source::{DeadLetter, SOURCE_OFFSET, SOURCE_PARTITION};
+use crate::static_table::TablesAtVersions;
 use crate::watermark::display_watermark;
 use crate::window::{WINDOW_END, WINDOW_START, WindowKind, WindowUse};
 use tracing::{info, warn};
@@ -211,19 +212,9 @@ impl Job {
                 location: self.sink.location().to_string(),
             });
         }
-        if !self.tables.is_empty() {
-            let names: Vec<&str> = self.tables.iter().map(|t| t.name.as_str()).collect();
-            return Err(Error::UnsupportedQuery(format!(
-                "backfill of a job joining static tables ({}) is not available yet: each streamed \
-                 batch joined the tables at the version its intent recorded, and replacing a range would \
-                 need each row's version, which outlives the batch only in its purged manifest; \
-                 nothing was read",
-                names.join(", ")
-            )));
-        }
         let checkpoint = checkpoint_location(&self)?;
         let mut settings = query_settings(&self);
-        let (sources, _tables, query) = open_sources_and_query(
+        let (sources, tables, query) = open_sources_and_query(
             self.sources,
             self.tables,
             &self.query,
@@ -410,6 +401,8 @@ impl Job {
             )));
         }
 
+        // Each row joins the static tables at the version its streamed batch joined.
+        let tables = TablesAtVersions::open(tables, &checkpoint).await?;
         let mut sink = self.sink;
         sink.open(&self.id, query.output_tables()).await?;
         let [source]: [OpenSource; 1] = sources
@@ -419,6 +412,7 @@ impl Job {
             let (report, replaced, rows) = recompute_windows(
                 &source,
                 query,
+                &tables,
                 report,
                 windows,
                 &future,
@@ -442,6 +436,7 @@ impl Job {
             schema: output_schema,
             source,
             query: tokio::sync::Mutex::new(query),
+            tables,
             expectations,
             ranges: report.spec.ranges.clone(),
             future,
@@ -517,6 +512,8 @@ struct StatelessRows {
     schema: SchemaRef,
     source: OpenSource,
     query: tokio::sync::Mutex<StreamingQuery>,
+    /// The static tables, each row joined at its streamed batch's version.
+    tables: TablesAtVersions,
     expectations: Expectations,
     ranges: BTreeMap<PartitionId, OffsetRange>,
     future: FutureTimes,
@@ -549,10 +546,12 @@ impl StatelessRows {
         tally.dead_letters.extend(letters);
         let inputs = BTreeMap::from([(self.source.name.clone(), rows)]);
         let result = self
-            .query
-            .lock()
-            .await
-            .execute_isolating(&inputs, BatchWatermark::default())
+            .tables
+            .execute_isolating(
+                &mut *self.query.lock().await,
+                &inputs,
+                BatchWatermark::default(),
+            )
             .await?;
         for failed in &result.failed {
             tally
@@ -912,9 +911,11 @@ fn event_times(rows: &RecordBatch, column: &str) -> Result<Vec<i64>> {
 /// expectations, and the dead letters of the range's own offsets, for [`replace`]. The committed offsets are read chunk by chunk and only
 /// the rows of the span are fed to the query, so memory holds the windows' state, not the
 /// job's history.
+#[allow(clippy::too_many_arguments)]
 async fn recompute_windows(
     source: &OpenSource,
     mut query: StreamingQuery,
+    tables: &TablesAtVersions,
     mut report: BackfillReport,
     windows: CoveredWindows,
     future: &FutureTimes,
@@ -944,9 +945,8 @@ async fn recompute_windows(
         );
         let rows = rows_in_period(&rows, time, windows.span.0, windows.span.1)?;
         rows_in += rows.num_rows() as u64;
-        let part = query
-            .feed_bounded(&BTreeMap::from([(source.name.clone(), rows)]), None)
-            .await?;
+        let inputs = BTreeMap::from([(source.name.clone(), rows)]);
+        let part = tables.feed_bounded(&mut query, &inputs, None).await?;
         for failed in &part.failed {
             let letter = dead_letter_from_row(&failed.row, &failed.error)?;
             if in_range(&letter.partition, letter.offset) {

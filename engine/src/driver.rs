@@ -69,7 +69,7 @@ use crate::query::{BatchWatermark, Query, QuerySettings, StreamingQuery};
 use crate::sink::{BatchCommit, CommitOutcome, Compaction, Sink};
 use crate::source::DeadLetter;
 use crate::source::SchemaInference;
-use crate::static_table::StaticTables;
+use crate::static_table::{StaticTables, VersionLog};
 use crate::watermark::{
     SourcePartition, Watermark, WatermarkRules, display_watermark, max_event_time_by_partition,
 };
@@ -756,7 +756,7 @@ impl Pipeline {
 
     /// Step 5, before executing: each static table at the version the intent records, read
     /// only when it is not the version the query holds (a query planned again because a
-    /// source's schema grew holds none). An intent from before tables
+    /// source's schema grew holds none), and recorded in the table's version log. An intent from before tables
     /// were recorded, or one that lacks a table added since, takes the newest version.
     async fn load_tables(&mut self, batch: &Batch) -> Result<()> {
         for name in self.tables.names() {
@@ -772,6 +772,17 @@ impl Pipeline {
             }
             let rows = self.tables.read(&name, &version).await?;
             info!(batch_id = batch.id().0, table = %name, version = %version, rows = rows.iter().map(|b| b.num_rows()).sum::<usize>(), "static table loaded");
+            // Backfill and reconcile find each row's version here once the intent is purged.
+            let from = batch
+                .intent
+                .ranges
+                .iter()
+                .map(|(source, parts)| {
+                    let starts = parts.iter().map(|(p, r)| (p.clone(), r.start)).collect();
+                    (source.clone(), starts)
+                })
+                .collect();
+            VersionLog::record(&self.checkpoint, &name, batch.id(), &version, from).await?;
             self.query.load_table(&name, &version, rows).await?;
         }
         Ok(())
@@ -931,16 +942,27 @@ impl Pipeline {
             counters: batch.counters.clone(),
             lag: consumer_lag(&self.latest_at_plan, &batch.end_offsets),
             planned_at_micros: batch.intent.planned_at_micros,
-            table_versions: batch.intent.table_versions.clone(),
+            // What was joined: the intent's versions, or the newest for a table the intent
+            // does not name (an intent written before the table was added).
+            table_versions: self
+                .tables
+                .names()
+                .into_iter()
+                .filter_map(|name| {
+                    let version = self.query.table_version(&name)?.to_string();
+                    Some((name, version))
+                })
+                .collect(),
             behind: still_behind(&self.behind, &batch.intent.skipped, &batch.end_offsets),
         };
         let in_force = self.checkpoint.write_manifest(manifest.clone()).await?;
         let same_batch = in_force.end_offsets == manifest.end_offsets
-            && in_force.watermark_micros == manifest.watermark_micros;
+            && in_force.watermark_micros == manifest.watermark_micros
+            && in_force.table_versions == manifest.table_versions;
         if !same_batch {
             return Err(Error::InvalidJob(format!(
-                "the manifest {} was written by another run of batch {id} with other end offsets \
-                 or watermark than this run's ({} / {} here): the checkpoint belongs to another \
+                "the manifest {} was written by another run of batch {id} with other end offsets, \
+                 watermark or table versions than this run's ({} / {} here): the checkpoint belongs to another \
                  job or another version of its input. Give the job a fresh checkpoint",
                 self.checkpoint.manifest_location(id),
                 display_offsets(&manifest.end_offsets),

@@ -383,16 +383,18 @@ impl JobBuilder {
                 self.id
             )));
         }
-        let mut names: Vec<&str> = self
+        // One SQL namespace, where an unquoted name is lowercase.
+        let mut names: Vec<String> = self
             .sources
             .iter()
-            .map(|s| s.name.as_str())
-            .chain(self.tables.iter().map(|t| t.name.as_str()))
+            .map(|s| s.name.to_lowercase())
+            .chain(self.tables.iter().map(|t| t.name.to_lowercase()))
             .collect();
         names.sort_unstable();
         if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
             return Err(Error::InvalidJob(format!(
-                "source '{}' is defined twice (sources and tables share one SQL namespace)",
+                "'{}' names two sources or tables (sources and tables share one SQL namespace, \
+                 where case does not count)",
                 w[0]
             )));
         }

@@ -18,7 +18,7 @@
 //! splits the input in halves until the failing rows are found; they become dead letters and the
 //! rest proceeds. An error that occurs with no input at all is not about data and stops the job.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -224,6 +224,8 @@ pub struct BatchWatermark {
 pub struct StreamingQuery {
     tables: SourceTables,
     plan: LogicalPlan,
+    /// The table sides of the plan's joins with static tables (subtrees reading no stream).
+    table_sides: Vec<LogicalPlan>,
     stateful: Option<StatefulAggregate>,
     /// Update mode: the columns output rows are upserted on.
     merge_key: Option<Vec<String>>,
@@ -300,12 +302,25 @@ impl StreamingQuery {
         let plan = query.into().logical_plan(&ctx).await?;
         let uses = uses.lock().map(|u| u.clone()).unwrap_or_default();
         let micros = |d: Duration| i64::try_from(d.as_micros()).unwrap_or(i64::MAX);
+        // Table names as the catalog holds them (an unquoted name is lowercased).
+        let static_names: BTreeSet<String> = settings
+            .static_tables
+            .keys()
+            .map(|name| name.to_lowercase())
+            .collect();
+        if !crate::operators::reads_stream(&plan, &static_names) {
+            return Err(Error::UnsupportedQuery(
+                "the query reads no source: a streaming job's output comes from its sources' \
+                 rows (tables are joined to them)"
+                    .into(),
+            ));
+        }
         let stateful_settings = StatefulSettings {
             event_time: &settings.event_time,
             allowed_lateness: micros(settings.allowed_lateness),
             mode: settings.output_mode,
             state_ttl: settings.state_ttl.map(micros),
-            statics: &settings.static_tables.keys().cloned().collect(),
+            statics: &static_names,
         };
         let stateful = plan_stateful(&ctx, &plan, &uses, stateful_settings).await?;
         let plan = if settings.lineage && stateful.is_none() {
@@ -334,7 +349,19 @@ impl StreamingQuery {
                     .into(),
             ));
         }
+        let mut table_sides = Vec::new();
+        let _ = plan.apply(|node| {
+            if let LogicalPlan::Join(join) = node {
+                for side in [&join.left, &join.right] {
+                    if !crate::operators::reads_stream(side, &static_names) {
+                        table_sides.push(side.as_ref().clone());
+                    }
+                }
+            }
+            Ok(TreeNodeRecursion::Continue)
+        });
         Ok(StreamingQuery {
+            table_sides,
             tables: SourceTables {
                 ctx,
                 tables,
@@ -382,7 +409,36 @@ impl StreamingQuery {
                 Error::InvalidJob(format!("the query has no static table '{name}'"))
             })?;
         *table.batches[0].write().await = rows;
-        *loaded = Some(version.to_string());
+        *loaded = None;
+        // The join's table side, run once per version: an error there (a failing CAST of a
+        // table column) fails the batch, rather than failing every stream row it meets, which
+        // would make each one a dead letter.
+        for side in &self.table_sides {
+            let mut reads = false;
+            let _ = side.apply(|node| {
+                reads |= matches!(node, LogicalPlan::TableScan(scan)
+                    if scan.table_name.table().eq_ignore_ascii_case(name));
+                Ok(TreeNodeRecursion::Continue)
+            });
+            if reads {
+                let run = async {
+                    let df = self.tables.ctx.execute_logical_plan(side.clone()).await?;
+                    df.collect().await
+                };
+                run.await.map_err(|e| {
+                    Error::in_table(
+                        name,
+                        format!(
+                            "the query's side of the join fails on version {version}: {e} (in `{}`)",
+                            side.display()
+                        ),
+                    )
+                })?;
+            }
+        }
+        if let Some((_, loaded)) = self.tables.statics.get_mut(name) {
+            *loaded = Some(version.to_string());
+        }
         Ok(())
     }
 
@@ -469,7 +525,7 @@ impl StreamingQuery {
             let written = stateful.write_state(batch_id).await?;
             bytes_written += written.bytes_written;
             operators.insert(
-                stateful.describe(0).id,
+                StatefulAggregate::id(0),
                 OperatorCheckpoint {
                     fingerprint: stateful.fingerprint(),
                     files: written.live_files,
@@ -485,10 +541,11 @@ impl StreamingQuery {
     /// # Errors
     /// [`Error::StateOfAnotherQuery`], or a listed file is missing.
     pub async fn adopt_state(&mut self, manifest: &BatchManifest) -> Result<()> {
-        let Some(stateful) = self.stateful.as_ref() else {
-            return Ok(());
-        };
-        let location = stateful.state_location().unwrap_or_default();
+        let location = self
+            .stateful
+            .as_ref()
+            .and_then(StatefulAggregate::state_location)
+            .unwrap_or_default();
         let files = self.recorded_state_files(manifest, &location)?;
         match self.stateful.as_mut() {
             Some(stateful) => stateful.adopt_state(&files).await,
@@ -510,7 +567,7 @@ impl StreamingQuery {
         let planned: BTreeMap<String, String> = self
             .stateful
             .iter()
-            .map(|s| (s.describe(0).id, s.fingerprint()))
+            .map(|s| (StatefulAggregate::id(0), s.fingerprint()))
             .collect();
         let mismatch = |operator: &str, recorded: String, planned: String| {
             Err(Error::StateOfAnotherQuery {
@@ -610,30 +667,9 @@ impl StreamingQuery {
 }
 
 impl StreamingQuery {
-    /// The query as one bounded run over `parts`: each part's rows under its own watermark in
-    /// force (rows of windows it had closed left out; `None`: every row counts), then — for a
-    /// windowed query — every window finished. Reconciliation replays late rows this way.
-    ///
-    /// # Errors
-    /// As [`StreamingQuery::execute_isolating`].
-    pub(crate) async fn execute_bounded(
-        &mut self,
-        parts: Vec<(BTreeMap<String, RecordBatch>, Option<i64>)>,
-    ) -> Result<QueryOutput> {
-        let mut out = QueryOutput::default();
-        for (inputs, watermark) in parts {
-            let part = self.feed_bounded(&inputs, watermark).await?;
-            out.batches.extend(part.batches);
-            out.failed.extend(part.failed);
-        }
-        let last = self.finish_bounded().await?;
-        out.batches.extend(last.batches);
-        out.failed.extend(last.failed);
-        Ok(out)
-    }
-
-    /// One part of a bounded run (see [`StreamingQuery::execute_bounded`]), so a long read can
-    /// be fed chunk by chunk: a stateless query returns the part's rows; a stateful one merges
+    /// One part of a bounded run: its rows under the watermark in force then (rows of windows
+    /// it had closed left out; `None`: every row counts), so a long read can be fed chunk by
+    /// chunk, and reconcile replays late rows under the watermark they met: a stateless query returns the part's rows; a stateful one merges
     /// the part into its state and returns only the rows that failed.
     ///
     /// # Errors

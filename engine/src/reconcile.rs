@@ -39,6 +39,7 @@ use crate::offsets::{BatchId, OffsetRange, PartitionId};
 use crate::query::StreamingQuery;
 use crate::sink::{Sink, TableScan};
 use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION};
+use crate::static_table::TablesAtVersions;
 use crate::watermark::display_watermark;
 use crate::window::{WINDOW_END, WINDOW_START, WindowKind};
 
@@ -104,19 +105,9 @@ impl Job {
                 "reconcile: the period is empty (--from-time must be before --to-time)".into(),
             ));
         }
-        if !self.tables.is_empty() {
-            let names: Vec<&str> = self.tables.iter().map(|t| t.name.as_str()).collect();
-            return Err(Error::UnsupportedQuery(format!(
-                "reconcile of a job joining static tables ({}) is not available yet: each streamed \
-                 batch joined the tables at the version its intent recorded, and recomputing a period would \
-                 need each row's version, which outlives the batch only in its purged manifest; \
-                 nothing was read",
-                names.join(", ")
-            )));
-        }
         let checkpoint = checkpoint_location(&self)?;
         let mut settings = query_settings(&self);
-        let (sources, _tables, query) = open_sources_and_query(
+        let (sources, tables, query) = open_sources_and_query(
             self.sources,
             self.tables,
             &self.query,
@@ -125,6 +116,8 @@ impl Job {
             false,
         )
         .await?;
+        // Each row joins the static tables at the version its streamed batch joined.
+        let tables = TablesAtVersions::open(tables, &checkpoint).await?;
         // The stream left out the rows its expectations dropped or quarantined; so does the
         // recomputation.
         let expectations = Expectations::plan(
@@ -163,6 +156,7 @@ impl Job {
                 self.sink.as_ref(),
                 committed,
                 query,
+                &tables,
                 &expectations,
                 from,
                 to,
@@ -202,7 +196,9 @@ impl Job {
         for s in &sources {
             inputs.insert(s.name.clone(), committed.read(s, from, to).await?);
         }
-        let recomputed = query.execute_bounded(vec![(inputs, None)]).await?;
+        let recomputed = tables
+            .execute_bounded(&mut query, vec![(inputs, None)])
+            .await?;
         let recomputed = expectations.apply(recomputed.batches)?.kept;
         let expected = concat_batches(&output_schema, &recomputed)?;
 
@@ -271,6 +267,7 @@ async fn reconcile_windows(
     sink: &dyn Sink,
     committed: Committed<'_>,
     mut query: StreamingQuery,
+    tables: &TablesAtVersions,
     expectations: &Expectations,
     from: i64,
     to: i64,
@@ -366,7 +363,7 @@ async fn reconcile_windows(
         let rows = concat_batches(&source.schema, &rows)?;
         parts.push((BTreeMap::from([(source.name.clone(), rows)]), Some(wm)));
     }
-    let recomputed = query.execute_bounded(parts).await?;
+    let recomputed = tables.execute_bounded(&mut query, parts).await?;
     let recomputed = expectations.apply(recomputed.batches)?.kept;
     let expected = concat_batches(&output_schema, &recomputed)?;
     let mut expected = rows_in_period(&expected, column, from, to)?;

@@ -18,12 +18,19 @@
 //! for another.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
-use arrow::array::RecordBatch;
-use arrow::datatypes::SchemaRef;
+use arrow::array::{ArrayRef, AsArray, RecordBatch, UInt32Array};
+use arrow::datatypes::{DataType, Int64Type, Schema, SchemaRef};
 use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
 
+use crate::checkpoint::CheckpointStore;
 use crate::error::{BoxError, Error, Result};
+use crate::offsets::{BatchId, SourceOffsets};
+use crate::operators::QueryOutput;
+use crate::query::{BatchWatermark, StreamingQuery};
+use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION};
 
 /// A table read whole at a version the batch intent records.
 #[async_trait]
@@ -75,6 +82,15 @@ impl StaticTables {
                 .open()
                 .await
                 .map_err(|e| Error::in_table(&spec.name, e))?;
+            // A table written by a Sluice job carries lineage columns: they would clash with the
+            // stream's, and say nothing about the join.
+            let fields: Vec<_> = schema
+                .fields()
+                .iter()
+                .filter(|f| !f.name().starts_with("_source_"))
+                .cloned()
+                .collect();
+            let schema = Arc::new(Schema::new(fields));
             tables.schemas.insert(spec.name.clone(), schema);
             tables.tables.push(spec);
         }
@@ -131,38 +147,424 @@ impl StaticTables {
         let planned = &self.schemas[name];
         let mut conformed = Vec::with_capacity(rows.len());
         for batch in rows {
-            let fields = batch.schema();
-            let same = fields.fields().len() == planned.fields().len()
-                && fields
-                    .fields()
-                    .iter()
-                    .zip(planned.fields())
-                    .all(|(a, b)| a.name() == b.name() && a.data_type() == b.data_type());
-            if !same {
-                return Err(Error::in_table(
-                    name,
-                    format!(
-                        "version {version} has the columns {} but the query was planned with {}: \
-                         restart the job to plan it against the table's new schema",
-                        fields_text(&fields),
-                        fields_text(planned)
-                    ),
-                ));
+            // By name: a version with columns added since (or fewer, nullable ones) still reads.
+            let mut columns = Vec::with_capacity(planned.fields().len());
+            for field in planned.fields() {
+                let column = match batch.column_by_name(field.name()) {
+                    Some(c) if c.data_type() == field.data_type() => Arc::clone(c),
+                    Some(c) => {
+                        return Err(Error::in_table(
+                            name,
+                            format!(
+                                "version {version} has column {} as {}, but the query was \
+                                 planned with {}: restart the job to plan it against the \
+                                 table's schema",
+                                field.name(),
+                                c.data_type(),
+                                field.data_type()
+                            ),
+                        ));
+                    }
+                    None if field.is_nullable() => {
+                        arrow::array::new_null_array(field.data_type(), batch.num_rows())
+                    }
+                    None => {
+                        return Err(Error::in_table(
+                            name,
+                            format!(
+                                "version {version} has no column {}, which the query was \
+                                 planned with",
+                                field.name()
+                            ),
+                        ));
+                    }
+                };
+                columns.push(column);
             }
-            let batch =
-                RecordBatch::try_new(std::sync::Arc::clone(planned), batch.columns().to_vec())
-                    .map_err(|e| Error::in_table(name, format!("version {version}: {e}")))?;
+            let batch = RecordBatch::try_new(Arc::clone(planned), columns)
+                .map_err(|e| Error::in_table(name, format!("version {version}: {e}")))?;
             conformed.push(batch);
         }
         Ok(conformed)
     }
 }
 
-fn fields_text(schema: &SchemaRef) -> String {
-    let fields: Vec<String> = schema
-        .fields()
-        .iter()
-        .map(|f| format!("{} {}", f.name(), f.data_type()))
-        .collect();
-    format!("({})", fields.join(", "))
+/// One entry of a table's version log: from the batch `batch_id` on — from offsets `from` of
+/// each source partition — rows were joined with `version`, until a later entry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VersionEntry {
+    /// The batch that loaded the version.
+    pub batch_id: BatchId,
+    /// The version.
+    pub version: String,
+    /// Where that batch's ranges start, per source and partition: a row at or past its
+    /// partition's offset here (any row of a partition absent here) was joined with `version`,
+    /// unless a later entry covers it.
+    pub from: SourceOffsets,
+}
+
+/// Rows of the sources (by source) joined with one version of every table (by table).
+pub type RowsAtVersions = (BTreeMap<String, String>, BTreeMap<String, RecordBatch>);
+
+/// Which version of each static table every row of the stream was joined with.
+///
+/// Each batch joins the version its intent records; the intent is purged with its batch folder,
+/// so the driver also writes an entry here (`<checkpoint>/tables/<name>/<batch_id>.json`,
+/// put-if-absent) every time it loads a version — at its first batch and at each change. A
+/// process loads the version of every batch it runs, so the entry with the greatest batch id at
+/// or before a batch is the version that batch joined, and the entry's `from` offsets turn a
+/// row's lineage (source, partition, offset) into its batch. Backfill and reconcile join each
+/// row with its version this way, as the stream did. Entries are small and never purged (one
+/// per process start and per table change).
+#[derive(Debug, Clone, Default)]
+pub struct VersionLog {
+    /// Per table, entries by batch id.
+    entries: BTreeMap<String, BTreeMap<BatchId, VersionEntry>>,
+}
+
+impl VersionLog {
+    fn folder(table: &str) -> String {
+        format!("tables/{table}")
+    }
+
+    /// Records that batch `batch_id`, whose ranges start at `from`, joins `table` at `version`.
+    ///
+    /// # Errors
+    /// If the checkpoint store fails.
+    pub async fn record(
+        checkpoint: &CheckpointStore,
+        table: &str,
+        batch_id: BatchId,
+        version: &str,
+        from: SourceOffsets,
+    ) -> Result<()> {
+        let entry = VersionEntry {
+            batch_id,
+            version: version.to_string(),
+            from,
+        };
+        let rel = format!("{}/{:020}.json", Self::folder(table), batch_id.0);
+        let bytes = checkpoint.to_json(&rel, &entry)?;
+        // Put-if-absent: a rerun of the batch (same intent) writes the same entry.
+        checkpoint.put_if_absent(&rel, bytes).await?;
+        Ok(())
+    }
+
+    /// Reads the log of every table in `tables`.
+    ///
+    /// # Errors
+    /// If the checkpoint store fails or an entry does not parse.
+    pub async fn read(checkpoint: &CheckpointStore, tables: &[String]) -> Result<VersionLog> {
+        let mut log = VersionLog::default();
+        for table in tables {
+            let folder = Self::folder(table);
+            let mut entries = BTreeMap::new();
+            for name in checkpoint.list_files(&folder).await? {
+                let rel = format!("{folder}/{name}");
+                if let Some(entry) = checkpoint.get_json::<VersionEntry>(&rel).await? {
+                    entries.insert(entry.batch_id, entry);
+                }
+            }
+            log.entries.insert(table.clone(), entries);
+        }
+        Ok(log)
+    }
+
+    /// The version of `table` the row at (`source`, `partition`, `offset`) was joined with.
+    fn version_of(&self, table: &str, source: &str, partition: &str, offset: i64) -> Option<&str> {
+        self.entries
+            .get(table)?
+            .values()
+            .rev()
+            .find(|e| {
+                e.from
+                    .get(source)
+                    .and_then(|parts| parts.get(partition))
+                    .is_none_or(|from| *from <= offset)
+            })
+            .map(|e| e.version.as_str())
+    }
+
+    /// Splits rows of the sources (with their lineage columns) into parts, each joined with one
+    /// version of every table: the versions, and the part's rows per source, in the order of
+    /// the versions' first batches.
+    ///
+    /// # Errors
+    /// [`Error::StaticTable`] if a row has no recorded version (the log was deleted, or the row
+    /// was never read by a committed batch).
+    pub fn split(
+        &self,
+        inputs: &BTreeMap<String, RecordBatch>,
+    ) -> Result<Vec<RowsAtVersions>> {
+        if self.entries.is_empty() {
+            return Ok(vec![(BTreeMap::new(), inputs.clone())]);
+        }
+        // Per version combination, the row indices of each source.
+        let mut parts: BTreeMap<Vec<String>, BTreeMap<String, Vec<u32>>> = BTreeMap::new();
+        for (source, rows) in inputs {
+            let column = |name: &str, to: &DataType| -> Result<ArrayRef> {
+                let array = rows.column_by_name(name).ok_or_else(|| {
+                    Error::in_source(source, format!("its rows lack the column {name}"))
+                })?;
+                Ok(arrow::compute::cast(array, to)?)
+            };
+            let partitions = column(SOURCE_PARTITION, &DataType::Utf8)?;
+            let offsets = column(SOURCE_OFFSET, &DataType::Int64)?;
+            let (partitions, offsets) = (
+                partitions.as_string::<i32>(),
+                offsets.as_primitive::<Int64Type>(),
+            );
+            for i in 0..rows.num_rows() {
+                let (partition, offset) = (partitions.value(i), offsets.value(i));
+                let mut versions = Vec::with_capacity(self.entries.len());
+                for table in self.entries.keys() {
+                    let version = self
+                        .version_of(table, source, partition, offset)
+                        .ok_or_else(|| {
+                            Error::in_table(
+                                table,
+                                format!(
+                                    "no recorded version for {source} partition {partition} \
+                                     offset {offset}: its version log under tables/{table}/ in \
+                                     the checkpoint is missing entries"
+                                ),
+                            )
+                        })?;
+                    versions.push(version.to_string());
+                }
+                parts
+                    .entry(versions)
+                    .or_default()
+                    .entry(source.clone())
+                    .or_default()
+                    .push(i as u32);
+            }
+        }
+        let names: Vec<String> = self.entries.keys().cloned().collect();
+        let mut out = Vec::with_capacity(parts.len());
+        for (versions, rows) in parts {
+            let mut part = BTreeMap::new();
+            for (source, batch) in inputs {
+                let indices = rows.get(source).cloned().unwrap_or_default();
+                let taken = arrow::compute::take_record_batch(batch, &UInt32Array::from(indices))?;
+                part.insert(source.clone(), taken);
+            }
+            let versions = names.iter().cloned().zip(versions).collect();
+            out.push((versions, part));
+        }
+        Ok(out)
+    }
+}
+
+/// A job's static tables as backfill and reconcile join them: each row with the version its
+/// streamed batch joined, from the [`VersionLog`].
+#[derive(Debug)]
+pub(crate) struct TablesAtVersions {
+    tables: StaticTables,
+    log: VersionLog,
+}
+
+impl TablesAtVersions {
+    /// The tables, with their version log read from `checkpoint`.
+    ///
+    /// # Errors
+    /// If the log cannot be read.
+    pub(crate) async fn open(
+        tables: StaticTables,
+        checkpoint: &CheckpointStore,
+    ) -> Result<TablesAtVersions> {
+        let mut log = VersionLog::read(checkpoint, &tables.names()).await?;
+        // A table no streamed batch has joined yet (a batch run of a job that never ran live):
+        // every row joins its newest version.
+        let latest = tables.latest_versions().await?;
+        for (table, entries) in &mut log.entries {
+            if entries.is_empty()
+                && let Some(version) = latest.get(table)
+            {
+                let entry = VersionEntry {
+                    batch_id: BatchId(0),
+                    version: version.clone(),
+                    from: SourceOffsets::new(),
+                };
+                entries.insert(entry.batch_id, entry);
+            }
+        }
+        Ok(TablesAtVersions { tables, log })
+    }
+
+    /// [`StreamingQuery::feed_bounded`] over `inputs`, part by part, each part's rows joined
+    /// with the versions their batch joined.
+    ///
+    /// # Errors
+    /// As [`StreamingQuery::feed_bounded`], or a table version cannot be read.
+    pub(crate) async fn feed_bounded(
+        &self,
+        query: &mut StreamingQuery,
+        inputs: &BTreeMap<String, RecordBatch>,
+        watermark: Option<i64>,
+    ) -> Result<QueryOutput> {
+        let mut out = QueryOutput::default();
+        for (versions, part) in self.log.split(inputs)? {
+            self.load(query, &versions).await?;
+            let result = query.feed_bounded(&part, watermark).await?;
+            out.batches.extend(result.batches);
+            out.failed.extend(result.failed);
+        }
+        Ok(out)
+    }
+
+    /// The query as one bounded run over `parts` (each part's rows under its own watermark in
+    /// force, see [`StreamingQuery::feed_bounded`]), then — for a windowed query — every window
+    /// finished.
+    ///
+    /// # Errors
+    /// As [`StreamingQuery::feed_bounded`], or a table version cannot be read.
+    pub(crate) async fn execute_bounded(
+        &self,
+        query: &mut StreamingQuery,
+        parts: Vec<(BTreeMap<String, RecordBatch>, Option<i64>)>,
+    ) -> Result<QueryOutput> {
+        let mut out = QueryOutput::default();
+        for (inputs, watermark) in parts {
+            let part = self.feed_bounded(query, &inputs, watermark).await?;
+            out.batches.extend(part.batches);
+            out.failed.extend(part.failed);
+        }
+        let last = query.finish_bounded().await?;
+        out.batches.extend(last.batches);
+        out.failed.extend(last.failed);
+        Ok(out)
+    }
+
+    /// [`StreamingQuery::execute_isolating`] over `inputs` (a stateless query), part by part as
+    /// [`TablesAtVersions::feed_bounded`].
+    ///
+    /// # Errors
+    /// As [`StreamingQuery::execute_isolating`], or a table version cannot be read.
+    pub(crate) async fn execute_isolating(
+        &self,
+        query: &mut StreamingQuery,
+        inputs: &BTreeMap<String, RecordBatch>,
+        watermark: BatchWatermark,
+    ) -> Result<QueryOutput> {
+        let mut out = QueryOutput::default();
+        for (versions, part) in self.log.split(inputs)? {
+            self.load(query, &versions).await?;
+            let result = query.execute_isolating(&part, watermark).await?;
+            out.batches.extend(result.batches);
+            out.failed.extend(result.failed);
+        }
+        Ok(out)
+    }
+
+    /// Loads each table at the version `versions` names, unless the query holds it already.
+    async fn load(
+        &self,
+        query: &mut StreamingQuery,
+        versions: &BTreeMap<String, String>,
+    ) -> Result<()> {
+        for (name, version) in versions {
+            if query.table_version(name) != Some(version.as_str()) {
+                let rows = self.tables.read(name, version).await?;
+                query.load_table(name, version, rows).await?;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::{Int64Array, StringArray};
+    use arrow::datatypes::Field;
+
+    fn rows(lineage: &[(&str, i64)]) -> RecordBatch {
+        let schema = Arc::new(Schema::new(vec![
+            Field::new(SOURCE_PARTITION, DataType::Utf8, false),
+            Field::new(SOURCE_OFFSET, DataType::Int64, false),
+        ]));
+        RecordBatch::try_new(
+            schema,
+            vec![
+                Arc::new(StringArray::from_iter_values(lineage.iter().map(|l| l.0))),
+                Arc::new(Int64Array::from_iter_values(lineage.iter().map(|l| l.1))),
+            ],
+        )
+        .unwrap()
+    }
+
+    fn entry(batch: i64, version: &str, from: &[(&str, i64)]) -> (BatchId, VersionEntry) {
+        let from = from.iter().map(|(p, o)| (p.to_string(), *o)).collect();
+        let entry = VersionEntry {
+            batch_id: BatchId(batch),
+            version: version.into(),
+            from: BTreeMap::from([("s".to_string(), from)]),
+        };
+        (BatchId(batch), entry)
+    }
+
+    fn lineage_of(batch: &RecordBatch) -> Vec<(String, i64)> {
+        let p = batch.column(0).as_string::<i32>();
+        let o = batch.column(1).as_primitive::<Int64Type>();
+        (0..batch.num_rows())
+            .map(|i| (p.value(i).to_string(), o.value(i)))
+            .collect()
+    }
+
+    /// Each row goes with the version of the last entry whose batch started at or before its
+    /// offset in its partition; a partition an entry does not know (it appeared later) counts
+    /// as started; a row before every entry has no version.
+    #[test]
+    fn rows_split_by_the_version_their_batch_joined() {
+        let log = VersionLog {
+            entries: BTreeMap::from([(
+                "users".to_string(),
+                BTreeMap::from([
+                    entry(0, "3", &[("0", 0), ("1", 0)]),
+                    entry(4, "3", &[("0", 10), ("1", 7)]),
+                    entry(6, "5", &[("0", 20), ("1", 30)]),
+                ]),
+            )]),
+        };
+        let inputs = BTreeMap::from([(
+            "s".to_string(),
+            rows(&[
+                ("0", 0),
+                ("0", 19),
+                ("0", 20),
+                ("1", 6),
+                ("1", 50),
+                ("2", 1),
+            ]),
+        )]);
+        let parts = log.split(&inputs).unwrap();
+        let got: Vec<(String, Vec<(String, i64)>)> = parts
+            .iter()
+            .map(|(versions, part)| (versions["users"].clone(), lineage_of(&part["s"])))
+            .collect();
+        let owned = |v: &[(&str, i64)]| v.iter().map(|(p, o)| (p.to_string(), *o)).collect();
+        assert_eq!(
+            got,
+            vec![
+                ("3".to_string(), owned(&[("0", 0), ("0", 19), ("1", 6)])),
+                ("5".to_string(), owned(&[("0", 20), ("1", 50), ("2", 1)])),
+            ]
+        );
+
+        let log = VersionLog {
+            entries: BTreeMap::from([(
+                "users".to_string(),
+                BTreeMap::from([entry(2, "1", &[("0", 5)])]),
+            )]),
+        };
+        let err = log
+            .split(&BTreeMap::from([("s".to_string(), rows(&[("0", 4)]))]))
+            .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("no recorded version for s partition 0 offset 4"),
+            "{err}"
+        );
+    }
 }

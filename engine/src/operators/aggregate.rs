@@ -195,23 +195,13 @@ impl StatefulAggregate {
             Grouping::Window {
                 window, lateness, ..
             } => {
-                let call = match window.kind {
-                    WindowKind::Tumble { size } => format!("tumble({}", micros(size)),
-                    WindowKind::Hop { slide, size } => {
-                        format!("hop({} every {}", micros(size), micros(slide))
-                    }
-                    WindowKind::Session { gap } => format!("session(gap {}", micros(gap)),
-                };
                 let end = if matches!(window.kind, WindowKind::Session { .. }) {
                     "its end (its last event + the gap)"
                 } else {
                     "its end"
                 };
                 (
-                    format!(
-                        "windowed aggregate over {call}, {}.{})",
-                        window.source, window.time_column
-                    ),
+                    format!("windowed aggregate over {}", window_call(window)),
                     format!(
                         "a window leaves when the watermark reaches {end} + allowed lateness ({})",
                         micros(lateness.allowed_lateness)
@@ -236,7 +226,7 @@ impl StatefulAggregate {
             }
         };
         super::OperatorDescription {
-            id: format!("{position}-aggregate"),
+            id: Self::id(position),
             what,
             state_key,
             purge,
@@ -246,42 +236,70 @@ impl StatefulAggregate {
 }
 
 impl StatefulAggregate {
+    /// The id of the aggregate as the `position`-th operator of the query's chain.
+    pub(crate) fn id(position: usize) -> String {
+        format!("{position}-aggregate")
+    }
+
     /// What the state means, as text: the window (or running grouping) over its source and
-    /// time column, and every state column with its type — group keys and each aggregate's
-    /// partial state, named after its expression. Recorded in the manifest; a restart whose
-    /// query gives another fingerprint is refused rather than merging into state another query
-    /// wrote. What does not change the state's meaning is left out on purpose: filters and
-    /// projections around the aggregate, allowed lateness, `state_ttl`, the output mode.
+    /// time column, the group and aggregate expressions (columns without their table or alias
+    /// qualifier, so renaming an alias is no change) and the type of every state column.
+    /// Recorded in the manifest; a restart whose query gives another fingerprint is refused
+    /// rather than merging into state another query wrote.
+    ///
+    /// Not checked: what runs below the aggregate (filters, projections, joins — a column
+    /// redefined under the same name keeps the fingerprint), allowed lateness, `state_ttl`, the
+    /// output mode. The text follows DataFusion's display of expressions, so an upgrade that
+    /// changes it refuses restoring state written before.
     pub(crate) fn fingerprint(&self) -> String {
         let grouping = match &self.grouping {
-            Grouping::Window { window, .. } => {
-                let d = |us: i64| {
-                    humantime::format_duration(std::time::Duration::from_micros(us.max(0) as u64))
-                };
-                let kind = match window.kind {
-                    WindowKind::Tumble { size } => format!("tumble({})", d(size)),
-                    WindowKind::Hop { slide, size } => {
-                        format!("hop({} every {})", d(size), d(slide))
-                    }
-                    WindowKind::Session { gap } => format!("session(gap {})", d(gap)),
-                };
-                format!("{kind} over {}.{}", window.source, window.time_column)
-            }
+            Grouping::Window { window, .. } => window_call(window),
             Grouping::Running { .. } => format!("running over {}", self.source),
         };
-        let columns: Vec<String> = self
+        let unqualified = |e: &Expr| -> String {
+            e.clone()
+                .transform(|e| match e {
+                    Expr::Column(c) => Ok(Transformed::yes(Expr::Column(Column::new_unqualified(
+                        c.name,
+                    )))),
+                    other => Ok(Transformed::no(other)),
+                })
+                .map(|t| t.data.to_string())
+                .unwrap_or_default()
+        };
+        let (groups, aggregates) = match &self.aggregate {
+            LogicalPlan::Aggregate(a) => (
+                a.group_expr.iter().map(unqualified).collect::<Vec<_>>(),
+                a.aggr_expr.iter().map(unqualified).collect::<Vec<_>>(),
+            ),
+            _ => (Vec::new(), Vec::new()),
+        };
+        let types: Vec<String> = self
             .operator
             .state_schema()
             .fields()
             .iter()
-            .map(|f| format!("{}: {}", f.name(), f.data_type()))
+            .map(|f| f.data_type().to_string())
             .collect();
         format!(
-            "aggregate: {grouping}; {} key column(s); state [{}]",
-            self.group_count,
-            columns.join(", ")
+            "aggregate over {grouping} by [{}] of [{}]; state types [{}]",
+            groups.join(", "),
+            aggregates.join(", "),
+            types.join(", ")
         )
     }
+}
+
+/// A window as `sluice validate` and the operator's fingerprint name it: `tumble(1m, clicks.ts)`.
+fn window_call(window: &WindowUse) -> String {
+    let d =
+        |us: i64| humantime::format_duration(std::time::Duration::from_micros(us.max(0) as u64));
+    let call = match window.kind {
+        WindowKind::Tumble { size } => format!("tumble({}", d(size)),
+        WindowKind::Hop { slide, size } => format!("hop({} every {}", d(size), d(slide)),
+        WindowKind::Session { gap } => format!("session(gap {}", d(gap)),
+    };
+    format!("{call}, {}.{})", window.source, window.time_column)
 }
 
 /// The rows `rows` of `batch`.
@@ -317,13 +335,29 @@ pub(crate) async fn plan_stateful(
     });
     let original = match aggregates.as_slice() {
         [] => {
-            let node = super::stateful_node(plan, statics).unwrap_or_default();
+            // Name what keeps the deepest aggregate from running (a join below it, say), not
+            // the aggregate above it.
+            let mut found = super::stateful_node(plan, statics).unwrap_or_default();
+            let _ = plan.apply(|node| {
+                if let LogicalPlan::Aggregate(a) = node
+                    && let Some(inner) = super::stateful_node(&a.input, statics)
+                {
+                    found = inner;
+                }
+                Ok(TreeNodeRecursion::Continue)
+            });
+            let (node, reason) = found;
+            let reason = if reason.is_empty() {
+                String::new()
+            } else {
+                format!(" ({reason})")
+            };
             return Err(Error::UnsupportedQuery(format!(
-                "`{node}` needs state across batches; streaming jobs run SELECT with expressions, \
-                 WHERE, UNION ALL, UNNEST, inner or left joins of a stream with a static table \
-                 ([tables.NAME] in a job file), and one aggregate (over tumble/hop windows, or a \
-                 running aggregate in update mode) — no join of two streams, no ORDER BY, LIMIT \
-                 or DISTINCT below it"
+                "`{node}` needs state across batches{reason}; streaming jobs run SELECT with \
+                 expressions, WHERE, UNION ALL, UNNEST, joins of a stream with a static table \
+                 ([tables.NAME] in a job file) that keep no unmatched table rows, and one \
+                 aggregate (over tumble/hop windows, or a running aggregate in update mode) — \
+                 no join of two streams, no ORDER BY, LIMIT or DISTINCT below it"
             )));
         }
         [one] => one.clone(),
@@ -554,7 +588,11 @@ fn running_aggregate(
     };
     let mut sources = BTreeSet::new();
     let _ = agg.input.apply(|node| {
-        if let LogicalPlan::TableScan(scan) = node {
+        if let LogicalPlan::TableScan(scan) = node
+            && !settings
+                .statics
+                .contains(&scan.table_name.table().to_lowercase())
+        {
             sources.insert(scan.table_name.table().to_string());
         }
         Ok(TreeNodeRecursion::Continue)
@@ -629,8 +667,9 @@ fn check_upper(upper: &LogicalPlan, mode: OutputMode) -> Result<()> {
         let bad = match node {
             LogicalPlan::TableScan(scan) if scan.table_name.table() != FINISHED_TABLE => {
                 Some(format!(
-                    "`{}` reads a source beside the aggregate (stream joins are not supported \
-                     yet)",
+                    "`{}` reads a table beside the aggregate's output: join a static table \
+                     below the aggregate (its rows, before the window), and a stream only in \
+                     the aggregate's FROM",
                     node.display()
                 ))
             }
@@ -1646,8 +1685,8 @@ mod tests {
         );
     }
 
-    /// `sluice validate`'s view of the operator: its state key, purge rule and emissions, for a
-    /// windowed aggregate in append mode and a running aggregate in update mode.
+    /// A restart restores state only into the operator that wrote it: another window size or
+    /// aggregate is refused; a filter, the lateness or a renamed alias is not a change.
     #[tokio::test]
     async fn a_restore_refuses_state_written_by_other_windows_or_aggregates() {
         let sources = [("t".to_string(), schema())];
@@ -1702,16 +1741,20 @@ mod tests {
                 .unwrap(),
             1
         );
+        // An alias is no change either.
+        let aliased = "SELECT c.window_start, c.k, sum(c.v) AS x FROM tumble(t, ts, \
+                       INTERVAL '1 minute') AS c GROUP BY c.window_start, c.window_end, c.k";
+        assert_eq!(restore(aliased.into(), 0).await.unwrap(), 1);
         // Another window size or aggregate (the same state types) is refused, naming both.
         for (other, planned) in [
-            (sql("2 minutes", "sum", ""), "tumble(2m)"),
-            (sql("1 minute", "max", ""), "max(tumble().v)"),
+            (sql("2 minutes", "sum", ""), "tumble(2m, t.ts)"),
+            (sql("1 minute", "max", ""), "max(v)"),
         ] {
             let err = restore(other, 0).await.unwrap_err();
             assert!(matches!(err, Error::StateOfAnotherQuery { .. }), "{err}");
             let text = err.to_string();
             assert!(text.contains("operator 0-aggregate"), "{text}");
-            assert!(text.contains("tumble(1m)"), "{text}");
+            assert!(text.contains("tumble(1m, t.ts)"), "{text}");
             assert!(text.contains(planned), "{text}");
         }
         // A stateless query over the checkpoint: the operator is gone.
@@ -1719,6 +1762,8 @@ mod tests {
         assert!(err.to_string().contains("no such operator"), "{err}");
     }
 
+    /// `sluice validate`'s view of the operator: its state key, purge rule and emissions, for a
+    /// windowed aggregate in append mode and a running aggregate in update mode.
     #[tokio::test]
     async fn the_operator_describes_its_state_key_and_purge_rule() {
         let sources = [("t".to_string(), schema())];

@@ -22,7 +22,7 @@ use std::collections::BTreeSet;
 
 use arrow::array::RecordBatch;
 use arrow::error::ArrowError;
-use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
+use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::error::DataFusionError;
 use datafusion::logical_expr::{JoinType, LogicalPlan};
 
@@ -125,55 +125,84 @@ fn external_data_error(error: &(dyn std::error::Error + Send + Sync + 'static)) 
 }
 
 /// The first node that makes the plan's result depend on how the stream is split into batches
-/// (an aggregate, join, sort, limit, distinct, window function over a stream), as text; `None`
-/// if there is none. `statics` names the static tables, read whole at the batch's version: a
-/// subtree reading only static tables may hold anything. Every other scan is a stream (a
-/// source, or a window function over one).
+/// (an aggregate, join, sort, limit, distinct, window function over a stream), as text, and
+/// why; `None` if there is none. `statics` names the static tables (lowercase), read whole at
+/// the batch's version; every other scan is a stream (a source, or a window function over one).
 ///
 /// A join of a stream with a static table needs no state when every output row comes from a
 /// stream row of this batch: an inner join, a left (semi, anti) join with the stream on the
-/// left, or the mirror image. A join that keeps the table's unmatched rows (the table's side
-/// outer, a full join) would emit them again every batch; two streams need the join state
-/// the engine does not have yet — both are refused.
-pub(crate) fn stateful_node(plan: &LogicalPlan, statics: &BTreeSet<String>) -> Option<String> {
-    if !reads_stream(plan, statics) {
-        return None;
+/// left, or the mirror image; the table's side may hold anything. Refused: a join that keeps
+/// the table's unmatched rows (the table's side outer, a full join), which would emit them
+/// again every batch; two streams joined, or a subquery over a stream (`IN`, `EXISTS`, a scalar
+/// subquery), which would see only the batch's rows; a UNION of a stream with a table or with
+/// constant rows, emitted again every batch.
+pub(crate) fn stateful_node(
+    plan: &LogicalPlan,
+    statics: &BTreeSet<String>,
+) -> Option<(String, &'static str)> {
+    let mut over_stream = false;
+    // The visitor never fails.
+    let _ = plan.apply_subqueries(|subquery| {
+        over_stream |= reads_stream(subquery, statics);
+        Ok(TreeNodeRecursion::Continue)
+    });
+    if over_stream {
+        let reason = "a subquery over a stream would see only the batch's rows";
+        return Some((plan.display().to_string(), reason));
     }
     match plan {
         LogicalPlan::Projection(_)
         | LogicalPlan::Filter(_)
         | LogicalPlan::TableScan(_)
         | LogicalPlan::SubqueryAlias(_)
-        | LogicalPlan::Union(_)
         | LogicalPlan::Unnest(_)
         | LogicalPlan::EmptyRelation(_)
         | LogicalPlan::Values(_) => plan
             .inputs()
             .into_iter()
             .find_map(|input| stateful_node(input, statics)),
+        LogicalPlan::Union(union) => {
+            if union.inputs.iter().any(|i| !reads_stream(i, statics)) {
+                let reason = "a UNION of the stream with a table or constant rows would emit \
+                              those rows again every batch";
+                return Some((plan.display().to_string(), reason));
+            }
+            union
+                .inputs
+                .iter()
+                .find_map(|input| stateful_node(input, statics))
+        }
         LogicalPlan::Join(join) => {
             let left = reads_stream(&join.left, statics);
             let right = reads_stream(&join.right, statics);
             let stream_side = match (left, right, join.join_type) {
+                (true, true, _) => {
+                    let reason = "a join of two streams needs join state, not built yet";
+                    return Some((plan.display().to_string(), reason));
+                }
                 (true, false, JoinType::Inner | JoinType::Left)
                 | (true, false, JoinType::LeftSemi | JoinType::LeftAnti) => &join.left,
                 (false, true, JoinType::Inner | JoinType::Right)
                 | (false, true, JoinType::RightSemi | JoinType::RightAnti) => &join.right,
-                _ => return Some(plan.display().to_string()),
+                _ => {
+                    let reason = "a join that keeps the table's unmatched rows would emit them \
+                                  again every batch; join with the stream on the preserved side";
+                    return Some((plan.display().to_string(), reason));
+                }
             };
             stateful_node(stream_side, statics)
         }
-        _ => Some(plan.display().to_string()),
+        _ => Some((plan.display().to_string(), "")),
     }
 }
 
-/// Whether `plan` scans a stream: any table but the `statics`.
+/// Whether `plan` (its subqueries included) scans a stream: any table but the `statics`.
 pub(crate) fn reads_stream(plan: &LogicalPlan, statics: &BTreeSet<String>) -> bool {
     let mut found = false;
     // The visitor never fails.
-    let _ = plan.apply(|node| {
+    let _ = plan.apply_with_subqueries(|node| {
         if let LogicalPlan::TableScan(scan) = node
-            && !statics.contains(scan.table_name.table())
+            && !statics.contains(&scan.table_name.table().to_lowercase())
         {
             found = true;
             return Ok(TreeNodeRecursion::Stop);
