@@ -187,6 +187,98 @@ async fn a_stream_joins_a_delta_table_at_the_version_each_batch_recorded() {
     let text = String::from_utf8_lossy(&reconciled.stdout);
     assert!(!reconciled.status.success(), "{text}");
     assert!(text.contains("different 1"), "{text}");
+
+    // The log records a run's first load and each change: batch 0 (first run), 1 (the rerun
+    // after the kill), 2 (version 1). Without it, the versions are unknown: refused, not
+    // guessed.
+    let log = out.join("_sluice/enrich/tables/users");
+    let mut entries: Vec<String> = std::fs::read_dir(&log)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    entries.sort();
+    assert_eq!(entries.len(), 3, "{entries:?}");
+    std::fs::remove_dir_all(&log).unwrap();
+    let refused = run_sluice(
+        &["reconcile", job, "--from-time", from, "--to-time", to],
+        &[],
+    );
+    assert_fails_saying(&refused, &["so the version it joined is unknown"]);
+}
+
+/// A windowed count over the join, the table changing between a SIGKILL after batch 1's state
+/// and the rerun: windows of batches 0–1 count countries at version 0, later ones at version 1,
+/// and reconcile and a backfill of batch 1's file (recomputing its windows from the version
+/// log) agree with the stream.
+#[tokio::test(flavor = "multi_thread")]
+async fn windows_over_a_join_reconcile_and_backfill_at_each_batch_version() {
+    let ws = tempfile::tempdir().unwrap();
+    let input = ws.path().join("input");
+    let users = ws.path().join("users");
+    let out = ws.path().join("out");
+    write_users(&users, &[(0, "fr"), (1, "de"), (2, "us"), (3, "us")]).await;
+    for (i, name) in ["a", "b", "c", "d"].iter().enumerate() {
+        let first = 1 + 6 * i as i64;
+        let events: Vec<(i64, i64)> = (first..first + 6).map(|id| (id, id % 4)).collect();
+        write_events(&input, &format!("{name}.json"), i as u32, &events);
+    }
+    let sql = "SELECT window_start, window_end, u.country, count(*) AS clicks \
+        FROM tumble(events, ts, INTERVAL '1' MINUTE) e JOIN users u ON e.user_id = u.user_id \
+        GROUP BY window_start, window_end, u.country";
+    write_join_job(ws.path(), "by_country", &input, &users, &out, sql);
+    let job = ws.path().join("job.toml");
+    let job = job.to_str().unwrap();
+    let killed = run_sluice(&["run", job], &[("SLUICE_CRASH_AT", "after_state:1")]);
+    assert_eq!(killed.status.signal(), Some(9), "{killed:?}");
+    write_users(&users, &[(1, "de"), (2, "es"), (3, "es")]).await;
+    assert_ok(&run_sluice(&["run", job], &[]));
+
+    // Windows 09:00 … 09:02 are closed (watermark 09:03:48).
+    let mut counts: Vec<(String, String, i64)> = table_values(&out, &[])
+        .await
+        .iter()
+        .map(|r| {
+            (
+                r["window_start"].as_str().unwrap()[11..16].to_string(),
+                r["country"].as_str().unwrap().to_string(),
+                r["clicks"].as_i64().unwrap(),
+            )
+        })
+        .collect();
+    counts.sort();
+    let row = |w: &str, c: &str, n: i64| (w.to_string(), c.to_string(), n);
+    // 09:00: ids 1–6 → users 1,2,3,0,1,2 at v0; 09:01: ids 7–12 → 3,0,1,2,3,0 at v0 (the rerun
+    // of batch 1 joins its intent's version); 09:02: ids 13–18 → 1,2,3,0,1,2 at v1 (no user 0).
+    assert_eq!(
+        counts,
+        vec![
+            row("09:00", "de", 2),
+            row("09:00", "fr", 1),
+            row("09:00", "us", 3),
+            row("09:01", "de", 1),
+            row("09:01", "fr", 2),
+            row("09:01", "us", 3),
+            row("09:02", "de", 2),
+            row("09:02", "es", 3),
+        ]
+    );
+    let (from, to) = ("2026-11-01T09:00:00Z", "2026-11-01T09:03:00Z");
+    let reconciled = run_sluice(
+        &["reconcile", job, "--from-time", from, "--to-time", to],
+        &[],
+    );
+    assert_ok(&reconciled);
+    let text = String::from_utf8_lossy(&reconciled.stdout);
+    assert!(
+        text.contains("matching 8, missing 0, extra 0, different 0"),
+        "{text}"
+    );
+    let before = table_rows(&out).await;
+    let done = run_sluice(&["backfill", job, "--from", "0:1", "--to", "0:2"], &[]);
+    assert_ok(&done);
+    let text = String::from_utf8_lossy(&done.stdout);
+    assert!(text.contains("replaced 1 window(s)"), "{text}");
+    assert_eq!(table_rows(&out).await, before);
 }
 
 /// The joins a stream may take part in without state: the stream inner- or left-joined with a

@@ -388,6 +388,9 @@ impl Job {
             read_span: windows.as_ref().map(|w| w.span),
             elapsed: Duration::ZERO,
         };
+        // Each row joins the static tables at the version its streamed batch joined (the
+        // newest, for a job that never streamed).
+        let tables = TablesAtVersions::open(tables, &checkpoint, live).await?;
         if dry_run {
             report.elapsed = started.elapsed();
             return Ok(report);
@@ -401,8 +404,6 @@ impl Job {
             )));
         }
 
-        // Each row joins the static tables at the version its streamed batch joined.
-        let tables = TablesAtVersions::open(tables, &checkpoint).await?;
         let mut sink = self.sink;
         sink.open(&self.id, query.output_tables()).await?;
         let [source]: [OpenSource; 1] = sources

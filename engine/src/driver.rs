@@ -762,9 +762,14 @@ impl Pipeline {
         for name in self.tables.names() {
             let version = match batch.intent.table_versions.get(&name) {
                 Some(version) => version.clone(),
-                None => match self.tables.latest_versions().await?.remove(&name) {
+                // An intent planned before the table joined the job: what an earlier attempt
+                // at the batch recorded, else the newest (recorded below before it is joined).
+                None => match VersionLog::recorded(&self.checkpoint, &name, batch.id()).await? {
                     Some(version) => version,
-                    None => continue,
+                    None => match self.tables.latest_versions().await?.remove(&name) {
+                        Some(version) => version,
+                        None => continue,
+                    },
                 },
             };
             if self.query.table_version(&name) == Some(version.as_str()) {

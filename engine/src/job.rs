@@ -383,6 +383,16 @@ impl JobBuilder {
                 self.id
             )));
         }
+        if let Some(t) = self.tables.iter().find(|t| {
+            let name = t.name.to_lowercase();
+            ["tumble", "hop", "session"].contains(&name.as_str()) || name.contains('.')
+        }) {
+            return Err(Error::InvalidJob(format!(
+                "table '{}': a table's name may not contain '.' nor be a window function's \
+                 (tumble, hop, session)",
+                t.name
+            )));
+        }
         // One SQL namespace, where an unquoted name is lowercase.
         let mut names: Vec<String> = self
             .sources

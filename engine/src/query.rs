@@ -224,8 +224,6 @@ pub struct BatchWatermark {
 pub struct StreamingQuery {
     tables: SourceTables,
     plan: LogicalPlan,
-    /// The table sides of the plan's joins with static tables (subtrees reading no stream).
-    table_sides: Vec<LogicalPlan>,
     stateful: Option<StatefulAggregate>,
     /// Update mode: the columns output rows are upserted on.
     merge_key: Option<Vec<String>>,
@@ -349,19 +347,7 @@ impl StreamingQuery {
                     .into(),
             ));
         }
-        let mut table_sides = Vec::new();
-        let _ = plan.apply(|node| {
-            if let LogicalPlan::Join(join) = node {
-                for side in [&join.left, &join.right] {
-                    if !crate::operators::reads_stream(side, &static_names) {
-                        table_sides.push(side.as_ref().clone());
-                    }
-                }
-            }
-            Ok(TreeNodeRecursion::Continue)
-        });
         Ok(StreamingQuery {
-            table_sides,
             tables: SourceTables {
                 ctx,
                 tables,
@@ -409,36 +395,7 @@ impl StreamingQuery {
                 Error::InvalidJob(format!("the query has no static table '{name}'"))
             })?;
         *table.batches[0].write().await = rows;
-        *loaded = None;
-        // The join's table side, run once per version: an error there (a failing CAST of a
-        // table column) fails the batch, rather than failing every stream row it meets, which
-        // would make each one a dead letter.
-        for side in &self.table_sides {
-            let mut reads = false;
-            let _ = side.apply(|node| {
-                reads |= matches!(node, LogicalPlan::TableScan(scan)
-                    if scan.table_name.table().eq_ignore_ascii_case(name));
-                Ok(TreeNodeRecursion::Continue)
-            });
-            if reads {
-                let run = async {
-                    let df = self.tables.ctx.execute_logical_plan(side.clone()).await?;
-                    df.collect().await
-                };
-                run.await.map_err(|e| {
-                    Error::in_table(
-                        name,
-                        format!(
-                            "the query's side of the join fails on version {version}: {e} (in `{}`)",
-                            side.display()
-                        ),
-                    )
-                })?;
-            }
-        }
-        if let Some((_, loaded)) = self.tables.statics.get_mut(name) {
-            *loaded = Some(version.to_string());
-        }
+        *loaded = Some(version.to_string());
         Ok(())
     }
 

@@ -117,7 +117,7 @@ impl Job {
         )
         .await?;
         // Each row joins the static tables at the version its streamed batch joined.
-        let tables = TablesAtVersions::open(tables, &checkpoint).await?;
+        let tables = TablesAtVersions::open(tables, &checkpoint, true).await?;
         // The stream left out the rows its expectations dropped or quarantined; so does the
         // recomputation.
         let expectations = Expectations::plan(

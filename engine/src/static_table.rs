@@ -30,7 +30,7 @@ use crate::error::{BoxError, Error, Result};
 use crate::offsets::{BatchId, SourceOffsets};
 use crate::operators::QueryOutput;
 use crate::query::{BatchWatermark, StreamingQuery};
-use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION};
+use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_POSITION};
 
 /// A table read whole at a version the batch intent records.
 #[async_trait]
@@ -84,10 +84,11 @@ impl StaticTables {
                 .map_err(|e| Error::in_table(&spec.name, e))?;
             // A table written by a Sluice job carries lineage columns: they would clash with the
             // stream's, and say nothing about the join.
+            let lineage = [SOURCE_PARTITION, SOURCE_OFFSET, SOURCE_POSITION];
             let fields: Vec<_> = schema
                 .fields()
                 .iter()
-                .filter(|f| !f.name().starts_with("_source_"))
+                .filter(|f| !lineage.contains(&f.name().as_str()))
                 .cloned()
                 .collect();
             let schema = Arc::new(Schema::new(fields));
@@ -157,8 +158,8 @@ impl StaticTables {
                             name,
                             format!(
                                 "version {version} has column {} as {}, but the query was \
-                                 planned with {}: restart the job to plan it against the \
-                                 table's schema",
+                                 planned with {} (the table's newest schema when the job \
+                                 started)",
                                 field.name(),
                                 c.data_type(),
                                 field.data_type()
@@ -245,9 +246,38 @@ impl VersionLog {
         };
         let rel = format!("{}/{:020}.json", Self::folder(table), batch_id.0);
         let bytes = checkpoint.to_json(&rel, &entry)?;
-        // Put-if-absent: a rerun of the batch (same intent) writes the same entry.
-        checkpoint.put_if_absent(&rel, bytes).await?;
+        // Put-if-absent: a rerun of the batch (same intent) writes the same entry; another
+        // would make the log lie about what the batch joined.
+        if !checkpoint.put_if_absent(&rel, bytes).await?
+            && let Some(recorded) = checkpoint.get_json::<VersionEntry>(&rel).await?
+            && recorded != entry
+        {
+            return Err(Error::in_table(
+                table,
+                format!(
+                    "batch {} was recorded as joining version {} from other offsets or at another \
+                     version than this run's ({version}); {rel} in the checkpoint says so",
+                    batch_id.0, recorded.version
+                ),
+            ));
+        }
         Ok(())
+    }
+
+    /// The version an earlier attempt at batch `batch_id` recorded for `table`, if any.
+    ///
+    /// # Errors
+    /// If the checkpoint store fails.
+    pub async fn recorded(
+        checkpoint: &CheckpointStore,
+        table: &str,
+        batch_id: BatchId,
+    ) -> Result<Option<String>> {
+        let rel = format!("{}/{:020}.json", Self::folder(table), batch_id.0);
+        Ok(checkpoint
+            .get_json::<VersionEntry>(&rel)
+            .await?
+            .map(|e| e.version))
     }
 
     /// Reads the log of every table in `tables`.
@@ -270,19 +300,21 @@ impl VersionLog {
         Ok(log)
     }
 
-    /// The version of `table` the row at (`source`, `partition`, `offset`) was joined with.
-    fn version_of(&self, table: &str, source: &str, partition: &str, offset: i64) -> Option<&str> {
-        self.entries
-            .get(table)?
-            .values()
-            .rev()
-            .find(|e| {
-                e.from
-                    .get(source)
-                    .and_then(|parts| parts.get(partition))
-                    .is_none_or(|from| *from <= offset)
-            })
-            .map(|e| e.version.as_str())
+    /// The entry of `table` in force for the row at (`source`, `partition`, `offset`): the
+    /// last one whose batch started at or before it.
+    fn entry_of(
+        &self,
+        table: &str,
+        source: &str,
+        partition: &str,
+        offset: i64,
+    ) -> Option<&VersionEntry> {
+        self.entries.get(table)?.values().rev().find(|e| {
+            e.from
+                .get(source)
+                .and_then(|parts| parts.get(partition))
+                .is_none_or(|from| *from <= offset)
+        })
     }
 
     /// Splits rows of the sources (with their lineage columns) into parts, each joined with one
@@ -292,15 +324,13 @@ impl VersionLog {
     /// # Errors
     /// [`Error::StaticTable`] if a row has no recorded version (the log was deleted, or the row
     /// was never read by a committed batch).
-    pub fn split(
-        &self,
-        inputs: &BTreeMap<String, RecordBatch>,
-    ) -> Result<Vec<RowsAtVersions>> {
+    pub fn split(&self, inputs: &BTreeMap<String, RecordBatch>) -> Result<Vec<RowsAtVersions>> {
         if self.entries.is_empty() {
             return Ok(vec![(BTreeMap::new(), inputs.clone())]);
         }
-        // Per version combination, the row indices of each source.
-        let mut parts: BTreeMap<Vec<String>, BTreeMap<String, Vec<u32>>> = BTreeMap::new();
+        // Per combination of entries (by their batches: the parts come in stream order), the
+        // row indices of each source.
+        let mut parts: BTreeMap<Vec<BatchId>, BTreeMap<String, Vec<u32>>> = BTreeMap::new();
         for (source, rows) in inputs {
             let column = |name: &str, to: &DataType| -> Result<ArrayRef> {
                 let array = rows.column_by_name(name).ok_or_else(|| {
@@ -316,40 +346,62 @@ impl VersionLog {
             );
             for i in 0..rows.num_rows() {
                 let (partition, offset) = (partitions.value(i), offsets.value(i));
-                let mut versions = Vec::with_capacity(self.entries.len());
+                let mut batches = Vec::with_capacity(self.entries.len());
                 for table in self.entries.keys() {
-                    let version = self
-                        .version_of(table, source, partition, offset)
-                        .ok_or_else(|| {
-                            Error::in_table(
-                                table,
-                                format!(
-                                    "no recorded version for {source} partition {partition} \
-                                     offset {offset}: its version log under tables/{table}/ in \
-                                     the checkpoint is missing entries"
-                                ),
-                            )
-                        })?;
-                    versions.push(version.to_string());
+                    let entry =
+                        self.entry_of(table, source, partition, offset)
+                            .ok_or_else(|| {
+                                Error::in_table(
+                                    table,
+                                    format!(
+                                        "no recorded version for {source} partition {partition} \
+                                     offset {offset}: it comes before the first version the \
+                                     job recorded under tables/{table}/ in the checkpoint (it \
+                                     was streamed before the table was joined, or before \
+                                     versions were recorded), so the version it joined is \
+                                     unknown"
+                                    ),
+                                )
+                            })?;
+                    batches.push(entry.batch_id);
                 }
                 parts
-                    .entry(versions)
+                    .entry(batches)
                     .or_default()
                     .entry(source.clone())
                     .or_default()
                     .push(i as u32);
             }
         }
-        let names: Vec<String> = self.entries.keys().cloned().collect();
-        let mut out = Vec::with_capacity(parts.len());
-        for (versions, rows) in parts {
+        // One part per combination of versions (two entries may name one version), in the
+        // order of their first batches.
+        type RowsBySource = BTreeMap<String, Vec<u32>>;
+        let mut merged: Vec<(BTreeMap<String, String>, RowsBySource)> = Vec::new();
+        for (batches, rows) in parts {
+            let versions: BTreeMap<String, String> = self
+                .entries
+                .iter()
+                .zip(batches)
+                .map(|((table, entries), batch)| (table.clone(), entries[&batch].version.clone()))
+                .collect();
+            match merged.iter_mut().find(|(v, _)| *v == versions) {
+                Some((_, all)) => {
+                    for (source, indices) in rows {
+                        all.entry(source).or_default().extend(indices);
+                    }
+                }
+                None => merged.push((versions, rows)),
+            }
+        }
+        let mut out = Vec::with_capacity(merged.len());
+        for (versions, mut rows) in merged {
             let mut part = BTreeMap::new();
             for (source, batch) in inputs {
-                let indices = rows.get(source).cloned().unwrap_or_default();
+                let mut indices = rows.remove(source).unwrap_or_default();
+                indices.sort_unstable();
                 let taken = arrow::compute::take_record_batch(batch, &UInt32Array::from(indices))?;
                 part.insert(source.clone(), taken);
             }
-            let versions = names.iter().cloned().zip(versions).collect();
             out.push((versions, part));
         }
         Ok(out)
@@ -365,20 +417,23 @@ pub(crate) struct TablesAtVersions {
 }
 
 impl TablesAtVersions {
-    /// The tables, with their version log read from `checkpoint`.
+    /// The tables, with their version log read from `checkpoint`; `streamed`: the job has
+    /// committed a batch.
     ///
     /// # Errors
     /// If the log cannot be read.
     pub(crate) async fn open(
         tables: StaticTables,
         checkpoint: &CheckpointStore,
+        streamed: bool,
     ) -> Result<TablesAtVersions> {
         let mut log = VersionLog::read(checkpoint, &tables.names()).await?;
-        // A table no streamed batch has joined yet (a batch run of a job that never ran live):
-        // every row joins its newest version.
+        // A job that never streamed (a batch run): every row joins the newest version. A job
+        // that streamed finds its rows' versions in the log, or fails naming the row.
         let latest = tables.latest_versions().await?;
         for (table, entries) in &mut log.entries {
-            if entries.is_empty()
+            if !streamed
+                && entries.is_empty()
                 && let Some(version) = latest.get(table)
             {
                 let entry = VersionEntry {

@@ -663,7 +663,7 @@ fn check_upper(upper: &LogicalPlan, mode: OutputMode) -> Result<()> {
         }
         Ok(TreeNodeRecursion::Continue)
     });
-    let _ = upper.apply(|node| {
+    let _ = upper.apply_with_subqueries(|node| {
         let bad = match node {
             LogicalPlan::TableScan(scan) if scan.table_name.table() != FINISHED_TABLE => {
                 Some(format!(

@@ -150,6 +150,10 @@ pub(crate) fn stateful_node(
         let reason = "a subquery over a stream would see only the batch's rows";
         return Some((plan.display().to_string(), reason));
     }
+    if !reads_stream(plan, statics) {
+        // The table's side of a join (or a query reading no stream, refused by the planner).
+        return None;
+    }
     match plan {
         LogicalPlan::Projection(_)
         | LogicalPlan::Filter(_)
