@@ -68,6 +68,14 @@ fn write_join_job(ws: &Path, job_id: &str, input: &Path, users: &Path, out: &Pat
     std::fs::write(&job, text).unwrap();
 }
 
+/// `sluice reconcile` of `job` over `[from, to)`.
+fn reconcile(job: &str, from: &str, to: &str) -> std::process::Output {
+    run_sluice(
+        &["reconcile", job, "--from-time", from, "--to-time", to],
+        &[],
+    )
+}
+
 const LEFT_JOIN: &str = "SELECT e.id, e.user_id, u.country, e.ts FROM events e \
     LEFT JOIN users u ON e.user_id = u.user_id";
 
@@ -152,10 +160,7 @@ async fn a_stream_joins_a_delta_table_at_the_version_each_batch_recorded() {
     // Reconcile joins each raw event with the version its batch joined (the version log):
     // joining the newest version instead would differ on users 0 and 2 of batches 0 and 1.
     let (from, to) = ("2026-11-01T09:00:00Z", "2026-11-01T09:03:00Z");
-    let reconciled = run_sluice(
-        &["reconcile", job, "--from-time", from, "--to-time", to],
-        &[],
-    );
+    let reconciled = reconcile(job, from, to);
     assert_ok(&reconciled);
     let text = String::from_utf8_lossy(&reconciled.stdout);
     assert!(
@@ -180,10 +185,7 @@ async fn a_stream_joins_a_delta_table_at_the_version_each_batch_recorded() {
         .with_update("country", "'us'")
         .await
         .unwrap();
-    let reconciled = run_sluice(
-        &["reconcile", job, "--from-time", from, "--to-time", to],
-        &[],
-    );
+    let reconciled = reconcile(job, from, to);
     let text = String::from_utf8_lossy(&reconciled.stdout);
     assert!(!reconciled.status.success(), "{text}");
     assert!(text.contains("different 1"), "{text}");
@@ -199,10 +201,7 @@ async fn a_stream_joins_a_delta_table_at_the_version_each_batch_recorded() {
     entries.sort();
     assert_eq!(entries.len(), 3, "{entries:?}");
     std::fs::remove_dir_all(&log).unwrap();
-    let refused = run_sluice(
-        &["reconcile", job, "--from-time", from, "--to-time", to],
-        &[],
-    );
+    let refused = reconcile(job, from, to);
     assert_fails_saying(&refused, &["so the version it joined is unknown"]);
 }
 
@@ -263,10 +262,7 @@ async fn windows_over_a_join_reconcile_and_backfill_at_each_batch_version() {
         ]
     );
     let (from, to) = ("2026-11-01T09:00:00Z", "2026-11-01T09:03:00Z");
-    let reconciled = run_sluice(
-        &["reconcile", job, "--from-time", from, "--to-time", to],
-        &[],
-    );
+    let reconciled = reconcile(job, from, to);
     assert_ok(&reconciled);
     let text = String::from_utf8_lossy(&reconciled.stdout);
     assert!(

@@ -59,14 +59,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::CheckpointStore;
 use crate::dead_letter::{dead_letter_batch, dead_letter_from_row};
-use crate::driver::{checkpoint_location, query_settings};
+use crate::driver::{OpenedJob, open_job};
 use crate::error::{Error, Result};
 use crate::event_time::rows_in_period;
 use crate::expectations::Expectations;
 use crate::fault::pause_point;
-use crate::input::{
-    FutureTimes, OpenSource, open_sources_and_query, read_source_as_opened, table_column,
-};
+use crate::input::{FutureTimes, OpenSource, read_source_as_opened, table_column};
 use crate::job::Job;
 use crate::late::{Lateness, WINDOWS_MISSED};
 use crate::lease::{Lease, LeaseSettings, REWRITE_LEASE_FOLDER};
@@ -205,24 +203,20 @@ impl Job {
     /// sources or no lineage columns, a bound names an unknown partition
     /// or lies outside what the source holds, `from > to`, or reading, the query or the commit
     /// fails.
-    pub async fn backfill(self, range: BackfillRange, dry_run: bool) -> Result<BackfillReport> {
+    pub async fn backfill(mut self, range: BackfillRange, dry_run: bool) -> Result<BackfillReport> {
         let started = Instant::now();
         if !self.sink.can_replace() {
             return Err(Error::CannotReplace {
                 location: self.sink.location().to_string(),
             });
         }
-        let checkpoint = checkpoint_location(&self)?;
-        let mut settings = query_settings(&self);
-        let (sources, tables, query) = open_sources_and_query(
-            self.sources,
-            self.tables,
-            &self.query,
-            &mut settings,
-            &checkpoint,
-            false,
-        )
-        .await?;
+        let OpenedJob {
+            checkpoint,
+            settings,
+            sources,
+            tables,
+            query,
+        } = open_job(&mut self, false).await?;
         if self.output_mode == crate::sink::OutputMode::Update {
             return Err(Error::UnsupportedQuery(
                 "backfill of update-mode jobs is not available yet; backfill replaces the rows \

@@ -166,18 +166,14 @@ impl Job {
     }
 
     /// Opens the sources and plans the query without writing anything.
-    pub async fn validate(self) -> Result<Validation> {
-        let checkpoint = checkpoint_location(&self)?;
-        let mut settings = query_settings(&self);
-        let (sources, tables, query) = open_sources_and_query(
-            self.sources,
-            self.tables,
-            &self.query,
-            &mut settings,
-            &checkpoint,
-            true,
-        )
-        .await?;
+    pub async fn validate(mut self) -> Result<Validation> {
+        let OpenedJob {
+            settings,
+            sources,
+            tables,
+            query,
+            ..
+        } = open_job(&mut self, true).await?;
         Expectations::plan(
             &self.expectations,
             &query.output_schema(),
@@ -240,6 +236,40 @@ pub(crate) fn query_settings(job: &Job) -> QuerySettings {
             .filter_map(|s| Some((s.name.clone(), s.event_time.as_ref()?.column.clone())))
             .collect(),
     }
+}
+
+/// A job's checkpoint, sources, static tables and planned query, opened: what a run, a
+/// validation, a backfill and a reconcile all start from. Takes the sources and tables out of
+/// `job`.
+pub(crate) struct OpenedJob {
+    pub(crate) checkpoint: CheckpointStore,
+    /// How the query was planned (static tables' schemas included), for planning it again.
+    pub(crate) settings: QuerySettings,
+    pub(crate) sources: Vec<OpenSource>,
+    pub(crate) tables: StaticTables,
+    pub(crate) query: StreamingQuery,
+}
+
+/// Opens `job`'s inputs and plans its query; `validating`: nothing is written.
+pub(crate) async fn open_job(job: &mut Job, validating: bool) -> Result<OpenedJob> {
+    let checkpoint = checkpoint_location(job)?;
+    let mut settings = query_settings(job);
+    let (sources, tables, query) = open_sources_and_query(
+        std::mem::take(&mut job.sources),
+        std::mem::take(&mut job.tables),
+        &job.query,
+        &mut settings,
+        &checkpoint,
+        validating,
+    )
+    .await?;
+    Ok(OpenedJob {
+        checkpoint,
+        settings,
+        sources,
+        tables,
+        query,
+    })
 }
 
 /// A job with its sources, query, sink, checkpoint and lease open, positioned after its last
@@ -352,13 +382,16 @@ impl Batch {
 impl Pipeline {
     /// Opens everything, takes the job's lease, and finds where the job stands from the output
     /// table.
-    async fn open(job: Job) -> Result<Pipeline> {
-        let checkpoint = checkpoint_location(&job)?;
-        let mut settings = query_settings(&job);
-        let Job {
-            id: job_id,
+    async fn open(mut job: Job) -> Result<Pipeline> {
+        let OpenedJob {
+            checkpoint,
+            settings,
             sources,
             tables,
+            mut query,
+        } = open_job(&mut job, false).await?;
+        let Job {
+            id: job_id,
             query: query_definition,
             mut sink,
             keep_batches,
@@ -367,15 +400,6 @@ impl Pipeline {
             progress,
             ..
         } = job;
-        let (sources, tables, mut query) = open_sources_and_query(
-            sources,
-            tables,
-            &query_definition,
-            &mut settings,
-            &checkpoint,
-            false,
-        )
-        .await?;
         let expectations =
             Expectations::plan(&expectations, &query.output_schema(), &settings.functions)?;
         checkpoint.check_conditional_put().await?;

@@ -28,11 +28,11 @@ use arrow::row::{RowConverter, SortField};
 use serde_json::Value;
 
 use crate::checkpoint::BatchManifest;
-use crate::driver::{checkpoint_location, query_settings};
+use crate::driver::{OpenedJob, open_job};
 use crate::error::{Error, Result};
 use crate::event_time::rows_in_period;
 use crate::expectations::Expectations;
-use crate::input::{FutureTimes, OpenSource, open_sources_and_query, read_source_as_opened};
+use crate::input::{FutureTimes, OpenSource, read_source_as_opened};
 use crate::job::Job;
 use crate::late::WATERMARK;
 use crate::offsets::{BatchId, OffsetRange, PartitionId};
@@ -99,23 +99,19 @@ impl Job {
     /// # Errors
     /// If the period is empty or has open windows, a source has no event time, the output does
     /// not carry the period's column, the job has committed nothing, or reading fails.
-    pub async fn reconcile(self, from: i64, to: i64) -> Result<Reconciliation> {
+    pub async fn reconcile(mut self, from: i64, to: i64) -> Result<Reconciliation> {
         if from >= to {
             return Err(Error::InvalidJob(
                 "reconcile: the period is empty (--from-time must be before --to-time)".into(),
             ));
         }
-        let checkpoint = checkpoint_location(&self)?;
-        let mut settings = query_settings(&self);
-        let (sources, tables, query) = open_sources_and_query(
-            self.sources,
-            self.tables,
-            &self.query,
-            &mut settings,
-            &checkpoint,
-            false,
-        )
-        .await?;
+        let OpenedJob {
+            checkpoint,
+            settings,
+            sources,
+            tables,
+            query,
+        } = open_job(&mut self, false).await?;
         // Each row joins the static tables at the version its streamed batch joined.
         let tables = TablesAtVersions::open(tables, &checkpoint, true).await?;
         // The stream left out the rows its expectations dropped or quarantined; so does the

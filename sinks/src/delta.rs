@@ -467,16 +467,8 @@ impl TableHandle {
         let Some(table) = self.open_existing().await? else {
             return Ok(Vec::new());
         };
-        let ctx = deltalake::datafusion::prelude::SessionContext::new();
-        table
-            .update_datafusion_session(&ctx.state())
-            .map_err(|e| self.err(e))?;
-        let provider = table
-            .table_provider()
-            .await
-            .map_err(|e| self.err(e.into()))?;
         let df_err = |e: deltalake::datafusion::error::DataFusionError| self.err(e.into());
-        let mut df = ctx.read_table(provider).map_err(df_err)?;
+        let mut df = table_frame(&table).await.map_err(|e| self.err(e))?;
         if let Some(filter) = &scan.filter {
             let predicate = df.parse_sql_expr(filter).map_err(df_err)?;
             df = df.filter(predicate).map_err(df_err)?;
@@ -1555,6 +1547,19 @@ impl Sink for DeltaSink {
             version,
         })
     }
+}
+
+/// Every row of `table` at the version it holds, as a DataFusion frame to filter or collect.
+///
+/// # Errors
+/// If the table's files cannot be listed or planned.
+pub(crate) async fn table_frame(
+    table: &DeltaTable,
+) -> deltalake::DeltaResult<deltalake::datafusion::dataframe::DataFrame> {
+    let ctx = deltalake::datafusion::prelude::SessionContext::new();
+    table.update_datafusion_session(&ctx.state())?;
+    let provider = table.table_provider().await?;
+    Ok(ctx.read_table(provider)?)
 }
 
 /// Rows in the Delta table at `url` (from the file statistics; reads no data).

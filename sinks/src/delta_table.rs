@@ -16,7 +16,7 @@ use sluice_engine::{BoxError, StaticTable};
 use tokio::sync::Mutex;
 use url::Url;
 
-use crate::delta::register_cloud_stores;
+use crate::delta::{register_cloud_stores, table_frame};
 use crate::error::SinkError;
 
 /// A Delta table read whole at the version each batch's intent records.
@@ -90,15 +90,7 @@ impl StaticTable for DeltaTableSource {
         if table.version() != Some(version) {
             table.load_version(version).await.map_err(|e| self.err(e))?;
         }
-        let ctx = deltalake::datafusion::prelude::SessionContext::new();
-        table
-            .update_datafusion_session(&ctx.state())
-            .map_err(|e| self.err(e))?;
-        let provider = table
-            .table_provider()
-            .await
-            .map_err(|e| self.err(e.into()))?;
-        let df = ctx.read_table(provider).map_err(|e| self.err(e.into()))?;
+        let df = table_frame(&table).await.map_err(|e| self.err(e))?;
         let rows = df.collect().await.map_err(|e| self.err(e.into()))?;
         Ok(rows.into_iter().filter(|b| b.num_rows() > 0).collect())
     }
