@@ -327,6 +327,14 @@ async fn joins_that_would_need_state_are_refused_by_name() {
             "SELECT user_id FROM users",
             ["reads no source", "tables are joined"],
         ),
+        (
+            "SELECT window_start, count(*) AS n FROM tumble(events, ts, INTERVAL '1' MINUTE) \
+             GROUP BY window_start, window_end HAVING count(*) > (SELECT count(*) FROM users)",
+            [
+                "TableScan: users",
+                "reads a table beside the aggregate's output",
+            ],
+        ),
     ] {
         write_join_job(ws.path(), "refused", &input, &users, &out, sql);
         assert_fails_saying(&run_sluice(&["validate", job], &[]), &wanted);

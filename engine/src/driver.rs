@@ -783,17 +783,34 @@ impl Pipeline {
     /// source's schema grew holds none), and recorded in the table's version log. An intent from before tables
     /// were recorded, or one that lacks a table added since, takes the newest version.
     async fn load_tables(&mut self, batch: &Batch) -> Result<()> {
+        // Where the batch's ranges start: a version log entry's `from`.
+        let from: SourceOffsets = batch
+            .intent
+            .ranges
+            .iter()
+            .map(|(source, parts)| {
+                let starts = parts.iter().map(|(p, r)| (p.clone(), r.start)).collect();
+                (source.clone(), starts)
+            })
+            .collect();
         for name in self.tables.names() {
-            let version = match batch.intent.table_versions.get(&name) {
-                Some(version) => version.clone(),
-                // An intent planned before the table joined the job: what an earlier attempt
-                // at the batch recorded, else the newest (recorded below before it is joined).
-                None => match VersionLog::recorded(&self.checkpoint, &name, batch.id()).await? {
-                    Some(version) => version,
-                    None => match self.tables.latest_versions().await?.remove(&name) {
-                        Some(version) => version,
-                        None => continue,
-                    },
+            let (version, recorded) = match batch.intent.table_versions.get(&name) {
+                Some(version) => (version.clone(), false),
+                // An intent planned before the table joined the job: the newest version,
+                // recorded before it is joined — or what an earlier attempt recorded first.
+                None => match self.tables.latest_versions().await?.remove(&name) {
+                    Some(newest) => {
+                        let version = VersionLog::record_first(
+                            &self.checkpoint,
+                            &name,
+                            batch.id(),
+                            &newest,
+                            from.clone(),
+                        )
+                        .await?;
+                        (version, true)
+                    }
+                    None => continue,
                 },
             };
             if self.query.table_version(&name) == Some(version.as_str()) {
@@ -802,16 +819,10 @@ impl Pipeline {
             let rows = self.tables.read(&name, &version).await?;
             info!(batch_id = batch.id().0, table = %name, version = %version, rows = rows.iter().map(|b| b.num_rows()).sum::<usize>(), "static table loaded");
             // Backfill and reconcile find each row's version here once the intent is purged.
-            let from = batch
-                .intent
-                .ranges
-                .iter()
-                .map(|(source, parts)| {
-                    let starts = parts.iter().map(|(p, r)| (p.clone(), r.start)).collect();
-                    (source.clone(), starts)
-                })
-                .collect();
-            VersionLog::record(&self.checkpoint, &name, batch.id(), &version, from).await?;
+            if !recorded {
+                VersionLog::record(&self.checkpoint, &name, batch.id(), &version, from.clone())
+                    .await?;
+            }
             self.query.load_table(&name, &version, rows).await?;
         }
         Ok(())

@@ -264,20 +264,33 @@ impl VersionLog {
         Ok(())
     }
 
-    /// The version an earlier attempt at batch `batch_id` recorded for `table`, if any.
+    /// Records `version` for batch `batch_id` unless an earlier attempt recorded one first, and
+    /// returns the version recorded: how a batch whose intent names no version for `table`
+    /// settles on one, even when two attempts race.
     ///
     /// # Errors
     /// If the checkpoint store fails.
-    pub async fn recorded(
+    pub async fn record_first(
         checkpoint: &CheckpointStore,
         table: &str,
         batch_id: BatchId,
-    ) -> Result<Option<String>> {
+        version: &str,
+        from: SourceOffsets,
+    ) -> Result<String> {
+        let entry = VersionEntry {
+            batch_id,
+            version: version.to_string(),
+            from,
+        };
         let rel = format!("{}/{:020}.json", Self::folder(table), batch_id.0);
+        let bytes = checkpoint.to_json(&rel, &entry)?;
+        if checkpoint.put_if_absent(&rel, bytes).await? {
+            return Ok(entry.version);
+        }
         Ok(checkpoint
             .get_json::<VersionEntry>(&rel)
             .await?
-            .map(|e| e.version))
+            .map_or(entry.version, |recorded| recorded.version))
     }
 
     /// Reads the log of every table in `tables`.
@@ -432,10 +445,9 @@ impl TablesAtVersions {
         // that streamed finds its rows' versions in the log, or fails naming the row.
         let latest = tables.latest_versions().await?;
         for (table, entries) in &mut log.entries {
-            if !streamed
-                && entries.is_empty()
-                && let Some(version) = latest.get(table)
-            {
+            if !streamed && let Some(version) = latest.get(table) {
+                // (Entries of an attempt that never committed do not count.)
+                entries.clear();
                 let entry = VersionEntry {
                     batch_id: BatchId(0),
                     version: version.clone(),

@@ -663,16 +663,27 @@ fn check_upper(upper: &LogicalPlan, mode: OutputMode) -> Result<()> {
         }
         Ok(TreeNodeRecursion::Continue)
     });
+    // A table read above the aggregate (subqueries included), named before any other rule
+    // trips over the subquery's own nodes.
     let _ = upper.apply_with_subqueries(|node| {
+        if let LogicalPlan::TableScan(scan) = node
+            && scan.table_name.table() != FINISHED_TABLE
+        {
+            problem = Some(format!(
+                "`{}` reads a table beside the aggregate's output: join a static table below \
+                 the aggregate (its rows, before the window), and a stream only in the \
+                 aggregate's FROM",
+                node.display()
+            ));
+            return Ok(TreeNodeRecursion::Stop);
+        }
+        Ok(TreeNodeRecursion::Continue)
+    });
+    if let Some(problem) = problem.take() {
+        return Err(Error::UnsupportedQuery(problem));
+    }
+    let _ = upper.apply(|node| {
         let bad = match node {
-            LogicalPlan::TableScan(scan) if scan.table_name.table() != FINISHED_TABLE => {
-                Some(format!(
-                    "`{}` reads a table beside the aggregate's output: join a static table \
-                     below the aggregate (its rows, before the window), and a stream only in \
-                     the aggregate's FROM",
-                    node.display()
-                ))
-            }
             LogicalPlan::Limit(_) => Some(format!(
                 "`{}` above the aggregate would cut each batch's groups, not the stream",
                 node.display()
