@@ -61,7 +61,8 @@ use crate::input::{
 use crate::job::{DEAD_LETTER_BREAKER_MIN, Job, Trigger};
 use crate::lease::{Lease, LeaseSettings, REWRITE_LEASE_FOLDER};
 use crate::offsets::{
-    BatchId, OffsetRange, SourceOffsets, SourceRanges, display_offsets, display_ranges, plan_ranges,
+    BatchId, OffsetRange, SourceOffsets, SourceRanges, display_offsets, display_ranges,
+    plan_ranges, start_offsets,
 };
 use crate::operators::state_store::StateLog;
 use crate::progress::{CommittedBatch, Progress};
@@ -784,15 +785,7 @@ impl Pipeline {
     /// were recorded, or one that lacks a table added since, takes the newest version.
     async fn load_tables(&mut self, batch: &Batch) -> Result<()> {
         // Where the batch's ranges start: a version log entry's `from`.
-        let from: SourceOffsets = batch
-            .intent
-            .ranges
-            .iter()
-            .map(|(source, parts)| {
-                let starts = parts.iter().map(|(p, r)| (p.clone(), r.start)).collect();
-                (source.clone(), starts)
-            })
-            .collect();
+        let from = start_offsets(&batch.intent.ranges);
         for name in self.tables.names() {
             let (version, recorded) = match batch.intent.table_versions.get(&name) {
                 Some(version) => (version.clone(), false),
@@ -813,17 +806,19 @@ impl Pipeline {
                     None => continue,
                 },
             };
-            if self.query.table_version(&name) == Some(version.as_str()) {
+            let Some(rows) = self
+                .tables
+                .load_into(&mut self.query, &name, &version)
+                .await?
+            else {
                 continue;
-            }
-            let rows = self.tables.read(&name, &version).await?;
-            info!(batch_id = batch.id().0, table = %name, version = %version, rows = rows.iter().map(|b| b.num_rows()).sum::<usize>(), "static table loaded");
+            };
+            info!(batch_id = batch.id().0, table = %name, version = %version, rows, "static table loaded");
             // Backfill and reconcile find each row's version here once the intent is purged.
             if !recorded {
                 VersionLog::record(&self.checkpoint, &name, batch.id(), &version, from.clone())
                     .await?;
             }
-            self.query.load_table(&name, &version, rows).await?;
         }
         Ok(())
     }

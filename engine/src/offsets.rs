@@ -75,6 +75,17 @@ pub type SourceOffsets = BTreeMap<String, BTreeMap<PartitionId, Offset>>;
 /// Ranges of every partition of every source: `source name → partition → range`.
 pub type SourceRanges = BTreeMap<String, BTreeMap<PartitionId, OffsetRange>>;
 
+/// The start offsets of a set of ranges.
+pub fn start_offsets(ranges: &SourceRanges) -> SourceOffsets {
+    ranges
+        .iter()
+        .map(|(source, parts)| {
+            let starts = parts.iter().map(|(p, r)| (p.clone(), r.start)).collect();
+            (source.clone(), starts)
+        })
+        .collect()
+}
+
 /// The end offsets of a set of ranges.
 pub fn end_offsets(ranges: &SourceRanges) -> SourceOffsets {
     ranges

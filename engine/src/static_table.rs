@@ -130,6 +130,26 @@ impl StaticTables {
         Ok(versions)
     }
 
+    /// Makes `query` join table `name` at `version`, reading it only if the query holds
+    /// another version (or none); the rows read, if it did.
+    ///
+    /// # Errors
+    /// As [`StaticTables::read`].
+    pub(crate) async fn load_into(
+        &self,
+        query: &mut StreamingQuery,
+        name: &str,
+        version: &str,
+    ) -> Result<Option<usize>> {
+        if query.table_version(name) == Some(version) {
+            return Ok(None);
+        }
+        let rows = self.read(name, version).await?;
+        let count = rows.iter().map(RecordBatch::num_rows).sum();
+        query.load_table(name, version, rows).await?;
+        Ok(Some(count))
+    }
+
     /// The rows of table `name` at `version`.
     ///
     /// # Errors
@@ -231,7 +251,8 @@ impl VersionLog {
     /// Records that batch `batch_id`, whose ranges start at `from`, joins `table` at `version`.
     ///
     /// # Errors
-    /// If the checkpoint store fails.
+    /// If the checkpoint store fails, or an earlier attempt at the batch recorded another
+    /// entry (the log would lie about what the batch joined).
     pub async fn record(
         checkpoint: &CheckpointStore,
         table: &str,
@@ -244,20 +265,17 @@ impl VersionLog {
             version: version.to_string(),
             from,
         };
-        let rel = format!("{}/{:020}.json", Self::folder(table), batch_id.0);
-        let bytes = checkpoint.to_json(&rel, &entry)?;
-        // Put-if-absent: a rerun of the batch (same intent) writes the same entry; another
-        // would make the log lie about what the batch joined.
-        if !checkpoint.put_if_absent(&rel, bytes).await?
-            && let Some(recorded) = checkpoint.get_json::<VersionEntry>(&rel).await?
-            && recorded != entry
-        {
+        // A rerun of the batch (same intent) finds the same entry.
+        let recorded = Self::put_first(checkpoint, table, entry.clone()).await?;
+        if recorded != entry {
             return Err(Error::in_table(
                 table,
                 format!(
                     "batch {} was recorded as joining version {} from other offsets or at another \
-                     version than this run's ({version}); {rel} in the checkpoint says so",
-                    batch_id.0, recorded.version
+                     version than this run's ({version}); {} in the checkpoint says so",
+                    batch_id.0,
+                    recorded.version,
+                    Self::entry_path(table, batch_id)
                 ),
             ));
         }
@@ -282,15 +300,30 @@ impl VersionLog {
             version: version.to_string(),
             from,
         };
-        let rel = format!("{}/{:020}.json", Self::folder(table), batch_id.0);
+        Ok(Self::put_first(checkpoint, table, entry).await?.version)
+    }
+
+    /// Where the entry of `table` for `batch_id` lives in the checkpoint.
+    fn entry_path(table: &str, batch_id: BatchId) -> String {
+        format!("{}/{:020}.json", Self::folder(table), batch_id.0)
+    }
+
+    /// Writes `entry` put-if-absent and returns the entry the log holds for its batch: `entry`,
+    /// or what an earlier attempt wrote first.
+    async fn put_first(
+        checkpoint: &CheckpointStore,
+        table: &str,
+        entry: VersionEntry,
+    ) -> Result<VersionEntry> {
+        let rel = Self::entry_path(table, entry.batch_id);
         let bytes = checkpoint.to_json(&rel, &entry)?;
         if checkpoint.put_if_absent(&rel, bytes).await? {
-            return Ok(entry.version);
+            return Ok(entry);
         }
         Ok(checkpoint
             .get_json::<VersionEntry>(&rel)
             .await?
-            .map_or(entry.version, |recorded| recorded.version))
+            .unwrap_or(entry))
     }
 
     /// Reads the log of every table in `tables`.
@@ -473,9 +506,7 @@ impl TablesAtVersions {
         let mut out = QueryOutput::default();
         for (versions, part) in self.log.split(inputs)? {
             self.load(query, &versions).await?;
-            let result = query.feed_bounded(&part, watermark).await?;
-            out.batches.extend(result.batches);
-            out.failed.extend(result.failed);
+            out.append(query.feed_bounded(&part, watermark).await?);
         }
         Ok(out)
     }
@@ -493,13 +524,9 @@ impl TablesAtVersions {
     ) -> Result<QueryOutput> {
         let mut out = QueryOutput::default();
         for (inputs, watermark) in parts {
-            let part = self.feed_bounded(query, &inputs, watermark).await?;
-            out.batches.extend(part.batches);
-            out.failed.extend(part.failed);
+            out.append(self.feed_bounded(query, &inputs, watermark).await?);
         }
-        let last = query.finish_bounded().await?;
-        out.batches.extend(last.batches);
-        out.failed.extend(last.failed);
+        out.append(query.finish_bounded().await?);
         Ok(out)
     }
 
@@ -517,9 +544,7 @@ impl TablesAtVersions {
         let mut out = QueryOutput::default();
         for (versions, part) in self.log.split(inputs)? {
             self.load(query, &versions).await?;
-            let result = query.execute_isolating(&part, watermark).await?;
-            out.batches.extend(result.batches);
-            out.failed.extend(result.failed);
+            out.append(query.execute_isolating(&part, watermark).await?);
         }
         Ok(out)
     }
@@ -531,10 +556,7 @@ impl TablesAtVersions {
         versions: &BTreeMap<String, String>,
     ) -> Result<()> {
         for (name, version) in versions {
-            if query.table_version(name) != Some(version.as_str()) {
-                let rows = self.tables.read(name, version).await?;
-                query.load_table(name, version, rows).await?;
-            }
+            self.tables.load_into(query, name, version).await?;
         }
         Ok(())
     }

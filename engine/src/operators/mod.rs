@@ -69,6 +69,14 @@ pub struct QueryOutput {
     pub failed: Vec<FailedRow>,
 }
 
+impl QueryOutput {
+    /// Adds `other`'s rows and failed rows after this output's.
+    pub fn append(&mut self, other: QueryOutput) {
+        self.batches.extend(other.batches);
+        self.failed.extend(other.failed);
+    }
+}
+
 /// Whether `error` comes from the values of the rows — a failing CAST, a division by zero, an
 /// overflow, an invalid argument — the only kind of error that may make a row a dead letter.
 /// Running out of memory, I/O, planning and internal errors are not about a row: they fail the
