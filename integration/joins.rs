@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 use std::os::unix::process::ExitStatusExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use arrow::array::{Int64Array, RecordBatch, StringArray};
@@ -351,103 +351,4 @@ async fn joins_that_would_need_state_are_refused_by_name() {
         (rows[0]["id"].as_i64(), rows[0]["n"].as_i64()),
         (Some(2), Some(1))
     );
-}
-
-/// A golden case: `integration/golden/<case>/` holds `job.toml` (paths relative to a work
-/// folder: `input/`, `tables/<name>`, `out`), `input/` (the stream's files), `tables/<name>.jsonl`
-/// (each static table's rows, written as a Delta table before the run), `expected.jsonl` (the
-/// hand-checked output rows, lineage columns left out) and `crash` (a named crash point, e.g.
-/// `after_commit:1`). The case runs straight through, and again from scratch killed at the
-/// crash point and restarted; both outputs must equal the expected rows.
-async fn run_golden_case(case: &Path) {
-    let expected: Vec<Value> = std::fs::read_to_string(case.join("expected.jsonl"))
-        .unwrap()
-        .lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    let mut expected: Vec<String> = expected.iter().map(Value::to_string).collect();
-    expected.sort();
-    let crash = std::fs::read_to_string(case.join("crash")).unwrap();
-    for crash_at in [None, Some(crash.trim())] {
-        let ws = tempfile::tempdir().unwrap();
-        copy_dir(&case.join("input"), &ws.path().join("input"));
-        std::fs::copy(case.join("job.toml"), ws.path().join("job.toml")).unwrap();
-        for entry in std::fs::read_dir(case.join("tables")).into_iter().flatten() {
-            let path = entry.unwrap().path();
-            let name = path.file_stem().unwrap().to_str().unwrap().to_string();
-            write_jsonl_as_delta(&path, &ws.path().join("tables").join(name)).await;
-        }
-        let job = ws.path().join("job.toml");
-        let job = job.to_str().unwrap();
-        if let Some(point) = crash_at {
-            let killed = run_sluice(&["run", job], &[("SLUICE_CRASH_AT", point)]);
-            assert_eq!(
-                killed.status.signal(),
-                Some(9),
-                "{}: expected a SIGKILL at {point}: {}",
-                case.display(),
-                String::from_utf8_lossy(&killed.stderr)
-            );
-        }
-        assert_ok(&run_sluice(&["run", job], &[]));
-        let got: Vec<String> = table_values(
-            &ws.path().join("out"),
-            &["_source_partition", "_source_offset"],
-        )
-        .await
-        .into_iter()
-        .map(|r| Value::Object(r).to_string())
-        .collect();
-        assert_eq!(
-            got,
-            expected,
-            "golden case {} (crash at {crash_at:?})",
-            case.display()
-        );
-    }
-}
-
-/// Writes a JSON-lines file as a new Delta table (schema inferred from the rows).
-async fn write_jsonl_as_delta(jsonl: &Path, table: &Path) {
-    let file = std::fs::File::open(jsonl).unwrap();
-    let (schema, _) =
-        arrow::json::reader::infer_json_schema(std::io::BufReader::new(&file), None).unwrap();
-    let file = std::fs::File::open(jsonl).unwrap();
-    let reader = arrow::json::ReaderBuilder::new(Arc::new(schema))
-        .build(std::io::BufReader::new(file))
-        .unwrap();
-    let batches: Vec<RecordBatch> = reader.map(Result::unwrap).collect();
-    std::fs::create_dir_all(table).unwrap();
-    let url = url::Url::from_directory_path(table).unwrap();
-    deltalake::DeltaTable::try_from_url(url)
-        .await
-        .unwrap()
-        .write(batches)
-        .await
-        .unwrap();
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let path = entry.unwrap().path();
-        std::fs::copy(&path, to.join(path.file_name().unwrap())).unwrap();
-    }
-}
-
-/// Every case under `integration/golden/`.
-#[tokio::test(flavor = "multi_thread")]
-async fn golden_cases_give_their_expected_output_straight_and_after_a_crash() {
-    let root: PathBuf = repo_root().join("integration/golden");
-    let mut cases: Vec<PathBuf> = std::fs::read_dir(&root)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.is_dir())
-        .collect();
-    cases.sort();
-    assert!(!cases.is_empty(), "no golden case in {}", root.display());
-    for case in cases {
-        run_golden_case(&case).await;
-    }
 }

@@ -15,6 +15,7 @@ mod crash;
 mod dead_letters;
 mod evolution;
 mod formats;
+mod golden;
 mod hostile;
 mod instances;
 mod joins;

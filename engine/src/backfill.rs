@@ -225,6 +225,15 @@ impl Job {
             ));
         }
         let window = query.window().map(|(w, l)| (w.clone(), l));
+        if query.deduplicates() {
+            return Err(Error::UnsupportedQuery(
+                "backfill of a deduplicating job is not available: whether a row is its key's \
+                 first depends on every row read before the range (and on the watermark each \
+                 batch ran under), so a range cannot be recomputed alone; reconcile checks the \
+                 job instead"
+                    .into(),
+            ));
+        }
         if query.is_stateful() && window.is_none() {
             return Err(Error::UnsupportedQuery(
                 "a running aggregate (no window) has no range to replace: its groups span all \

@@ -374,6 +374,9 @@ pub struct BatchCounters {
     /// Rows written to the late table (they missed a closed window).
     #[serde(default)]
     pub rows_late: u64,
+    /// Deduplicating queries: rows left out as a later row of a key already emitted.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub rows_duplicate: u64,
     /// Windowed queries: rows of state after the batch (one per open window and group).
     #[serde(default)]
     pub state_rows: u64,
@@ -392,6 +395,10 @@ pub struct BatchCounters {
     /// Output rows expectations sent to the dead-letter table (`quarantine`).
     #[serde(default)]
     pub rows_quarantined: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 fn batch_file(batch_id: BatchId, name: &str) -> String {

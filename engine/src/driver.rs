@@ -720,12 +720,12 @@ impl Pipeline {
         }
         // The late table learns the window source's columns with every batch, so columns
         // schema evolution added join it in this batch's commit even without late rows.
-        if let Some((window, _)) = self.query.window()
-            && let Some(s) = self.sources.iter().find(|s| s.name == window.source)
+        if let Some(source) = self.query.late_source()
+            && let Some(s) = self.sources.iter().find(|s| s.name == source)
         {
             batch
                 .late
-                .push(RecordBatch::new_empty(crate::late::late_schema(&s.schema)));
+                .push(RecordBatch::new_empty(self.query.late_schema_of(&s.schema)));
         }
         for s in &self.sources {
             if let Some(rows) = inputs.get_mut(&s.name)
@@ -866,6 +866,7 @@ impl Pipeline {
         }
         batch.counters.rows_dead_lettered += output.failed.len() as u64;
         batch.counters.rows_out = output.batches.iter().map(|b| b.num_rows() as u64).sum();
+        batch.counters.rows_duplicate = self.query.rows_duplicate();
         batch.times.execute = t.elapsed();
         self.progress.alive();
         Ok(output.batches)
@@ -1206,6 +1207,7 @@ impl Pipeline {
             rows_out = counters.rows_out,
             rows_dead_lettered = counters.rows_dead_lettered,
             rows_late = counters.rows_late,
+            rows_duplicate = counters.rows_duplicate,
             rows_dropped = counters.rows_dropped,
             rows_quarantined = counters.rows_quarantined,
             expectations = %display_expectations(&counters.expectations),

@@ -1,10 +1,14 @@
-//! Late rows: events that arrived after a window they belong to had closed.
+//! Late rows: events that arrived after a window they belong to had closed, or after their
+//! key's deduplication state was forgotten.
 //!
 //! A closed window has been emitted (append mode) and its state purged, so a row that falls into
 //! it can no longer change it. Such a row is never dropped silently: it goes once to the late
 //! table with the watermark that was in force and the windows it missed, and it still counts in
-//! any of its windows that are open (hopping windows overlap). The late table's schema is the
-//! source row's columns plus [`WATERMARK`], [`WINDOWS_MISSED`] and `batch_id`.
+//! any of its windows that are open (hopping windows overlap). Likewise a row a deduplication
+//! can no longer judge (its event time + `state_ttl` at or below the watermark: a first row of
+//! its key would have been forgotten) goes to the late table instead of the output, with
+//! [`WINDOWS_MISSED`] null. The late table's schema is the source row's columns plus
+//! [`WATERMARK`], [`WINDOWS_MISSED`] and `batch_id`.
 
 use std::sync::Arc;
 
@@ -27,14 +31,15 @@ pub const WINDOWS_MISSED: &str = "_windows_missed";
 /// Late-table column: the batch that read the row.
 pub const BATCH_ID: &str = "batch_id";
 
-/// The late table's schema for rows of `source` (a source schema after event-time parsing).
-pub fn late_schema(source: &SchemaRef) -> SchemaRef {
+/// The late table's schema for rows of `source` (a source schema after event-time parsing);
+/// `windows`: whether rows are late for windows (else [`WINDOWS_MISSED`] is null).
+pub fn late_schema(source: &SchemaRef, windows: bool) -> SchemaRef {
     let mut fields: Vec<Field> = source.fields().iter().map(|f| f.as_ref().clone()).collect();
     fields.push(Field::new(WATERMARK, event_time_type(), false));
     fields.push(Field::new(
         WINDOWS_MISSED,
         DataType::List(Arc::new(Field::new_list_field(event_time_type(), true))),
-        false,
+        !windows,
     ));
     fields.push(Field::new(BATCH_ID, DataType::Int64, false));
     Arc::new(Schema::new(fields))
@@ -129,10 +134,58 @@ impl Lateness {
         columns.push(Arc::new(missed.finish()));
         columns.push(Arc::new(Int64Array::from(vec![batch_id.0; n])));
         Ok(Some(RecordBatch::try_new(
-            late_schema(&rows.schema()),
+            late_schema(&rows.schema(), true),
             columns,
         )?))
     }
+}
+
+/// The rows of `rows` (event time in `time_column`) a deduplication remembering keys for
+/// `horizon` µs can no longer judge under `watermark` (event time + horizon at or below it),
+/// as late-table rows with no windows missed; `None` if there are none.
+///
+/// # Errors
+/// If `time_column` is missing or not a timestamp (a planning bug, not a data problem).
+pub fn expired_rows(
+    rows: &RecordBatch,
+    time_column: &str,
+    watermark: Option<i64>,
+    horizon: i64,
+    batch_id: BatchId,
+) -> Result<Option<RecordBatch>> {
+    let Some(watermark) = watermark else {
+        return Ok(None);
+    };
+    let times = rows
+        .column_by_name(time_column)
+        .and_then(|c| c.as_primitive_opt::<TimestampMicrosecondType>())
+        .ok_or_else(|| {
+            Error::UnsupportedQuery(format!(
+                "the deduplication's time column '{time_column}' is not an event-time column"
+            ))
+        })?;
+    let late: BooleanArray = times
+        .iter()
+        .map(|t| Some(t.is_some_and(|t| t.saturating_add(horizon) <= watermark)))
+        .collect();
+    let late = filter_record_batch(rows, &late)?;
+    if late.num_rows() == 0 {
+        return Ok(None);
+    }
+    let n = late.num_rows();
+    let mut columns: Vec<ArrayRef> = late.columns().to_vec();
+    columns.push(Arc::new(
+        TimestampMicrosecondArray::from(vec![watermark; n]).with_timezone("UTC"),
+    ));
+    columns.push(arrow::array::new_null_array(
+        &DataType::List(Arc::new(Field::new_list_field(event_time_type(), true))),
+        n,
+    ));
+    columns.push(Arc::new(Int64Array::from(vec![batch_id.0; n])));
+    Ok(Some(RecordBatch::try_new(
+        late_schema(&rows.schema(), false),
+        columns,
+    )?))
 }
 
 #[cfg(test)]
@@ -188,7 +241,7 @@ mod tests {
             starts.as_primitive::<TimestampMicrosecondType>().values(),
             &[20_000_000]
         );
-        assert_eq!(late.schema(), late_schema(&rows(&[]).schema()));
+        assert_eq!(late.schema(), late_schema(&rows(&[]).schema(), true));
         assert!(
             hop.late_rows(&rows(&[65_000_000]), "ts", None, BatchId(0))
                 .unwrap()

@@ -18,7 +18,7 @@
 //! splits the input in halves until the failing rows are found; they become dead letters and the
 //! rest proceeds. An error that occurs with no input at all is not about data and stops the job.
 
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,21 +26,22 @@ use std::time::Duration;
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use datafusion::catalog::MemTable;
-use datafusion::common::Column;
-use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
+use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::execution::SessionStateBuilder;
-use datafusion::logical_expr::{AggregateUDF, Expr, LogicalPlan, Projection, ScalarUDF, WindowUDF};
+use datafusion::logical_expr::{AggregateUDF, LogicalPlan, ScalarUDF, WindowUDF};
 use datafusion::prelude::{DataFrame, SessionConfig, SessionContext};
 use futures::future::BoxFuture;
 
 use crate::checkpoint::{BatchManifest, OperatorCheckpoint};
 use crate::error::{Error, Result};
 use crate::offsets::BatchId;
-use crate::operators::aggregate::{StateSize, StatefulAggregate, StatefulSettings, plan_stateful};
+use crate::operators::aggregate::{StateSize, StatefulAggregate, StatefulSettings};
 use crate::operators::aggregate_state::AggregateState;
+use crate::operators::deduplicate::Deduplication;
 use crate::operators::is_data_error;
 use crate::operators::state_store::StateLog;
 pub use crate::operators::{FailedRow, QueryOutput};
+use crate::operators::{StatefulOperator, carry_columns, plan_operator};
 use crate::sink::{OutputMode, OutputTables};
 use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION};
 
@@ -224,7 +225,7 @@ pub struct BatchWatermark {
 pub struct StreamingQuery {
     tables: SourceTables,
     plan: LogicalPlan,
-    stateful: Option<StatefulAggregate>,
+    stateful: Option<StatefulOperator>,
     /// Update mode: the columns output rows are upserted on.
     merge_key: Option<Vec<String>>,
 }
@@ -320,9 +321,10 @@ impl StreamingQuery {
             state_ttl: settings.state_ttl.map(micros),
             statics: &static_names,
         };
-        let stateful = plan_stateful(&ctx, &plan, &uses, stateful_settings).await?;
+        let stateful =
+            plan_operator(&ctx, &plan, &uses, stateful_settings, settings.lineage).await?;
         let plan = if settings.lineage && stateful.is_none() {
-            let plan = carry_lineage(plan)?;
+            let plan = carry_columns(plan, &[SOURCE_PARTITION, SOURCE_OFFSET])?;
             let schema = plan.schema();
             for col in [SOURCE_PARTITION, SOURCE_OFFSET] {
                 if !schema.fields().iter().any(|f| f.name() == col) {
@@ -338,12 +340,22 @@ impl StreamingQuery {
         };
         let merge_key = match settings.output_mode {
             OutputMode::Append => None,
-            OutputMode::Update => Some(merge_key(&plan, stateful.as_ref(), settings)?),
+            OutputMode::Update => Some(merge_key(
+                &plan,
+                stateful.as_ref().and_then(StatefulOperator::aggregate),
+                settings,
+            )?),
         };
-        if settings.state_ttl.is_some() && stateful.as_ref().is_none_or(|s| s.window().is_some()) {
+        let keyed_by_ttl = match &stateful {
+            Some(StatefulOperator::Aggregate(a)) => a.window().is_none(),
+            Some(StatefulOperator::Deduplication(_)) => true,
+            None => false,
+        };
+        if settings.state_ttl.is_some() && !keyed_by_ttl {
             return Err(Error::InvalidJob(
-                "state_ttl bounds the state of running aggregates (GROUP BY without a window); \
-                 this query has none — windows leave the state when the watermark closes them"
+                "state_ttl bounds the state of running aggregates (GROUP BY without a window) \
+                 and of deduplication; this query has neither — windows leave the state when \
+                 the watermark closes them"
                     .into(),
             ));
         }
@@ -372,7 +384,15 @@ impl StreamingQuery {
 
     /// The schema of the rows the query produces.
     pub fn output_schema(&self) -> SchemaRef {
-        Arc::new(self.plan.schema().as_arrow().clone())
+        match self
+            .stateful
+            .as_ref()
+            .and_then(StatefulOperator::deduplication)
+        {
+            // The upper part's: it carries the kept rows' lineage.
+            Some(dedup) => dedup.output_schema(),
+            None => Arc::new(self.plan.schema().as_arrow().clone()),
+        }
     }
 
     /// The version of static table `name` whose rows the query holds, if any.
@@ -404,9 +424,27 @@ impl StreamingQuery {
         self.stateful.is_some()
     }
 
+    /// Whether the query's stateful operator is a deduplication.
+    pub fn deduplicates(&self) -> bool {
+        self.stateful
+            .as_ref()
+            .is_some_and(|s| s.deduplication().is_some())
+    }
+
+    /// Rows the last batch left out as duplicates (0 unless the query deduplicates).
+    pub fn rows_duplicate(&self) -> u64 {
+        self.stateful
+            .as_ref()
+            .and_then(StatefulOperator::deduplication)
+            .map_or(0, Deduplication::duplicates)
+    }
+
     /// The query's stateful operators in chain order (empty for a stateless query).
     pub fn operators(&self) -> Vec<crate::operators::OperatorDescription> {
-        self.stateful.iter().map(|s| s.describe(0)).collect()
+        self.stateful
+            .iter()
+            .map(StatefulOperator::describe)
+            .collect()
     }
 
     /// The optimised logical plan, for `sluice validate`.
@@ -415,19 +453,34 @@ impl StreamingQuery {
         Ok(optimized.display_indent_schema().to_string())
     }
 
-    /// The late table's schema, for a windowed query: its source's columns plus the late
-    /// columns (see [`crate::late`]).
+    /// The late table's schema, for a windowed or deduplicating query: its source's columns
+    /// plus the late columns (see [`crate::late`]).
     pub fn late_schema(&self) -> Option<SchemaRef> {
-        let (window, _) = self.window()?;
-        let (schema, _) = self.tables.tables.get(&window.source)?;
-        Some(crate::late::late_schema(schema))
+        let source = self.late_source()?;
+        let (schema, _) = self.tables.tables.get(source)?;
+        Some(self.late_schema_of(schema))
     }
 
-    /// The rows of `source` that missed a window closed under `watermark`, as late-table rows
-    /// (`None` for a stateless query, another source, or no late row).
+    /// The source whose late rows the late table holds: a windowed aggregate's or a
+    /// deduplication's (`None`: no row of this query can be late).
+    pub fn late_source(&self) -> Option<&str> {
+        match self.stateful.as_ref()? {
+            StatefulOperator::Aggregate(a) => a.window().map(|(w, _)| w.source.as_str()),
+            StatefulOperator::Deduplication(d) => Some(d.source().0),
+        }
+    }
+
+    /// The late table's schema for rows of the late source with columns `source`.
+    pub fn late_schema_of(&self, source: &SchemaRef) -> SchemaRef {
+        crate::late::late_schema(source, self.window().is_some())
+    }
+
+    /// The rows of `source` that are late under `watermark` — they missed a window closed
+    /// under it, or a deduplication can no longer judge them — as late-table rows (`None` for
+    /// a stateless query, another source, or no late row).
     ///
     /// # Errors
-    /// If the rows lack the window's time column.
+    /// If the rows lack the event-time column.
     pub fn late_rows(
         &self,
         source: &str,
@@ -435,9 +488,15 @@ impl StreamingQuery {
         watermark: Option<i64>,
         batch_id: BatchId,
     ) -> Result<Option<RecordBatch>> {
-        match self.window() {
-            Some((window, lateness)) if window.source == source => {
-                lateness.late_rows(rows, &window.time_column, watermark, batch_id)
+        match self.stateful.as_ref() {
+            Some(StatefulOperator::Aggregate(a)) => match a.window() {
+                Some((window, lateness)) if window.source == source => {
+                    lateness.late_rows(rows, &window.time_column, watermark, batch_id)
+                }
+                _ => Ok(None),
+            },
+            Some(StatefulOperator::Deduplication(d)) if d.source().0 == source => {
+                crate::late::expired_rows(rows, d.source().1, watermark, d.ttl(), batch_id)
             }
             _ => Ok(None),
         }
@@ -482,7 +541,7 @@ impl StreamingQuery {
             let written = stateful.write_state(batch_id).await?;
             bytes_written += written.bytes_written;
             operators.insert(
-                StatefulAggregate::id(0),
+                stateful.id(),
                 OperatorCheckpoint {
                     fingerprint: stateful.fingerprint(),
                     files: written.live_files,
@@ -501,7 +560,7 @@ impl StreamingQuery {
         let location = self
             .stateful
             .as_ref()
-            .and_then(StatefulAggregate::state_location)
+            .and_then(StatefulOperator::state_location)
             .unwrap_or_default();
         let files = self.recorded_state_files(manifest, &location)?;
         match self.stateful.as_mut() {
@@ -524,7 +583,7 @@ impl StreamingQuery {
         let planned: BTreeMap<String, String> = self
             .stateful
             .iter()
-            .map(|s| (StatefulAggregate::id(0), s.fingerprint()))
+            .map(|s| (s.id(), s.fingerprint()))
             .collect();
         let mismatch = |operator: &str, recorded: String, planned: String| {
             Err(Error::StateOfAnotherQuery {
@@ -580,7 +639,7 @@ impl StreamingQuery {
 
     /// State rows and bytes after the last batch (`None` for a stateless query).
     pub fn state_size(&self) -> Option<StateSize> {
-        self.stateful.as_ref().map(StatefulAggregate::state_size)
+        self.stateful.as_ref().map(StatefulOperator::state_size)
     }
 
     /// Runs the query over one batch of input per source (stateless queries).
@@ -592,7 +651,7 @@ impl StreamingQuery {
         &self,
         inputs: &BTreeMap<String, RecordBatch>,
     ) -> Result<Vec<RecordBatch>> {
-        self.tables.run(&self.plan, inputs, None).await
+        self.tables.run(&self.plan, inputs, Run::Collect).await
     }
 
     /// Runs one batch: a stateless query over the rows; a stateful one merges the rows of open
@@ -608,19 +667,41 @@ impl StreamingQuery {
         inputs: &BTreeMap<String, RecordBatch>,
         watermark: BatchWatermark,
     ) -> Result<QueryOutput> {
-        let Some(stateful) = self.stateful.as_mut() else {
-            return self.tables.isolate(&self.plan, inputs, None).await;
+        let stateful = match self.stateful.as_mut() {
+            None => return self.tables.isolate(&self.plan, inputs, Run::Collect).await,
+            Some(StatefulOperator::Deduplication(dedup)) => {
+                return deduplicate(&self.tables, dedup, inputs, watermark.before).await;
+            }
+            Some(StatefulOperator::Aggregate(stateful)) => stateful,
         };
         let plan = stateful.partial_plan(watermark.before)?;
         let partials = self
             .tables
-            .isolate(&plan, inputs, Some(stateful.operator()))
+            .isolate(&plan, inputs, Run::Partial(stateful.operator()))
             .await?;
         stateful.accumulate(partials.batches).await?;
         let mut emitted = stateful.emit(&self.tables.ctx, watermark.after).await?;
         emitted.failed.splice(0..0, partials.failed);
         Ok(emitted)
     }
+}
+
+/// One batch of a deduplicating query: the lower part over the rows in source order (rows late
+/// under `watermark` left out), then the operator, which runs the upper part over the first
+/// rows it keeps.
+async fn deduplicate(
+    tables: &SourceTables,
+    dedup: &mut Deduplication,
+    inputs: &BTreeMap<String, RecordBatch>,
+    watermark: Option<i64>,
+) -> Result<QueryOutput> {
+    let plan = dedup.lower_plan(watermark)?;
+    let rows = tables.isolate(&plan, inputs, Run::InOrder).await?;
+    let mut out = dedup
+        .deduplicate(&tables.ctx, rows.batches, watermark)
+        .await?;
+    out.failed.splice(0..0, rows.failed);
+    Ok(out)
 }
 
 impl StreamingQuery {
@@ -636,13 +717,17 @@ impl StreamingQuery {
         inputs: &BTreeMap<String, RecordBatch>,
         watermark: Option<i64>,
     ) -> Result<QueryOutput> {
-        let Some(stateful) = self.stateful.as_mut() else {
-            return self.tables.isolate(&self.plan, inputs, None).await;
+        let stateful = match self.stateful.as_mut() {
+            None => return self.tables.isolate(&self.plan, inputs, Run::Collect).await,
+            Some(StatefulOperator::Deduplication(dedup)) => {
+                return deduplicate(&self.tables, dedup, inputs, watermark).await;
+            }
+            Some(StatefulOperator::Aggregate(stateful)) => stateful,
         };
         let plan = stateful.partial_plan(watermark)?;
         let part = self
             .tables
-            .isolate(&plan, inputs, Some(stateful.operator()))
+            .isolate(&plan, inputs, Run::Partial(stateful.operator()))
             .await?;
         stateful.accumulate(part.batches).await?;
         Ok(QueryOutput {
@@ -657,8 +742,10 @@ impl StreamingQuery {
     /// As [`StreamingQuery::execute_isolating`].
     pub(crate) async fn finish_bounded(&mut self) -> Result<QueryOutput> {
         match self.stateful.as_mut() {
-            Some(stateful) => stateful.emit_all(&self.tables.ctx).await,
-            None => Ok(QueryOutput::default()),
+            Some(StatefulOperator::Aggregate(stateful)) => {
+                stateful.emit_all(&self.tables.ctx).await
+            }
+            Some(StatefulOperator::Deduplication(_)) | None => Ok(QueryOutput::default()),
         }
     }
 
@@ -698,26 +785,41 @@ impl StreamingQuery {
 
     /// The window a windowed query aggregates over, and when its windows close.
     pub(crate) fn window(&self) -> Option<(&crate::window::WindowUse, crate::late::Lateness)> {
-        self.stateful.as_ref()?.window()
+        self.stateful.as_ref()?.aggregate()?.window()
     }
 }
 
+/// How [`SourceTables::run`] runs a plan.
+#[derive(Clone, Copy)]
+enum Run<'a> {
+    /// The rows split across partitions, the output collected in any order.
+    Collect,
+    /// The rows in one partition, the output in their order (deduplication keeps the first
+    /// row to arrive).
+    InOrder,
+    /// Only the first phase of the plan's aggregate, giving partial states.
+    Partial(&'a AggregateState),
+}
+
 impl SourceTables {
-    /// Loads `inputs` into the source tables (split across partitions) and runs `plan`; with
-    /// `partial`, only the first phase of its aggregate, giving partial states.
+    /// Loads `inputs` into the source tables and runs `plan` as `how` says.
     async fn run(
         &self,
         plan: &LogicalPlan,
         inputs: &BTreeMap<String, RecordBatch>,
-        partial: Option<&AggregateState>,
+        how: Run<'_>,
     ) -> Result<Vec<RecordBatch>> {
+        let partitions = match how {
+            Run::InOrder => 1,
+            Run::Collect | Run::Partial(_) => self.partitions,
+        };
         for (name, (_, table)) in &self.tables {
             let rows = inputs.get(name);
             for (i, slot) in table.batches.iter().enumerate() {
                 let mut slot = slot.write().await;
                 slot.clear();
                 if let Some(rows) = rows {
-                    let chunk = rows.num_rows().div_ceil(self.partitions);
+                    let chunk = rows.num_rows().div_ceil(partitions);
                     let offset = i * chunk;
                     if offset < rows.num_rows() {
                         slot.push(rows.slice(offset, chunk.min(rows.num_rows() - offset)));
@@ -725,12 +827,22 @@ impl SourceTables {
                 }
             }
         }
-        let batches = match partial {
-            None => {
+        let batches = match how {
+            Run::Collect => {
                 let df = self.ctx.execute_logical_plan(plan.clone()).await?;
                 df.collect().await?
             }
-            Some(operator) => {
+            Run::InOrder => {
+                // Output partitions in order, each in its rows' order: only the first holds
+                // rows, and no operator of a stateless plan reorders within a partition.
+                let df = self.ctx.execute_logical_plan(plan.clone()).await?;
+                df.collect_partitioned()
+                    .await?
+                    .into_iter()
+                    .flatten()
+                    .collect()
+            }
+            Run::Partial(operator) => {
                 let physical = self.ctx.state().create_physical_plan(plan).await?;
                 operator.partial_of(&physical).await?
             }
@@ -746,9 +858,9 @@ impl SourceTables {
         &self,
         plan: &LogicalPlan,
         inputs: &BTreeMap<String, RecordBatch>,
-        partial: Option<&AggregateState>,
+        how: Run<'_>,
     ) -> Result<QueryOutput> {
-        match self.run(plan, inputs, partial).await {
+        match self.run(plan, inputs, how).await {
             Ok(batches) => {
                 return Ok(QueryOutput {
                     batches,
@@ -757,7 +869,7 @@ impl SourceTables {
             }
             Err(e) if !is_data_error(&e) => return Err(e),
             Err(e) => {
-                if let Err(empty_error) = self.run(plan, &BTreeMap::new(), partial).await {
+                if let Err(empty_error) = self.run(plan, &BTreeMap::new(), how).await {
                     return Err(Error::UnsupportedQuery(format!(
                         "the query fails even without input rows: {empty_error} (first seen as: {e})"
                     )));
@@ -773,7 +885,7 @@ impl SourceTables {
                     continue;
                 }
                 let part = BTreeMap::from([(name.clone(), rows.slice(offset, len))]);
-                match self.run(plan, &part, partial).await {
+                match self.run(plan, &part, how).await {
                     Ok(batches) => out.batches.extend(batches),
                     Err(e) if !is_data_error(&e) => return Err(e),
                     Err(e) if len == 1 => out.failed.push(FailedRow {
@@ -833,41 +945,6 @@ fn merge_key(
         ));
     }
     Ok(key)
-}
-
-/// Adds the lineage columns to every projection whose input has them and whose output lacks them.
-fn carry_lineage(plan: LogicalPlan) -> Result<LogicalPlan> {
-    let rewritten = plan.transform_up(|node| {
-        let node = node.recompute_schema()?;
-        let LogicalPlan::Projection(projection) = node else {
-            return Ok(Transformed::no(node));
-        };
-        let present: HashSet<&str> = projection
-            .schema
-            .fields()
-            .iter()
-            .map(|f| f.name().as_str())
-            .collect();
-        let mut expr = projection.expr.clone();
-        for name in [SOURCE_PARTITION, SOURCE_OFFSET] {
-            if present.contains(name) {
-                continue;
-            }
-            if let Ok((qualifier, _)) = projection
-                .input
-                .schema()
-                .qualified_field_with_unqualified_name(name)
-            {
-                expr.push(Expr::Column(Column::new(qualifier.cloned(), name)));
-            }
-        }
-        if expr.len() == projection.expr.len() {
-            return Ok(Transformed::no(LogicalPlan::Projection(projection)));
-        }
-        let projection = Projection::try_new(expr, Arc::clone(&projection.input))?;
-        Ok(Transformed::yes(LogicalPlan::Projection(projection)))
-    })?;
-    Ok(rewritten.data)
 }
 
 #[cfg(test)]

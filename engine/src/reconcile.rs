@@ -27,7 +27,7 @@ use arrow::datatypes::{DataType, Int64Type, SchemaRef};
 use arrow::row::{RowConverter, SortField};
 use serde_json::Value;
 
-use crate::checkpoint::BatchManifest;
+use crate::checkpoint::{BatchManifest, CheckpointStore};
 use crate::driver::{OpenedJob, open_job};
 use crate::error::{Error, Result};
 use crate::event_time::rows_in_period;
@@ -147,6 +147,19 @@ impl Job {
             manifest: &manifest,
             future: &future,
         };
+        if query.deduplicates() {
+            return reconcile_deduplication(
+                self.sink.as_ref(),
+                &checkpoint,
+                committed,
+                query,
+                &tables,
+                &expectations,
+                from,
+                to,
+            )
+            .await;
+        }
         if query.is_stateful() {
             return reconcile_windows(
                 self.sink.as_ref(),
@@ -394,6 +407,127 @@ async fn reconcile_windows(
         late_rows,
         diff: compare(&expected, &actual, &[column], &query.approximate_columns())?,
     })
+}
+
+/// Reconciles a deduplicating job. Which row of a key is first depends on the order rows
+/// arrived in and on the watermark each batch ran under (a key is forgotten `state_ttl` after
+/// its first event; a row that old is late), so the recomputation replays every committed
+/// batch's rows in order under the watermark it ran with — taken from the batches' manifests —
+/// and compares the output rows whose event time falls in `[from, to)`.
+#[allow(clippy::too_many_arguments)]
+async fn reconcile_deduplication(
+    sink: &dyn Sink,
+    checkpoint: &CheckpointStore,
+    committed: Committed<'_>,
+    mut query: StreamingQuery,
+    tables: &TablesAtVersions,
+    expectations: &Expectations,
+    from: i64,
+    to: i64,
+) -> Result<Reconciliation> {
+    let last_batch = committed.manifest.batch_id;
+    let output_schema = query.output_schema();
+    let source_name = query.late_source().unwrap_or_default().to_string();
+    let source = committed
+        .sources
+        .iter()
+        .find(|s| s.name == source_name)
+        .ok_or_else(|| Error::in_source(&source_name, "not among the job's sources"))?;
+    let column = source
+        .event_time
+        .as_ref()
+        .map(|t| t.column.clone())
+        .unwrap_or_default();
+    if output_schema.index_of(&column).is_err() {
+        return Err(Error::InvalidJob(format!(
+            "reconcile: the query's output has no column '{column}' (the event time), so its \
+             rows cannot be assigned to a period; select it in the query"
+        )));
+    }
+    // Every batch's end offsets and the watermark it ran under (the one before it).
+    let mut batches = Vec::new();
+    for id in 0..=last_batch.0 {
+        let manifest = checkpoint
+            .read_manifest(BatchId(id))
+            .await?
+            .ok_or_else(|| {
+                Error::InvalidJob(format!(
+                    "reconcile of a deduplicating job replays every committed batch under the \
+                     watermark it ran with, and the manifest of batch {id} is gone ({}): the \
+                     checkpoint keeps the last keep_batches batches; raise keep_batches in \
+                     [job] to reconcile a longer run",
+                    checkpoint.manifest_location(BatchId(id))
+                ))
+            })?;
+        batches.push(manifest);
+    }
+    let raw = committed.read(source, i64::MIN, i64::MAX).await?;
+    let parts = rows_by_batch(&raw, &source.name, &batches)?
+        .into_iter()
+        .enumerate()
+        .map(|(b, rows)| {
+            let before = b.checked_sub(1).and_then(|p| batches[p].watermark_micros);
+            (BTreeMap::from([(source.name.clone(), rows)]), before)
+        })
+        .collect();
+    let recomputed = tables.execute_bounded(&mut query, parts).await?;
+    let recomputed = expectations.apply(recomputed.batches)?.kept;
+    let expected = concat_batches(&output_schema, &recomputed)?;
+    let expected = rows_in_period(&expected, &column, from, to)?;
+    let table = conform(&output_schema, &sink.read_output().await?)?;
+    let actual = rows_in_period(&table, &column, from, to)?;
+    Ok(Reconciliation {
+        column,
+        last_batch,
+        expected_rows: expected.num_rows(),
+        table_rows: actual.num_rows(),
+        late_rows: 0,
+        diff: compare(
+            &expected,
+            &actual,
+            &lineage_key(&output_schema),
+            &BTreeSet::new(),
+        )?,
+    })
+}
+
+/// `rows` (of `source`, in read order) split by the batch that read them: the first whose end
+/// offset for the row's partition is above the row's offset. Each part keeps the read order.
+fn rows_by_batch(
+    rows: &RecordBatch,
+    source: &str,
+    batches: &[BatchManifest],
+) -> Result<Vec<RecordBatch>> {
+    let partitions = rows
+        .column_by_name(SOURCE_PARTITION)
+        .and_then(|c| c.as_string_opt::<i32>())
+        .ok_or_else(|| Error::in_source(source, "rows without _source_partition"))?;
+    let offsets = rows
+        .column_by_name(SOURCE_OFFSET)
+        .and_then(|c| c.as_primitive_opt::<Int64Type>())
+        .ok_or_else(|| Error::in_source(source, "rows without _source_offset"))?;
+    let mut indices: Vec<Vec<u32>> = vec![Vec::new(); batches.len()];
+    for i in 0..rows.num_rows() {
+        let partition = partitions.value(i);
+        let offset = offsets.value(i);
+        let batch = batches.partition_point(|m| {
+            m.end_offsets
+                .get(source)
+                .and_then(|ends| ends.get(partition))
+                .is_none_or(|end| *end <= offset)
+        });
+        let batch = batch.min(batches.len().saturating_sub(1));
+        indices[batch].push(i as u32);
+    }
+    indices
+        .into_iter()
+        .map(|rows_of_batch| {
+            Ok(arrow::compute::take_record_batch(
+                rows,
+                &arrow::array::UInt32Array::from(rows_of_batch),
+            )?)
+        })
+        .collect()
 }
 
 /// The lineage columns, if the output carries them.

@@ -11,6 +11,8 @@
 //!   aggregate; how a query is split at it, what it emits in append and update mode.
 //! - [`aggregate_state`] — `AggregateState`: DataFusion's own accumulator states as the
 //!   aggregate's state (partial → merge → final), so any aggregate, a UDAF included, restores.
+//! - [`deduplicate`] — `Deduplication`: the first row per key to arrive (`ROW_NUMBER() … = 1`,
+//!   `SELECT DISTINCT`), each key remembered for `state_ttl` of event time.
 //! - `group_table` — `GroupTable`: the aggregate's state in memory, one row per live group.
 //! - [`state_store`] — `StateLog`: state files (a base snapshot plus per-batch deltas),
 //!   compacted and garbage-collected up to the committed batch.
@@ -18,20 +20,213 @@
 //! This module depends on nothing of the query planner: the types an operator's execution
 //! yields ([`QueryOutput`], [`FailedRow`]) are defined here and used by [`crate::query`].
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet};
+use std::sync::Arc;
 
 use arrow::array::RecordBatch;
 use arrow::error::ArrowError;
-use datafusion::common::tree_node::TreeNodeRecursion;
+use datafusion::common::Column;
+use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::error::DataFusionError;
-use datafusion::logical_expr::{JoinType, LogicalPlan};
+use datafusion::logical_expr::{Expr, JoinType, LogicalPlan, Projection};
+use datafusion::prelude::SessionContext;
 
 use crate::error::Error;
+use crate::offsets::BatchId;
+use crate::window::WindowUse;
+use aggregate::{StateSize, StatefulAggregate, StatefulSettings, plan_stateful};
+use deduplicate::{DedupSettings, Deduplication, plan_deduplication};
+use state_store::{StateLog, StateWrite};
 
 pub mod aggregate;
 pub mod aggregate_state;
+pub mod deduplicate;
 mod group_table;
 pub mod state_store;
+
+/// The query's stateful operator: one per job for now (the chain of several is the next step).
+#[derive(Debug)]
+pub(crate) enum StatefulOperator {
+    /// A windowed or running aggregate.
+    Aggregate(Box<StatefulAggregate>),
+    /// The first row per key.
+    Deduplication(Box<Deduplication>),
+}
+
+/// Plans the stateful operator of `plan`, if it needs one: a deduplication (`ROW_NUMBER() …
+/// = 1`, `SELECT DISTINCT` over the stream) or an aggregate.
+///
+/// # Errors
+/// If the plan needs state no operator keeps, naming the node and why.
+pub(crate) async fn plan_operator(
+    ctx: &SessionContext,
+    plan: &LogicalPlan,
+    uses: &[WindowUse],
+    settings: StatefulSettings<'_>,
+    lineage: bool,
+) -> Result<Option<StatefulOperator>, Error> {
+    if stateful_node(plan, settings.statics).is_none() {
+        return Ok(None);
+    }
+    match deduplicate::find(plan, settings.statics).as_slice() {
+        [] => Ok(plan_stateful(ctx, plan, uses, settings)
+            .await?
+            .map(|a| StatefulOperator::Aggregate(Box::new(a)))),
+        [one] => {
+            let dedup = DedupSettings {
+                event_time: settings.event_time,
+                mode: settings.mode,
+                state_ttl: settings.state_ttl,
+                statics: settings.statics,
+                lineage,
+            };
+            Ok(Some(StatefulOperator::Deduplication(Box::new(
+                plan_deduplication(plan, one, dedup)?,
+            ))))
+        }
+        several => Err(Error::UnsupportedQuery(format!(
+            "the query deduplicates {} times ({}); a job runs one stateful operator for now",
+            several.len(),
+            several
+                .iter()
+                .map(|d| format!("`{}`", d.display()))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))),
+    }
+}
+
+impl StatefulOperator {
+    /// The operator's id in the manifest (its position in the chain, and its kind).
+    pub(crate) fn id(&self) -> String {
+        match self {
+            StatefulOperator::Aggregate(_) => StatefulAggregate::id(0),
+            StatefulOperator::Deduplication(_) => Deduplication::id(0),
+        }
+    }
+
+    /// The operator as `sluice validate` shows it.
+    pub(crate) fn describe(&self) -> OperatorDescription {
+        match self {
+            StatefulOperator::Aggregate(a) => a.describe(0),
+            StatefulOperator::Deduplication(d) => d.describe(0),
+        }
+    }
+
+    /// What its state means, recorded in the manifest (see [`StatefulAggregate::fingerprint`]).
+    pub(crate) fn fingerprint(&self) -> String {
+        match self {
+            StatefulOperator::Aggregate(a) => a.fingerprint(),
+            StatefulOperator::Deduplication(d) => d.fingerprint(),
+        }
+    }
+
+    /// The aggregate, if the operator is one.
+    pub(crate) fn aggregate(&self) -> Option<&StatefulAggregate> {
+        match self {
+            StatefulOperator::Aggregate(a) => Some(a),
+            StatefulOperator::Deduplication(_) => None,
+        }
+    }
+
+    /// The deduplication, if the operator is one.
+    pub(crate) fn deduplication(&self) -> Option<&Deduplication> {
+        match self {
+            StatefulOperator::Aggregate(_) => None,
+            StatefulOperator::Deduplication(d) => Some(d),
+        }
+    }
+
+    /// Restores the state from the files a committed manifest lists, minus what `watermark`
+    /// has purged.
+    pub(crate) async fn restore(
+        &mut self,
+        log: StateLog,
+        files: &[String],
+        watermark: Option<i64>,
+    ) -> Result<(), Error> {
+        match self {
+            StatefulOperator::Aggregate(a) => a.restore(log, files, watermark).await,
+            StatefulOperator::Deduplication(d) => d.restore(log, files, watermark).await,
+        }
+    }
+
+    /// Writes the batch's state (a delta or a new base); the live files for the manifest.
+    pub(crate) async fn write_state(&mut self, batch_id: BatchId) -> Result<StateWrite, Error> {
+        match self {
+            StatefulOperator::Aggregate(a) => a.write_state(batch_id).await,
+            StatefulOperator::Deduplication(d) => d.write_state(batch_id).await,
+        }
+    }
+
+    /// The state folder, once restored (for messages).
+    pub(crate) fn state_location(&self) -> Option<String> {
+        match self {
+            StatefulOperator::Aggregate(a) => a.state_location(),
+            StatefulOperator::Deduplication(d) => d.state_location(),
+        }
+    }
+
+    /// Takes `files` as the live state (a manifest another attempt wrote first).
+    pub(crate) async fn adopt_state(&mut self, files: &[String]) -> Result<(), Error> {
+        match self {
+            StatefulOperator::Aggregate(a) => a.adopt_state(files).await,
+            StatefulOperator::Deduplication(d) => d.adopt_state(files).await,
+        }
+    }
+
+    /// Deletes state files of batches up to `committed` no longer live.
+    pub(crate) async fn collect_garbage(&self, committed: BatchId) -> Result<usize, Error> {
+        match self {
+            StatefulOperator::Aggregate(a) => a.collect_garbage(committed).await,
+            StatefulOperator::Deduplication(d) => d.collect_garbage(committed).await,
+        }
+    }
+
+    /// Rows and in-memory bytes of the state.
+    pub(crate) fn state_size(&self) -> StateSize {
+        match self {
+            StatefulOperator::Aggregate(a) => a.state_size(),
+            StatefulOperator::Deduplication(d) => d.state_size(),
+        }
+    }
+}
+
+/// Adds the columns `names` to every projection whose input has them and whose output lacks
+/// them, bottom up, so a column of the source (lineage, event time) reaches the top of `plan`.
+pub(crate) fn carry_columns(plan: LogicalPlan, names: &[&str]) -> Result<LogicalPlan, Error> {
+    let rewritten = plan.transform_up(|node| {
+        let node = node.recompute_schema()?;
+        let LogicalPlan::Projection(projection) = node else {
+            return Ok(Transformed::no(node));
+        };
+        let present: HashSet<&str> = projection
+            .schema
+            .fields()
+            .iter()
+            .map(|f| f.name().as_str())
+            .collect();
+        let mut expr = projection.expr.clone();
+        for name in names {
+            if present.contains(name) {
+                continue;
+            }
+            if let Ok((qualifier, _)) = projection
+                .input
+                .schema()
+                .qualified_field_with_unqualified_name(name)
+            {
+                expr.push(Expr::Column(Column::new(qualifier.cloned(), *name)));
+            }
+        }
+        if expr.len() == projection.expr.len() {
+            return Ok(Transformed::no(LogicalPlan::Projection(projection)));
+        }
+        let projection = Projection::try_new(expr, Arc::clone(&projection.input))?;
+        Ok(Transformed::yes(LogicalPlan::Projection(projection)))
+    })?;
+    Ok(rewritten.data)
+}
 
 /// A stateful operator as `sluice validate` shows it: what its state is keyed by, when a state
 /// row leaves (its purge rule, which bounds the state) and what it emits.
