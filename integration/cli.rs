@@ -119,7 +119,11 @@ fn bad_job_files_get_errors_naming_the_problem() {
         ),
         (
             good.replace("SELECT id,", "SELECT DISTINCT id,"),
-            "needs state across batches",
+            "SELECT DISTINCT id, user_id, code",
+        ),
+        (
+            good.replace("SELECT id,", "SELECT DISTINCT id,"),
+            "set state_ttl",
         ),
         (
             good.replace("event_time = \"ts\"", "event_time = \"when\""),

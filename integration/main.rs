@@ -13,6 +13,7 @@ mod cli;
 mod contracts;
 mod crash;
 mod dead_letters;
+mod deduplication;
 mod evolution;
 mod formats;
 mod golden;

@@ -65,6 +65,9 @@ struct JobSection {
     /// How long an object store may stay unreachable before the job stops (default 10 min).
     #[serde(default)]
     store_unavailable_timeout: Option<String>,
+    /// How many batch folders (intent, manifest) the checkpoint keeps (default 10).
+    #[serde(default)]
+    keep_batches: Option<u32>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -258,6 +261,9 @@ pub fn parse(
         .with_functions(registry.functions());
     if let Some(ttl) = state_ttl {
         builder = builder.with_state_ttl(ttl);
+    }
+    if let Some(keep) = file.job.keep_batches {
+        builder = builder.with_keep_batches(keep);
     }
     if let Some(checkpoint) = &file.job.checkpoint {
         let url = sluice_engine::location::directory_url(&resolve(&base, checkpoint))

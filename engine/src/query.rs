@@ -8,10 +8,11 @@
 //! batch, so the logical plan is built (and validated) once. Execution is vectorised and
 //! parallel: a batch's rows are split across DataFusion's target partitions.
 //!
-//! A query is either **stateless** (expressions, WHERE, UNION ALL, UNNEST: each batch's output
-//! depends on its rows only) or **stateful**: one aggregate — over a `tumble`/`hop` window, or a
-//! running aggregate in update mode — whose state is carried between batches (see
-//! [`crate::operators::aggregate`]).
+//! A query is either **stateless** (expressions, WHERE, UNION ALL, UNNEST, joins with static
+//! tables: each batch's output depends on its rows only) or **stateful**: one operator whose
+//! state is carried between batches — an aggregate over a `tumble`/`hop`/`session` window or a
+//! running aggregate in update mode (see [`crate::operators::aggregate`]), or a deduplication
+//! (see [`crate::operators::deduplicate`]).
 //!
 //! A query-time error caused by some rows (a failing `CAST`) must not stall the job. Stateless
 //! output is row-local and partial aggregate states merge, so [`StreamingQuery::execute_isolating`]

@@ -91,7 +91,18 @@ pub(crate) struct DedupNode {
 impl DedupNode {
     /// The plan node, as text, for messages.
     pub(crate) fn display(&self) -> String {
-        self.node.display().to_string()
+        match &self.node {
+            LogicalPlan::Distinct(Distinct::All(input)) => {
+                let columns: Vec<&str> = input
+                    .schema()
+                    .fields()
+                    .iter()
+                    .map(|f| f.name().as_str())
+                    .collect();
+                format!("SELECT DISTINCT {}", columns.join(", "))
+            }
+            node => node.display().to_string(),
+        }
     }
 }
 
