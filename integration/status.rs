@@ -66,6 +66,7 @@ async fn metrics_are_exact_and_health_notices_a_stalled_driver() {
         "sluice_rows_out_total",
         "sluice_rows_dead_lettered_total",
         "sluice_rows_late_total",
+        "sluice_rows_duplicate_total",
         "sluice_batch_duration_seconds",
         "sluice_batch_phase_seconds",
         "sluice_watermark_lag_seconds",

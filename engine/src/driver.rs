@@ -1181,6 +1181,7 @@ impl Pipeline {
             rows_out: counters.rows_out,
             rows_dead_lettered: counters.rows_dead_lettered + counters.rows_quarantined,
             rows_late: counters.rows_late,
+            rows_duplicate: counters.rows_duplicate,
             watermark_micros: manifest.watermark_micros,
             lag: manifest.lag.clone(),
             state_rows: counters.state_rows,

@@ -54,6 +54,8 @@ pub struct BatchProgress {
     pub rows_dead_lettered: u64,
     /// Rows committed to the late table.
     pub rows_late: u64,
+    /// Rows a deduplication left out as duplicates.
+    pub rows_duplicate: u64,
     /// Rows read per second of wall time since the previous batch committed (Spark's
     /// `inputRowsPerSecond`: how fast data arrives, as far as the job takes it).
     pub input_rows_per_second: f64,
@@ -109,6 +111,7 @@ struct State {
     rows_out: u64,
     rows_dead_lettered: u64,
     rows_late: u64,
+    rows_duplicate: u64,
     expectation_rows: BTreeMap<String, u64>,
     duration: Histogram,
     phases: BTreeMap<String, Histogram>,
@@ -183,6 +186,7 @@ pub(crate) struct CommittedBatch {
     pub(crate) rows_out: u64,
     pub(crate) rows_dead_lettered: u64,
     pub(crate) rows_late: u64,
+    pub(crate) rows_duplicate: u64,
     pub(crate) watermark_micros: Option<i64>,
     pub(crate) lag: SourceOffsets,
     pub(crate) state_rows: u64,
@@ -345,6 +349,7 @@ impl Progress {
                 rows_out: batch.rows_out,
                 rows_dead_lettered: batch.rows_dead_lettered,
                 rows_late: batch.rows_late,
+                rows_duplicate: batch.rows_duplicate,
                 input_rows_per_second: per_second(since_last),
                 processed_rows_per_second: per_second(seconds),
                 watermark: batch
@@ -369,6 +374,7 @@ impl Progress {
             s.rows_out += batch.rows_out;
             s.rows_dead_lettered += batch.rows_dead_lettered;
             s.rows_late += batch.rows_late;
+            s.rows_duplicate += batch.rows_duplicate;
             for (expectation, rows) in batch.expectations {
                 *s.expectation_rows.entry(expectation).or_default() += rows;
             }
@@ -449,6 +455,11 @@ impl Progress {
                     "sluice_rows_late_total",
                     "Rows committed to the late table.",
                     s.rows_late,
+                ),
+                (
+                    "sluice_rows_duplicate_total",
+                    "Rows a deduplication left out as duplicates of a key already written.",
+                    s.rows_duplicate,
                 ),
                 (
                     "sluice_commit_conflicts_total",
@@ -586,6 +597,7 @@ mod tests {
             rows_out: rows - 1,
             rows_dead_lettered: 1,
             rows_late: 0,
+            rows_duplicate: 0,
             watermark_micros: None,
             lag: SourceOffsets::new(),
             state_rows: 0,
