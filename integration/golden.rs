@@ -13,7 +13,8 @@ use crate::support::*;
 
 /// A golden case: `integration/golden/<case>/` holds `job.toml` (paths relative to a work
 /// folder: `input/`, `tables/<name>`, `out`), `input/` (the stream's files), `tables/<name>.jsonl`
-/// (each static table's rows, written as a Delta table before the run), `expected.jsonl` (the
+/// (a Delta table's rows, written as a Delta table before the run) or `tables/<name>/` (a
+/// table of plain files, copied), `expected.jsonl` (the
 /// hand-checked output rows, lineage columns left out), optionally `expected_late.jsonl` (the
 /// late table's rows, lineage and null columns left out) and `crash` (a named crash point,
 /// e.g. `after_commit:1`). The case runs straight through, and again from scratch killed at
@@ -29,7 +30,13 @@ async fn run_golden_case(case: &Path) {
         for entry in std::fs::read_dir(case.join("tables")).into_iter().flatten() {
             let path = entry.unwrap().path();
             let name = path.file_stem().unwrap().to_str().unwrap().to_string();
-            write_jsonl_as_delta(&path, &ws.path().join("tables").join(name)).await;
+            let table = ws.path().join("tables").join(name);
+            if path.is_dir() {
+                // A table of plain files (`kind = "files"`), as it stands.
+                copy_dir(&path, &table);
+            } else {
+                write_jsonl_as_delta(&path, &table).await;
+            }
         }
         let job = ws.path().join("job.toml");
         let job = job.to_str().unwrap();

@@ -352,3 +352,113 @@ async fn joins_that_would_need_state_are_refused_by_name() {
         (Some(2), Some(1))
     );
 }
+
+/// Users as a folder of JSON-lines files (`kind = "files"`).
+fn write_user_files(dir: &Path, users: &[(i64, &str)]) {
+    std::fs::create_dir_all(dir).unwrap();
+    let text: String = users
+        .iter()
+        .map(|(id, country)| format!("{{\"user_id\":{id},\"country\":\"{country}\"}}\n"))
+        .collect();
+    std::fs::write(dir.join("users.json"), text).unwrap();
+}
+
+/// The Delta test above with the table as plain files: a version is the fingerprint of the
+/// folder's listing, and the job snapshots each version it records into the checkpoint, so the
+/// rerun of batch 1 after a SIGKILL joins the files as its intent saw them although they were
+/// rewritten meanwhile, batch 2 joins the new files, and reconcile agrees — even after the
+/// files are gone.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_files_table_is_joined_at_the_listing_each_batch_recorded() {
+    let ws = tempfile::tempdir().unwrap();
+    let input = ws.path().join("input");
+    let users = ws.path().join("users");
+    let out = ws.path().join("out");
+    write_user_files(&users, &[(0, "fr"), (1, "de"), (2, "us")]);
+    let files: [Vec<(i64, i64)>; 3] = [
+        (1..=6).map(|id| (id, id % 4)).collect(),
+        (7..=12).map(|id| (id, id % 4)).collect(),
+        (13..=18).map(|id| (id, id % 4)).collect(),
+    ];
+    for (i, events) in files.iter().enumerate() {
+        write_events(
+            &input,
+            &format!("{}.json", (b'a' + i as u8) as char),
+            i as u32,
+            events,
+        );
+    }
+    let job = write_job_with(
+        &ws.path().join("job.toml"),
+        "enrich",
+        &input,
+        &out,
+        1,
+        LEFT_JOIN,
+        "",
+    );
+    let mut text = std::fs::read_to_string(&job).unwrap();
+    text.push_str(&format!(
+        "\n[tables.users]\nkind = \"files\"\npath = \"{}\"\nformat = \"json\"\n\
+         schema = \"user_id BIGINT, country VARCHAR\"\n",
+        users.display()
+    ));
+    std::fs::write(&job, text).unwrap();
+    let job = job.to_str().unwrap();
+
+    let killed = run_sluice(&["run", job], &[("SLUICE_CRASH_AT", "after_manifest:1")]);
+    assert_eq!(killed.status.signal(), Some(9), "{killed:?}");
+    write_user_files(&users, &[(1, "de"), (2, "es")]);
+    assert_ok(&run_sluice(&["run", job], &[]));
+
+    let version = |v: u32| {
+        let path = out.join(format!("_sluice/enrich/batches/{v}/manifest.json"));
+        let manifest: Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+        manifest["table_versions"]["users"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let (v0, v1, v2) = (version(0), version(1), version(2));
+    assert_eq!(v0, v1);
+    assert_ne!(v1, v2);
+    assert!(v0.starts_with("1-"), "one file: {v0}");
+    let snapshots = out.join("_sluice/enrich/table_snapshots/users");
+    for v in [&v0, &v2] {
+        assert!(snapshots.join(format!("{v}.parquet")).is_file(), "{v}");
+    }
+
+    let old: BTreeMap<i64, &str> = [(0, "fr"), (1, "de"), (2, "us")].into();
+    let new: BTreeMap<i64, &str> = [(1, "de"), (2, "es")].into();
+    let mut expected: Vec<(i64, Option<String>)> = Vec::new();
+    for (batch, events) in files.iter().enumerate() {
+        let table = if batch < 2 { &old } else { &new };
+        for (id, user) in events {
+            expected.push((*id, table.get(user).map(|c| c.to_string())));
+        }
+    }
+    let mut got: Vec<(i64, Option<String>)> = table_values(&out, &[])
+        .await
+        .iter()
+        .map(|r| {
+            (
+                r["id"].as_i64().unwrap(),
+                r.get("country").and_then(Value::as_str).map(String::from),
+            )
+        })
+        .collect();
+    got.sort();
+    assert_eq!(got, expected);
+
+    // Reconcile joins each event with its batch's version — from the snapshots, which stay
+    // readable when the files are gone.
+    std::fs::remove_dir_all(&users).unwrap();
+    std::fs::create_dir_all(&users).unwrap();
+    let reconciled = reconcile(job, "2026-11-01T09:00:00Z", "2026-11-01T09:03:00Z");
+    assert_ok(&reconciled);
+    let text = String::from_utf8_lossy(&reconciled.stdout);
+    assert!(
+        text.contains("matching 18, missing 0, extra 0, different 0"),
+        "{text}"
+    );
+}

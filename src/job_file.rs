@@ -13,7 +13,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::Deserialize;
-use sluice_connectors::files::{FilesSource, FilesSourceConfig};
+use sluice_connectors::files::{FileFormat, FilesSource, FilesSourceConfig};
+use sluice_connectors::files_table::FilesTable;
 #[cfg(feature = "kafka")]
 use sluice_connectors::kafka::{KafkaSource, KafkaSourceConfig};
 use sluice_connectors::nexmark::{NexmarkSource, NexmarkSourceConfig};
@@ -127,14 +128,26 @@ const SOURCE_COMMON_KEYS: [&str; 6] = [
     "max_event_time_skew",
 ];
 
-/// A `[tables.<name>]` table: a Delta table the query joins whole, read at the version each
-/// batch's intent records.
+/// A `[tables.<name>]` table: a Delta table (`kind = "delta"`) or a folder of files (`kind =
+/// "files"`) the query joins whole, read at the version each batch's intent records.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct TableSection {
     path: String,
     #[serde(default)]
     storage_options: StorageOptions,
+    /// Files: `json`, `csv` or `parquet`.
+    #[serde(default)]
+    format: Option<FileFormat>,
+    /// Files: the columns, as SQL column definitions (required for JSON and CSV).
+    #[serde(default)]
+    schema: Option<String>,
+    /// Files, CSV: whether each file starts with a header line (default true).
+    #[serde(default)]
+    header: Option<bool>,
+    /// Files, CSV: the field delimiter, one character (default `,`).
+    #[serde(default)]
+    delimiter: Option<String>,
 }
 
 /// The keys every sink has, whatever its kind.
@@ -337,26 +350,69 @@ pub fn parse(
 
     for (name, table) in &file.tables {
         let section = format!("tables.{name}");
-        match table.get("kind").and_then(toml::Value::as_str) {
-            Some("delta") => {}
+        let kind = match table.get("kind").and_then(toml::Value::as_str) {
+            Some(kind @ ("delta" | "files")) => kind.to_string(),
             Some(other) => {
                 return Err(invalid(
                     &section,
-                    format!("kind = \"{other}\" is not a static table this build has (delta)"),
+                    format!(
+                        "kind = \"{other}\" is not a static table this build has (delta, files)"
+                    ),
                 ));
             }
-            None => return Err(invalid(&section, "needs kind = \"delta\"".into())),
-        }
+            None => {
+                return Err(invalid(
+                    &section,
+                    "needs kind = \"delta\" or \"files\"".into(),
+                ));
+            }
+        };
         let mut table = table.clone();
         table.remove("kind");
         add_unavailable_timeout(&mut table, store_unavailable_timeout);
         let config: TableSection = from_table(table).map_err(|e| invalid(&section, e))?;
         let url = sluice_engine::location::directory_url(&resolve(&base, &config.path))
             .map_err(|e| failed(&section, e.into()))?;
-        builder = builder.with_table(
-            name.clone(),
-            Box::new(DeltaTableSource::new(url, config.storage_options)),
-        );
+        let files_only = [
+            ("format", config.format.is_some()),
+            ("schema", config.schema.is_some()),
+            ("header", config.header.is_some()),
+            ("delimiter", config.delimiter.is_some()),
+        ];
+        let table: Box<dyn sluice_engine::StaticTable> = if kind == "delta" {
+            if let Some((key, _)) = files_only.iter().find(|(_, set)| *set) {
+                return Err(invalid(
+                    &section,
+                    format!("{key} is a setting of kind = \"files\"; a Delta table has its own"),
+                ));
+            }
+            Box::new(DeltaTableSource::new(url, config.storage_options))
+        } else {
+            let format = config.format.ok_or_else(|| {
+                invalid(
+                    &section,
+                    "needs format = \"json\", \"csv\" or \"parquet\"".into(),
+                )
+            })?;
+            if config.schema.is_none() && format != FileFormat::Parquet {
+                return Err(invalid(
+                    &section,
+                    "a JSON or CSV table needs its columns: schema = \"id BIGINT, …\"".into(),
+                ));
+            }
+            let delimiter = match config.delimiter.as_deref().map(str::as_bytes) {
+                None => b',',
+                Some([one]) => *one,
+                Some(_) => {
+                    return Err(invalid(&section, "delimiter must be one character".into()));
+                }
+            };
+            Box::new(
+                FilesTable::new(url, format, config.schema, config.storage_options)
+                    .with_csv(config.header.unwrap_or(true), delimiter),
+            )
+        };
+        builder = builder.with_table(name.clone(), table);
     }
 
     let (shared, mut rest) = split(&file.sink, &SINK_COMMON_KEYS);

@@ -8,6 +8,8 @@
 //!   in the recorded order in which files were first seen.
 //! - [`kafka::KafkaSource`] (`kind = "kafka"`): topics of a Kafka-protocol broker; Kafka
 //!   partitions and offsets are the source's partitions and offsets.
+//! - [`files_table::FilesTable`] (`[tables.NAME] kind = "files"`): a folder of JSON lines, CSV
+//!   or Parquet files joined whole as a static table, its version the fingerprint of its listing.
 //! - [`nexmark::NexmarkSource`] (`kind = "nexmark"`): the Nexmark benchmark's generator; every
 //!   event a pure function of `(seed, event number)`.
 //!
@@ -16,6 +18,7 @@
 //! fix it in their checkpoint with `schema_log`.
 
 pub mod files;
+pub mod files_table;
 #[cfg(feature = "kafka")]
 pub mod kafka;
 pub mod nexmark;

@@ -52,6 +52,11 @@ pub(crate) async fn open_sources_and_query(
     validating: bool,
 ) -> Result<(Vec<OpenSource>, StaticTables, StreamingQuery)> {
     let tables = StaticTables::open(tables).await?;
+    let tables = if validating {
+        tables
+    } else {
+        tables.with_snapshots(checkpoint)
+    };
     settings.static_tables = tables.schemas().clone();
     let mut sources = Vec::with_capacity(specs.len());
     for spec in specs {

@@ -25,6 +25,9 @@ use arrow::datatypes::{DataType, Int64Type, Schema, SchemaRef};
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
+use parquet::arrow::ArrowWriter;
+use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+
 use crate::checkpoint::CheckpointStore;
 use crate::error::{BoxError, Error, Result};
 use crate::offsets::{BatchId, SourceOffsets};
@@ -49,6 +52,15 @@ pub trait StaticTable: Send + Sync + std::fmt::Debug {
     /// rows.
     async fn read(&self, version: &str) -> std::result::Result<Vec<RecordBatch>, BoxError>;
 
+    /// Whether [`StaticTable::read`] can read an older version (a Delta table can, by time
+    /// travel). A table without history (plain files) is snapshotted: the first time a version
+    /// is read, its rows are written to the checkpoint (`table_snapshots/<name>/<version>.parquet`)
+    /// and every later read of that version — a rerun, a backfill, a reconcile — reads the
+    /// snapshot.
+    fn has_history(&self) -> bool {
+        true
+    }
+
     /// Where the table is, for messages and `sluice validate`.
     fn location(&self) -> String;
 }
@@ -67,6 +79,11 @@ pub struct TableSpec {
 pub struct StaticTables {
     tables: Vec<TableSpec>,
     schemas: BTreeMap<String, SchemaRef>,
+    /// Where versions of tables without history are snapshotted (`None`: validating, nothing
+    /// is written).
+    snapshots: Option<CheckpointStore>,
+    /// Per table without history, the newest version known to be snapshotted.
+    snapshotted: std::sync::Mutex<BTreeMap<String, String>>,
 }
 
 impl StaticTables {
@@ -98,6 +115,13 @@ impl StaticTables {
         Ok(tables)
     }
 
+    /// Snapshots the versions of tables without history under `checkpoint`'s
+    /// `table_snapshots/` folder (see [`StaticTable::has_history`]).
+    pub fn with_snapshots(mut self, checkpoint: &CheckpointStore) -> Self {
+        self.snapshots = Some(checkpoint.child("table_snapshots"));
+        self
+    }
+
     /// Each table's schema, by name.
     pub fn schemas(&self) -> &BTreeMap<String, SchemaRef> {
         &self.schemas
@@ -125,6 +149,7 @@ impl StaticTables {
                 .latest_version()
                 .await
                 .map_err(|e| Error::in_table(&spec.name, e))?;
+            self.ensure_snapshot(spec, &version).await?;
             versions.insert(spec.name.clone(), version);
         }
         Ok(versions)
@@ -160,12 +185,17 @@ impl StaticTables {
             self.tables.iter().find(|t| t.name == name).ok_or_else(|| {
                 Error::InvalidJob(format!("the job has no static table '{name}'"))
             })?;
-        let rows = spec
-            .table
-            .read(version)
-            .await
-            .map_err(|e| Error::in_table(name, format!("reading version {version}: {e}")))?;
         let planned = &self.schemas[name];
+        let rows = match self.snapshot(spec, version).await? {
+            Some(rows) => rows,
+            None => {
+                let rows = spec.table.read(version).await.map_err(|e| {
+                    Error::in_table(name, format!("reading version {version}: {e}"))
+                })?;
+                self.save_snapshot(spec, version, &rows, planned).await?;
+                rows
+            }
+        };
         let mut conformed = Vec::with_capacity(rows.len());
         for batch in rows {
             // By name: a version with columns added since (or fewer, nullable ones) still reads.
@@ -207,6 +237,92 @@ impl StaticTables {
             conformed.push(batch);
         }
         Ok(conformed)
+    }
+}
+
+impl StaticTables {
+    /// Where the snapshot of `spec` at `version` lives, if the table has none of its own
+    /// history and snapshots are kept.
+    fn snapshot_path(&self, spec: &TableSpec, version: &str) -> Option<(&CheckpointStore, String)> {
+        if spec.table.has_history() {
+            return None;
+        }
+        let store = self.snapshots.as_ref()?;
+        Some((store, format!("{}/{version}.parquet", spec.name)))
+    }
+
+    /// The rows of the snapshot of `spec` at `version`, if one was taken.
+    async fn snapshot(&self, spec: &TableSpec, version: &str) -> Result<Option<Vec<RecordBatch>>> {
+        let Some((store, rel)) = self.snapshot_path(spec, version) else {
+            return Ok(None);
+        };
+        let Some(bytes) = store.get(&rel).await? else {
+            return Ok(None);
+        };
+        let reader = ParquetRecordBatchReaderBuilder::try_new(bytes)
+            .and_then(|b| b.build())
+            .map_err(|e| Error::in_table(&spec.name, format!("snapshot {rel}: {e}")))?;
+        let rows = reader
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| Error::in_table(&spec.name, format!("snapshot {rel}: {e}")))?;
+        Ok(Some(rows))
+    }
+
+    /// Takes the snapshot of `spec` at `version` unless it exists: called when a batch is
+    /// planned, before its intent records the version, so a version an intent names can always
+    /// be read again, whatever happens to the files after.
+    async fn ensure_snapshot(&self, spec: &TableSpec, version: &str) -> Result<()> {
+        let Some((store, _)) = self.snapshot_path(spec, version) else {
+            return Ok(());
+        };
+        let known = self
+            .snapshotted
+            .lock()
+            .map(|m| m.get(&spec.name).is_some_and(|v| v == version))
+            .unwrap_or(false);
+        if known {
+            return Ok(());
+        }
+        let exists = store
+            .list_files(&spec.name)
+            .await?
+            .contains(&format!("{version}.parquet"));
+        if !exists {
+            let rows = spec.table.read(version).await.map_err(|e| {
+                Error::in_table(&spec.name, format!("reading version {version}: {e}"))
+            })?;
+            self.save_snapshot(spec, version, &rows, &self.schemas[&spec.name])
+                .await?;
+        }
+        if let Ok(mut m) = self.snapshotted.lock() {
+            m.insert(spec.name.clone(), version.to_string());
+        }
+        Ok(())
+    }
+
+    /// Writes `rows` as the snapshot of `spec` at `version` (put-if-absent: a snapshot another
+    /// attempt wrote first holds the same version's rows).
+    async fn save_snapshot(
+        &self,
+        spec: &TableSpec,
+        version: &str,
+        rows: &[RecordBatch],
+        planned: &SchemaRef,
+    ) -> Result<()> {
+        let Some((store, rel)) = self.snapshot_path(spec, version) else {
+            return Ok(());
+        };
+        let schema = rows
+            .first()
+            .map_or_else(|| Arc::clone(planned), RecordBatch::schema);
+        let mut bytes = Vec::new();
+        let mut writer = ArrowWriter::try_new(&mut bytes, schema, None)?;
+        for batch in rows {
+            writer.write(batch)?;
+        }
+        writer.close()?;
+        store.put_if_absent(&rel, bytes).await?;
+        Ok(())
     }
 }
 
