@@ -454,8 +454,8 @@ async fn reconcile_deduplication(
                 Error::InvalidJob(format!(
                     "reconcile of a deduplicating job replays every committed batch under the \
                      watermark it ran with, and the manifest of batch {id} is gone ({}): the \
-                     checkpoint keeps the last keep_batches batches; raise keep_batches in \
-                     [job] to reconcile a longer run",
+                     checkpoint keeps the last [job] keep_batches batches (default 10), so a \
+                     deduplicating job to be reconciled must keep every batch from its start",
                     checkpoint.manifest_location(BatchId(id))
                 ))
             })?;

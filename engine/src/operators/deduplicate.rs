@@ -308,6 +308,36 @@ pub(crate) fn plan_deduplication(
         LogicalPlan::Distinct(Distinct::All(input)) => Arc::clone(input),
         _ => unreachable!("found deduplicating nodes only"),
     };
+    // First to arrive is the input's order, which only row-by-row nodes keep (a join's hash
+    // table or a union's branches would reorder the rows).
+    let mut reorders: Option<String> = None;
+    let _ = input.apply(|node| match node {
+        LogicalPlan::Projection(_)
+        | LogicalPlan::Filter(_)
+        | LogicalPlan::SubqueryAlias(_)
+        | LogicalPlan::Unnest(_)
+        | LogicalPlan::TableScan(_) => Ok(TreeNodeRecursion::Continue),
+        other => {
+            reorders = Some(other.display().to_string());
+            Ok(TreeNodeRecursion::Stop)
+        }
+    });
+    if let Some(node) = reorders {
+        return Err(refuse(format!(
+            "`{node}` below the deduplication would change the order rows arrive in, which              decides the first row of a key; deduplicate the stream itself (expressions, WHERE              and UNNEST are fine) and join tables over the deduplicated rows"
+        )));
+    }
+    let mut occurrences = 0;
+    let _ = plan.apply(|node| {
+        occurrences += usize::from(*node == found.node);
+        Ok(TreeNodeRecursion::Continue)
+    });
+    if occurrences > 1 {
+        return Err(refuse(
+            "the query uses this deduplication more than once (a WITH referenced twice); a              ROW_NUMBER() over the stream is kept to its first row once"
+                .into(),
+        ));
+    }
     let mut sources = BTreeSet::new();
     let _ = input.apply(|node| {
         if let LogicalPlan::TableScan(scan) = node
@@ -388,23 +418,26 @@ pub(crate) fn plan_deduplication(
     };
 
     // The lower part: the input with the lineage and event-time columns carried up to it.
-    let carried_names: Vec<&str> = [
-        SOURCE_PARTITION,
-        SOURCE_OFFSET,
-        SOURCE_POSITION,
-        time_column.as_str(),
-    ]
-    .into_iter()
-    .collect();
-    let carried = super::carry_columns(input.as_ref().clone(), &carried_names)?;
+    // The lower part: the input with the source's own event time (under a name of ours: the
+    // query may define a column of the same name) and the lineage carried up to it.
+    let with_time = with_source_event_time(input.as_ref().clone(), &source, &time_column)?;
+    let carried = super::carry_columns(
+        with_time,
+        &[SOURCE_PARTITION, SOURCE_OFFSET, SOURCE_POSITION, EVENT_TIME],
+    )?;
     let input_schema = input.schema();
     let input_columns = input_schema.fields().len();
     let mut exprs: Vec<Expr> = input_schema
         .iter()
         .map(|(qualifier, field)| Expr::Column(Column::new(qualifier.cloned(), field.name())))
         .collect();
+    let is_lineage =
+        |name: &str| [SOURCE_PARTITION, SOURCE_OFFSET, SOURCE_POSITION].contains(&name);
     let key_indices: Vec<usize> = match found.form {
-        Form::Distinct => (0..input_columns).collect(),
+        // Every selected column but the lineage, which tells every row apart.
+        Form::Distinct => (0..input_columns)
+            .filter(|&i| !is_lineage(input_schema.field(i).name()))
+            .collect(),
         Form::RowNumber => {
             for (i, key) in keys.iter().enumerate() {
                 exprs.push(key.clone().alias(format!("{KEY_PREFIX}{i}")));
@@ -419,14 +452,19 @@ pub(crate) fn plan_deduplication(
             .ok()
             .map(|(q, f)| Expr::Column(Column::new(q.cloned(), f.name())))
     };
-    let time = column_of(&time_column).ok_or_else(|| {
+    if key_indices.is_empty() {
+        return Err(refuse(
+            "SELECT DISTINCT of lineage columns only has no key to deduplicate on".into(),
+        ));
+    }
+    let time = column_of(EVENT_TIME).ok_or_else(|| {
         refuse(format!(
             "the event-time column '{time_column}' of source '{source}' does not reach the \
-             deduplication; keep it in the SELECT list below it"
+             deduplication"
         ))
     })?;
     let time_index = exprs.len();
-    exprs.push(time.alias(EVENT_TIME));
+    exprs.push(time);
     let present: BTreeSet<&str> = input_schema
         .fields()
         .iter()
@@ -505,6 +543,24 @@ pub(crate) fn plan_deduplication(
             }
         })?
         .data;
+    let mut other_stream: Option<String> = None;
+    let _ = upper.apply_with_subqueries(|node| {
+        if let LogicalPlan::TableScan(scan) = node {
+            let name = scan.table_name.table();
+            if name != FIRST_ROWS_TABLE && !settings.statics.contains(&name.to_lowercase()) {
+                other_stream = Some(name.to_string());
+                return Ok(TreeNodeRecursion::Stop);
+            }
+        }
+        Ok(TreeNodeRecursion::Continue)
+    });
+    if let Some(name) = other_stream {
+        return Err(Error::UnsupportedQuery(format!(
+            "the query reads '{name}' beside the deduplicated rows of '{source}'; a \
+             deduplicating job reads its stream only below the deduplication (static tables may \
+             be joined above it)"
+        )));
+    }
     if let Some((node, _)) = super::stateful_node(&upper, settings.statics) {
         return Err(Error::UnsupportedQuery(format!(
             "`{node}` over the deduplicated rows needs state of its own; a job runs one stateful \
@@ -531,10 +587,9 @@ pub(crate) fn plan_deduplication(
     };
     let key_names = match found.form {
         Form::RowNumber => keys.iter().map(unqualified).collect(),
-        Form::Distinct => input_schema
-            .fields()
+        Form::Distinct => key_indices
             .iter()
-            .map(|f| f.name().clone())
+            .map(|&i| input_schema.field(i).name().clone())
             .collect(),
     };
     let mut state_fields: Vec<Field> = key_indices
@@ -578,6 +633,34 @@ pub(crate) fn plan_deduplication(
         duplicates: 0,
         log: None,
     })
+}
+
+/// `plan` with every scan of `source` wrapped in a projection that adds its `time_column` as
+/// [`EVENT_TIME`]: the source's own event time, whatever the query calls its columns.
+fn with_source_event_time(
+    plan: LogicalPlan,
+    source: &str,
+    time_column: &str,
+) -> Result<LogicalPlan> {
+    let wrapped = plan.transform_up(|node| {
+        let LogicalPlan::TableScan(scan) = &node else {
+            return Ok(Transformed::no(node));
+        };
+        if scan.table_name.table() != source {
+            return Ok(Transformed::no(node));
+        }
+        let mut exprs: Vec<Expr> = node
+            .schema()
+            .iter()
+            .map(|(qualifier, field)| Expr::Column(Column::new(qualifier.cloned(), field.name())))
+            .collect();
+        exprs.push(
+            Expr::Column(Column::new(Some(scan.table_name.clone()), time_column)).alias(EVENT_TIME),
+        );
+        let projection = LogicalPlanBuilder::from(node).project(exprs)?.build()?;
+        Ok(Transformed::yes(projection))
+    })?;
+    Ok(wrapped.data)
 }
 
 impl Deduplication {
@@ -1082,6 +1165,11 @@ mod tests {
     const ROW_NUMBER: &str = "SELECT ts, k, _source_offset FROM (SELECT *, ROW_NUMBER() OVER \
         (PARTITION BY k ORDER BY ts) AS rn FROM t) WHERE rn = 1";
     const DISTINCT: &str = "SELECT DISTINCT k FROM t";
+    /// The query's `ts` is a day later than the source's: keys are still remembered, and rows
+    /// judged late, by the source's event time.
+    const REDEFINED_TIME: &str = "SELECT k, _source_offset FROM (SELECT *, ROW_NUMBER() OVER \
+        (PARTITION BY k ORDER BY ts) AS rn FROM (SELECT k, _source_partition, _source_offset, \
+        ts + INTERVAL '1' DAY AS ts FROM t)) WHERE rn = 1";
 
     fn events() -> impl Strategy<Value = Vec<Vec<Event>>> {
         prop::collection::vec(prop::collection::vec((0i64..120, 0u8..6), 0..12), 1..8)
@@ -1096,7 +1184,7 @@ mod tests {
         fn the_first_row_per_key_is_kept_as_the_rules_say(chunks in events(), restart in 0usize..8) {
             let runtime = tokio::runtime::Runtime::new().unwrap();
             let (expected, late) = model(&chunks);
-            for sql in [ROW_NUMBER, DISTINCT] {
+            for sql in [ROW_NUMBER, DISTINCT, REDEFINED_TIME] {
                 let (emitted, streamed_late) =
                     runtime.block_on(streamed(sql, &chunks, restart));
                 prop_assert_eq!(&emitted, &expected, "{}", sql);
@@ -1150,5 +1238,37 @@ mod tests {
             ..settings()
         };
         assert!(refused(DISTINCT, update).await.contains("append"));
+        let two_streams = "SELECT DISTINCT k FROM t UNION ALL SELECT k FROM t";
+        assert!(
+            refused(two_streams, settings())
+                .await
+                .contains("beside the deduplicated rows")
+        );
+        let with_table = QuerySettings {
+            static_tables: BTreeMap::from([(
+                "d".to_string(),
+                Arc::new(Schema::new(vec![
+                    Field::new("k", DataType::Utf8, true),
+                    Field::new("name", DataType::Utf8, true),
+                ])),
+            )]),
+            ..settings()
+        };
+        let joined = "SELECT DISTINCT t.k, d.name FROM t JOIN d ON t.k = d.k";
+        let error = refused(joined, with_table.clone()).await;
+        assert!(error.contains("order rows arrive in"), "{error}");
+        // Joined above the deduplication, the table is fine.
+        let above = "SELECT f.k, d.name FROM (SELECT DISTINCT k FROM t) f JOIN d ON f.k = d.k";
+        StreamingQuery::plan(above, &sources, &with_table)
+            .await
+            .unwrap();
+        let twice = "WITH w AS (SELECT *, ROW_NUMBER() OVER (PARTITION BY k ORDER BY ts) AS rn \
+            FROM t) SELECT k FROM w WHERE rn = 1 UNION ALL SELECT k FROM w WHERE rn > 1";
+        assert!(refused(twice, settings()).await.contains("more than once"));
+        // SELECT DISTINCT * keys on the data columns, not on the lineage.
+        let query = StreamingQuery::plan("SELECT DISTINCT * FROM t", &sources, &settings())
+            .await
+            .unwrap();
+        assert_eq!(query.operators()[0].state_key, vec!["ts", "k"]);
     }
 }
