@@ -49,6 +49,38 @@ async fn the_bundled_example_runs_and_reports_its_table() {
         "{status}"
     );
 
+    // The deduplicating example: one row per (user, page) of the same clicks.
+    std::fs::copy(
+        examples.join("pages_per_user.toml"),
+        ws.path().join("pages_per_user.toml"),
+    )
+    .unwrap();
+    let dedup = run_sluice(
+        &[
+            "run",
+            ws.path().join("pages_per_user.toml").to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_ok(&dedup);
+    let pairs = table_values(&ws.path().join("out/pages_per_user"), &[]).await;
+    let distinct: std::collections::BTreeSet<String> = table_values(&table, &[])
+        .await
+        .iter()
+        .map(|r| format!("{}{}", r["user_id"], r["page"]))
+        .collect();
+    let kept: std::collections::BTreeSet<String> = pairs
+        .iter()
+        .map(|r| format!("{}{}", r["user_id"], r["page"]))
+        .collect();
+    assert_eq!(kept.len(), pairs.len(), "each pair once");
+    // clicks_clean leaves out /signup; otherwise the same clicks.
+    let kept_but_signup: std::collections::BTreeSet<String> = kept
+        .into_iter()
+        .filter(|k| !k.ends_with("\"/signup\""))
+        .collect();
+    assert_eq!(kept_but_signup, distinct);
+
     // Every batch logs one structured line.
     let stderr = String::from_utf8_lossy(&out.stderr);
     let batch_lines = stderr
