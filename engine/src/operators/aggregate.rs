@@ -356,8 +356,10 @@ pub(crate) async fn plan_stateful(
                 "`{node}` needs state across batches{reason}; streaming jobs run SELECT with \
                  expressions, WHERE, UNION ALL, UNNEST, joins of a stream with a static table \
                  ([tables.NAME] in a job file) that keep no unmatched table rows, and one \
-                 aggregate (over tumble/hop windows, or a running aggregate in update mode) — \
-                 no join of two streams, no ORDER BY, LIMIT or DISTINCT below it"
+                 stateful operator: an aggregate (over tumble/hop/session windows, or a running \
+                 aggregate in update mode) or a deduplication (ROW_NUMBER() OVER (PARTITION BY \
+                 key ORDER BY event time) = 1, SELECT DISTINCT; with state_ttl) — no join of \
+                 two streams, no ORDER BY or LIMIT over the stream"
             )));
         }
         [one] => one.clone(),
