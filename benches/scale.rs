@@ -18,8 +18,8 @@
 //!   job ≤ 2× the hour, and the same figures for a longer history.
 //! - `state-size`: one batch of a stateful query (its rows aggregated and merged into the state,
 //!   emitted, its state delta written) with 10k, 100k and 1M groups already open — per-user
-//!   hourly windows (append) and a running per-user aggregate (update) — p50 per batch side by
-//!   side. Goal: within 2× of each other (a batch costs what it touches, not what is held).
+//!   hourly windows (append), a running per-user aggregate (update) and a deduplication by
+//!   user (N keys remembered) — p50 per batch side by side. Goal: within 2× of each other (a batch costs what it touches, not what is held).
 //!
 //! All append their figures as JSON lines (with the git commit) to `benches/results/scale.jsonl`.
 
@@ -484,6 +484,12 @@ fn state_size(sizes: &[usize], batch: usize) {
             OutputMode::Update,
             Some(Duration::from_secs(86_400)),
         ),
+        (
+            "deduplication",
+            "SELECT DISTINCT user_id FROM clicks",
+            OutputMode::Append,
+            Some(Duration::from_secs(86_400)),
+        ),
     ];
     let rt = tokio::runtime::Runtime::new().unwrap();
     println!(
@@ -557,7 +563,10 @@ fn state_size(sizes: &[usize], batch: usize) {
                 (p50(per_batch), mean, query.state_size().unwrap().rows)
             });
             let (p50, mean, rows) = per_batch;
-            assert_eq!(rows, n as u64, "every user one open group");
+            assert_eq!(
+                rows, n as u64,
+                "every user one open group (or remembered key)"
+            );
             let ms = |d: Duration| d.as_secs_f64() * 1e3;
             print!(" {:>8.2} / {:>7.2}", ms(p50), ms(mean));
             record(serde_json::json!({
