@@ -400,11 +400,24 @@ pub fn parse(
                     "a JSON or CSV table needs its columns: schema = \"id BIGINT, …\"".into(),
                 ));
             }
+            if format != FileFormat::Csv
+                && let Some((key, _)) = files_only[2..].iter().find(|(_, set)| *set)
+            {
+                return Err(invalid(
+                    &section,
+                    format!("{key} is a setting of format = \"csv\""),
+                ));
+            }
             let delimiter = match config.delimiter.as_deref().map(str::as_bytes) {
                 None => b',',
-                Some([one]) => *one,
+                Some([one]) if !matches!(one, b'"' | b'\r' | b'\n') => *one,
                 Some(_) => {
-                    return Err(invalid(&section, "delimiter must be one character".into()));
+                    return Err(invalid(
+                        &section,
+                        "delimiter must be exactly one (ASCII) character, not a quote or a line \
+                         break"
+                            .into(),
+                    ));
                 }
             };
             Box::new(

@@ -3,20 +3,24 @@
 //! CSV or Parquet files rather than a Delta table.
 //!
 //! **Version.** Plain files have no history, so a version is a fingerprint of the folder's
-//! listing: `<files>-<hash>`, the hash (FNV-1a, 64 bits) over every file's name, size and
-//! e-tag (or modification time), sorted by name. The batch intent records the newest
-//! fingerprint at planning; a file added, removed or rewritten gives a new one, picked up by the
-//! next batch. Reading a version reads the folder again and checks the fingerprint: the files
-//! must still be what the intent saw. The engine keeps a snapshot of each version it has read
-//! in the checkpoint ([`StaticTable::has_history`] is false), so a rerun, a backfill or a
-//! reconcile reads that rather than files that may have changed since.
+//! listing: `<files>-<hash>`, the hash (FNV-1a, 64 bits) over the table's settings (format,
+//! schema, CSV header and delimiter) and every file's name, size and e-tag (or modification
+//! time), sorted by name. Files anywhere below the folder count, except those under a name
+//! starting with `.` or `_` (hidden files, `_temporary/`, `_delta_log/`) and empty objects
+//! (folder markers). The batch intent records the newest fingerprint at planning; a file added,
+//! removed or rewritten — or a setting changed — gives a new one, picked up by the next batch.
+//! Reading a version reads exactly the files of the listing it came from, checking each file's
+//! size and e-tag as it is fetched. The engine snapshots each version into the checkpoint when a
+//! batch is planned with it ([`StaticTable::has_history`] is false), so a rerun, a backfill or a
+//! reconcile reads the snapshot rather than files that may have changed since.
 //!
-//! **Rows.** Every file is read whole: JSON lines and CSV (optionally gzipped, by a `.gz`
-//! name) with the declared schema, Parquet with its own (or the declared one). A record that
-//! does not decode fails the read, naming the file: a dimension table with a broken row is
-//! not joined partly.
+//! **Rows.** Every file is read whole, decoded as the files source decodes (JSON lines and CSV,
+//! optionally gzipped, with the declared schema; Parquet with its own or the declared one,
+//! columns matched by name, a missing nullable column null, values cast strictly). A record
+//! that does not decode fails the read, naming the file, the line and why: a dimension table
+//! with a broken row is not joined partly. A folder with no files is refused (a wrong path
+//! would otherwise join nothing).
 
-use std::io::Read;
 use std::sync::Arc;
 
 use arrow::array::RecordBatch;
@@ -29,9 +33,11 @@ use object_store::{ObjectStore, ObjectStoreExt};
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use sluice_engine::storage::{StorageOptions, open_store};
 use sluice_engine::{BoxError, StaticTable};
+use tokio::sync::Mutex;
 use url::Url;
 
-use crate::files::FileFormat;
+use crate::decode::{Line, decode_csv_lines, decode_json_lines, split_lines, without_bom};
+use crate::files::{FileFormat, decode_parquet, decompress, is_data_file};
 
 /// A folder of files read whole at the listing each batch's intent records.
 #[derive(Debug)]
@@ -47,14 +53,20 @@ pub struct FilesTable {
     options: StorageOptions,
     store: Option<(Arc<dyn ObjectStore>, Path)>,
     schema: Option<SchemaRef>,
+    /// The newest listing and its version: what [`StaticTable::read`] of that version reads.
+    listed: Mutex<Option<(String, Vec<Listed>)>>,
 }
 
 /// One listed file.
+#[derive(Debug, Clone)]
 struct Listed {
     location: Path,
+    /// Its name below the table's folder.
+    name: String,
     size: u64,
-    /// The e-tag, or the modification time when the store has none.
-    identity: String,
+    e_tag: Option<String>,
+    /// Microseconds since the epoch.
+    modified: i64,
 }
 
 impl FilesTable {
@@ -76,6 +88,7 @@ impl FilesTable {
             options,
             store: None,
             schema: None,
+            listed: Mutex::new(None),
         }
     }
 
@@ -92,140 +105,130 @@ impl FilesTable {
             .ok_or_else(|| format!("table {} used before open()", self.url).into())
     }
 
-    /// The folder's files, sorted by name (hidden files and folders left out).
+    /// The table's files, sorted by name; refused if there are none.
     async fn list(&self) -> Result<Vec<Listed>, BoxError> {
         let (store, prefix) = self.store()?;
+        let prefix_text = prefix.as_ref().to_string();
         let mut files: Vec<Listed> = store
             .list(Some(prefix))
             .map_ok(|meta| Listed {
-                identity: meta
-                    .e_tag
-                    .clone()
-                    .unwrap_or_else(|| meta.last_modified.timestamp_micros().to_string()),
+                name: meta
+                    .location
+                    .as_ref()
+                    .strip_prefix(prefix_text.as_str())
+                    .unwrap_or(meta.location.as_ref())
+                    .trim_start_matches('/')
+                    .to_string(),
                 size: meta.size,
+                e_tag: meta.e_tag.clone(),
+                modified: meta.last_modified.timestamp_micros(),
                 location: meta.location,
             })
             .try_collect()
             .await?;
-        files.retain(|f| {
-            let name = f.location.filename().unwrap_or_default();
-            !name.starts_with('.') && !name.starts_with('_')
-        });
-        files.sort_by(|a, b| a.location.cmp(&b.location));
+        files.retain(|f| f.size > 0 && is_data_file(&f.name));
+        files.sort_by(|a, b| a.name.cmp(&b.name));
+        if files.is_empty() {
+            return Err(format!(
+                "table {} has no files (is the path right?); a static table is never joined \
+                 empty by mistake",
+                self.url
+            )
+            .into());
+        }
         Ok(files)
     }
 
-    /// The version of a listing: the number of files and a hash of names, sizes and
-    /// identities.
-    fn version_of(files: &[Listed]) -> String {
+    /// The version of a listing: the number of files and a hash of the settings and of every
+    /// file's name, size and identity.
+    fn version_of(&self, files: &[Listed]) -> String {
         let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-        for f in files {
-            let line = format!("{}\t{}\t{}\n", f.location, f.size, f.identity);
-            for byte in line.bytes() {
+        let mut add = |text: &str| {
+            for byte in text.bytes() {
                 hash ^= u64::from(byte);
                 hash = hash.wrapping_mul(0x0100_0000_01b3);
             }
+        };
+        add(&format!(
+            "{:?}\t{:?}\t{}\t{}\n",
+            self.format, self.declared, self.header, self.delimiter
+        ));
+        for f in files {
+            let identity = f.e_tag.clone().unwrap_or_else(|| f.modified.to_string());
+            add(&format!("{}\t{}\t{identity}\n", f.name, f.size));
         }
         format!("{}-{hash:016x}", files.len())
     }
 
-    /// The rows of one file.
+    /// The rows of one file, decoded strictly: any record that does not decode fails it.
     fn decode(
         &self,
         schema: &SchemaRef,
-        name: &str,
+        file: &Listed,
         bytes: Bytes,
     ) -> Result<Vec<RecordBatch>, BoxError> {
-        let fail = |e: &dyn std::fmt::Display| -> BoxError {
-            format!("file {name} of table {} does not decode: {e}", self.url).into()
+        let name = &file.name;
+        let fail = |what: String| -> BoxError {
+            format!("file {name} of table {}: {what}", self.url).into()
         };
         if self.format == FileFormat::Parquet {
-            let reader = ParquetRecordBatchReaderBuilder::try_new(bytes)
-                .map_err(|e| fail(&e))?
-                .build()
-                .map_err(|e| fail(&e))?;
-            let batches = reader
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| fail(&e))?;
-            return batches
-                .into_iter()
-                .map(|b| conform(&b, schema).map_err(|e| fail(&e)))
-                .collect();
+            return decode_parquet(schema, bytes).map_err(fail);
         }
-        let text: Vec<u8> = if name.ends_with(".gz") {
-            let mut out = Vec::new();
-            flate2::read::MultiGzDecoder::new(bytes.as_ref())
-                .read_to_end(&mut out)
-                .map_err(|e| fail(&e))?;
-            out
-        } else {
-            bytes.to_vec()
+        let (bytes, cut_off) = decompress(name, bytes);
+        if let Some(error) = cut_off {
+            return Err(fail(format!("the file ends early ({error})")));
+        }
+        let mut lines: Vec<Line> = split_lines(&bytes);
+        if self.format == FileFormat::Csv && self.header && !lines.is_empty() {
+            lines.remove(0);
+        }
+        lines.retain(|l| {
+            !without_bom(&bytes[l.start..l.end])
+                .iter()
+                .all(u8::is_ascii_whitespace)
+        });
+        let (good, bad) = match self.format {
+            FileFormat::Csv => decode_csv_lines(schema, self.delimiter, &bytes, &lines),
+            _ => decode_json_lines(schema, &bytes, &lines, false),
         };
-        let batches: Result<Vec<RecordBatch>, _> = match self.format {
-            FileFormat::Csv => arrow::csv::ReaderBuilder::new(Arc::clone(schema))
-                .with_header(self.header)
-                .with_delimiter(self.delimiter)
-                .build(text.as_slice())
-                .map_err(|e| fail(&e))?
-                .collect(),
-            _ => arrow::json::ReaderBuilder::new(Arc::clone(schema))
-                .build(text.as_slice())
-                .map_err(|e| fail(&e))?
-                .collect(),
-        };
-        batches.map_err(|e| fail(&e))
+        if let Some((line, _, reason)) = bad.first() {
+            return Err(fail(format!(
+                "line {line} does not decode ({reason}){}",
+                match bad.len() {
+                    1 => String::new(),
+                    n => format!(", nor do {} more lines", n - 1),
+                }
+            )));
+        }
+        Ok(good.into_iter().map(|(batch, _)| batch).collect())
     }
-}
-
-/// `batch`'s columns in `schema`'s order, by name (a column the file lacks is refused).
-fn conform(batch: &RecordBatch, schema: &SchemaRef) -> Result<RecordBatch, String> {
-    let columns = schema
-        .fields()
-        .iter()
-        .map(|f| {
-            let column = batch
-                .column_by_name(f.name())
-                .ok_or_else(|| format!("it has no column {}", f.name()))?;
-            if column.data_type() == f.data_type() {
-                Ok(Arc::clone(column))
-            } else {
-                arrow::compute::cast(column, f.data_type()).map_err(|e| {
-                    format!(
-                        "its column {} is {}, not {}: {e}",
-                        f.name(),
-                        column.data_type(),
-                        f.data_type()
-                    )
-                })
-            }
-        })
-        .collect::<Result<Vec<_>, String>>()?;
-    RecordBatch::try_new(Arc::clone(schema), columns).map_err(|e| e.to_string())
 }
 
 #[async_trait]
 impl StaticTable for FilesTable {
     async fn open(&mut self) -> Result<SchemaRef, BoxError> {
         self.store = Some(open_store(&self.url, &self.options)?);
+        if self.url.scheme() == "file"
+            && let Ok(dir) = self.url.to_file_path()
+            && !dir.is_dir()
+        {
+            return Err(format!("table folder '{}' does not exist", dir.display()).into());
+        }
         let schema = match (&self.declared, self.format) {
             (Some(ddl), _) => sluice_engine::schema::parse_schema(ddl).await?,
             (None, FileFormat::Parquet) => {
                 let files = self.list().await?;
-                let first = files.first().ok_or_else(|| {
-                    format!(
-                        "table {} has no files to take a Parquet schema from; declare schema",
-                        self.url
-                    )
-                })?;
                 let (store, _) = self.store()?;
+                let first = &files[0];
                 let bytes = store.get(&first.location).await?.bytes().await?;
                 let builder = ParquetRecordBatchReaderBuilder::try_new(bytes)
-                    .map_err(|e| format!("file {} of table {}: {e}", first.location, self.url))?;
+                    .map_err(|e| format!("file {} of table {}: {e}", first.name, self.url))?;
                 Arc::clone(builder.schema())
             }
             (None, _) => {
                 return Err(format!(
-                    "a JSON or CSV table needs its columns declared: schema = \"id BIGINT, …\" (table {})",
+                    "a JSON or CSV table needs its columns declared: schema = \"id BIGINT, …\" \
+                     (table {})",
                     self.url
                 )
                 .into());
@@ -236,21 +239,30 @@ impl StaticTable for FilesTable {
     }
 
     async fn latest_version(&self) -> Result<String, BoxError> {
-        Ok(Self::version_of(&self.list().await?))
+        let files = self.list().await?;
+        let version = self.version_of(&files);
+        *self.listed.lock().await = Some((version.clone(), files));
+        Ok(version)
     }
 
     async fn read(&self, version: &str) -> Result<Vec<RecordBatch>, BoxError> {
-        let files = self.list().await?;
-        let now = Self::version_of(&files);
-        if now != version {
-            return Err(format!(
-                "the files of table {} changed since version {version} was recorded (they are \
-                 version {now} now), and plain files keep no history: a version is readable only \
-                 from the snapshot the job took when it first read it",
-                self.url
-            )
-            .into());
-        }
+        let listed = self.listed.lock().await.clone();
+        let files = match listed {
+            Some((v, files)) if v == version => files,
+            _ => {
+                let files = self.list().await?;
+                let now = self.version_of(&files);
+                if now != version {
+                    return Err(format!(
+                        "the files of table {} changed since version {version} was listed (they \
+                         are version {now} now), and plain files keep no history",
+                        self.url
+                    )
+                    .into());
+                }
+                files
+            }
+        };
         let schema = self
             .schema
             .clone()
@@ -258,8 +270,18 @@ impl StaticTable for FilesTable {
         let (store, _) = self.store()?;
         let mut rows = Vec::new();
         for file in &files {
-            let bytes = store.get(&file.location).await?.bytes().await?;
-            rows.extend(self.decode(&schema, file.location.as_ref(), bytes)?);
+            let got = store.get(&file.location).await?;
+            let changed = got.meta.size != file.size
+                || (file.e_tag.is_some() && got.meta.e_tag != file.e_tag);
+            if changed {
+                return Err(format!(
+                    "file {} of table {} changed while version {version} was read",
+                    file.name, self.url
+                )
+                .into());
+            }
+            let bytes = got.bytes().await?;
+            rows.extend(self.decode(&schema, file, bytes)?);
         }
         Ok(rows.into_iter().filter(|b| b.num_rows() > 0).collect())
     }
@@ -270,5 +292,68 @@ impl StaticTable for FilesTable {
 
     fn location(&self) -> String {
         self.url.to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(dir: &std::path::Path, format: FileFormat, schema: &str) -> FilesTable {
+        FilesTable::new(
+            Url::from_directory_path(dir).unwrap(),
+            format,
+            Some(schema.to_string()),
+            StorageOptions::default(),
+        )
+    }
+
+    #[tokio::test]
+    async fn versions_follow_the_files_and_the_settings_and_reads_check_them() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("a.csv"), "id,name\n1,kettle\n2,lamp\n").unwrap();
+        // Hidden and underscore folders, and empty objects, are not the table's.
+        std::fs::create_dir_all(dir.path().join("_temporary/0")).unwrap();
+        std::fs::write(dir.path().join("_temporary/0/part.csv"), "id,name\n9,x\n").unwrap();
+        std::fs::write(dir.path().join(".a.csv.swp"), "junk").unwrap();
+        std::fs::write(dir.path().join("empty.csv"), "").unwrap();
+        let mut users = table(dir.path(), FileFormat::Csv, "id BIGINT, name VARCHAR");
+        users.open().await.unwrap();
+        let v1 = users.latest_version().await.unwrap();
+        assert!(v1.starts_with("1-"), "{v1}");
+        let rows = users.read(&v1).await.unwrap();
+        assert_eq!(rows.iter().map(RecordBatch::num_rows).sum::<usize>(), 2);
+        // Same files, same version; another setting, another version.
+        assert_eq!(users.latest_version().await.unwrap(), v1);
+        let mut headerless =
+            table(dir.path(), FileFormat::Csv, "id BIGINT, name VARCHAR").with_csv(false, b',');
+        headerless.open().await.unwrap();
+        assert_ne!(headerless.latest_version().await.unwrap(), v1);
+        // A new file: a new version; the old one can no longer be read from the files.
+        std::fs::write(dir.path().join("b.csv"), "id,name\n3,mug\n").unwrap();
+        let v2 = users.latest_version().await.unwrap();
+        assert!(v2.starts_with("2-"), "{v2}");
+        let err = users.read(&v1).await.unwrap_err().to_string();
+        assert!(err.contains("changed since version"), "{err}");
+        // A record that does not decode fails the read, naming the file and the line.
+        std::fs::write(dir.path().join("b.csv"), "id,name\n3,mug\nfour,cup\n").unwrap();
+        let v3 = users.latest_version().await.unwrap();
+        let err = users.read(&v3).await.unwrap_err().to_string();
+        assert!(
+            err.contains("file b.csv") && err.contains("line 3"),
+            "{err}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_missing_or_empty_folder_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut missing = table(&dir.path().join("nope"), FileFormat::Json, "id BIGINT");
+        let err = missing.open().await.unwrap_err().to_string();
+        assert!(err.contains("does not exist"), "{err}");
+        let mut empty = table(dir.path(), FileFormat::Json, "id BIGINT");
+        empty.open().await.unwrap();
+        let err = empty.latest_version().await.unwrap_err().to_string();
+        assert!(err.contains("has no files"), "{err}");
     }
 }

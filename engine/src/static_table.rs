@@ -74,6 +74,10 @@ pub struct TableSpec {
     pub table: Box<dyn StaticTable>,
 }
 
+/// How many times a table without history is listed again when its files change while its
+/// newest version is snapshotted.
+const SNAPSHOT_ATTEMPTS: usize = 3;
+
 /// A job's static tables, opened.
 #[derive(Debug, Default)]
 pub struct StaticTables {
@@ -144,12 +148,21 @@ impl StaticTables {
     pub async fn latest_versions(&self) -> Result<BTreeMap<String, String>> {
         let mut versions = BTreeMap::new();
         for spec in &self.tables {
-            let version = spec
-                .table
-                .latest_version()
-                .await
-                .map_err(|e| Error::in_table(&spec.name, e))?;
-            self.ensure_snapshot(spec, &version).await?;
+            // A table without history is snapshotted at the version now, before an intent
+            // can record it; files changing meanwhile make a new version: listed again.
+            let mut attempts = 0;
+            let version = loop {
+                let version = spec
+                    .table
+                    .latest_version()
+                    .await
+                    .map_err(|e| Error::in_table(&spec.name, e))?;
+                match self.ensure_snapshot(spec, &version).await {
+                    Ok(()) => break version,
+                    Err(_) if attempts < SNAPSHOT_ATTEMPTS => attempts += 1,
+                    Err(e) => return Err(e),
+                }
+            };
             versions.insert(spec.name.clone(), version);
         }
         Ok(versions)
@@ -192,8 +205,10 @@ impl StaticTables {
                 let rows = spec.table.read(version).await.map_err(|e| {
                     Error::in_table(name, format!("reading version {version}: {e}"))
                 })?;
-                self.save_snapshot(spec, version, &rows, planned).await?;
-                rows
+                // Another attempt's snapshot, if it was first, is what every read joins.
+                self.save_snapshot(spec, version, &rows, planned)
+                    .await?
+                    .unwrap_or(rows)
             }
         };
         let mut conformed = Vec::with_capacity(rows.len());
@@ -300,29 +315,40 @@ impl StaticTables {
         Ok(())
     }
 
-    /// Writes `rows` as the snapshot of `spec` at `version` (put-if-absent: a snapshot another
-    /// attempt wrote first holds the same version's rows).
+    /// Writes `rows` as the snapshot of `spec` at `version`, put-if-absent; if another attempt
+    /// wrote it first, its rows (what every later read of the version joins).
     async fn save_snapshot(
         &self,
         spec: &TableSpec,
         version: &str,
         rows: &[RecordBatch],
         planned: &SchemaRef,
-    ) -> Result<()> {
+    ) -> Result<Option<Vec<RecordBatch>>> {
         let Some((store, rel)) = self.snapshot_path(spec, version) else {
-            return Ok(());
+            return Ok(None);
         };
         let schema = rows
             .first()
             .map_or_else(|| Arc::clone(planned), RecordBatch::schema);
-        let mut bytes = Vec::new();
-        let mut writer = ArrowWriter::try_new(&mut bytes, schema, None)?;
-        for batch in rows {
-            writer.write(batch)?;
+        let encode = || -> std::result::Result<Vec<u8>, parquet::errors::ParquetError> {
+            let mut bytes = Vec::new();
+            let mut writer = ArrowWriter::try_new(&mut bytes, schema, None)?;
+            for batch in rows {
+                writer.write(batch)?;
+            }
+            writer.close()?;
+            Ok(bytes)
+        };
+        let bytes = encode().map_err(|e| {
+            Error::in_table(
+                &spec.name,
+                format!("writing the snapshot of version {version}: {e}"),
+            )
+        })?;
+        if store.put_if_absent(&rel, bytes).await? {
+            return Ok(None);
         }
-        writer.close()?;
-        store.put_if_absent(&rel, bytes).await?;
-        Ok(())
+        self.snapshot(spec, version).await
     }
 }
 
@@ -592,7 +618,11 @@ impl TablesAtVersions {
         let mut log = VersionLog::read(checkpoint, &tables.names()).await?;
         // A job that never streamed (a batch run): every row joins the newest version. A job
         // that streamed finds its rows' versions in the log, or fails naming the row.
-        let latest = tables.latest_versions().await?;
+        let latest = if streamed {
+            BTreeMap::new()
+        } else {
+            tables.latest_versions().await?
+        };
         for (table, entries) in &mut log.entries {
             if !streamed && let Some(version) = latest.get(table) {
                 // (Entries of an attempt that never committed do not count.)

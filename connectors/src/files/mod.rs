@@ -752,7 +752,7 @@ fn relative_name(prefix: &Path, location: &Path) -> String {
         .to_string()
 }
 
-fn is_data_file(name: &str) -> bool {
+pub(crate) fn is_data_file(name: &str) -> bool {
     !name
         .split('/')
         .any(|part| part.starts_with('.') || part.starts_with('_'))
@@ -760,7 +760,7 @@ fn is_data_file(name: &str) -> bool {
 
 /// A file's bytes, decompressed if its name ends in `.gz`; for a truncated or corrupt gzip
 /// stream, what could be decompressed before the error, and the error.
-fn decompress(name: &str, bytes: Bytes) -> (Bytes, Option<String>) {
+pub(crate) fn decompress(name: &str, bytes: Bytes) -> (Bytes, Option<String>) {
     if !name.ends_with(".gz") {
         return (bytes, None);
     }
@@ -786,7 +786,7 @@ fn whole_file_dead_letter(file: &RecordedFile, offset: i64, error: String) -> So
 }
 
 /// Reads a Parquet file and conforms its batches to `schema` by column name.
-fn decode_parquet(
+pub(crate) fn decode_parquet(
     schema: &SchemaRef,
     bytes: Bytes,
 ) -> std::result::Result<Vec<RecordBatch>, String> {
