@@ -126,18 +126,37 @@ impl Lateness {
         if late.num_rows() == 0 {
             return Ok(None);
         }
-        let n = late.num_rows();
-        let mut columns: Vec<ArrayRef> = late.columns().to_vec();
-        columns.push(Arc::new(
-            TimestampMicrosecondArray::from(vec![watermark; n]).with_timezone("UTC"),
-        ));
-        columns.push(Arc::new(missed.finish()));
-        columns.push(Arc::new(Int64Array::from(vec![batch_id.0; n])));
-        Ok(Some(RecordBatch::try_new(
-            late_schema(&rows.schema(), true),
-            columns,
-        )?))
+        let missed: ArrayRef = Arc::new(missed.finish());
+        late_table_rows(&late, watermark, Some(missed), batch_id).map(Some)
     }
+}
+
+/// `late` (source rows) as late-table rows: the watermark they met, the windows they missed
+/// (`None`: no window applies, null) and the batch.
+fn late_table_rows(
+    late: &RecordBatch,
+    watermark: i64,
+    missed: Option<ArrayRef>,
+    batch_id: BatchId,
+) -> Result<RecordBatch> {
+    let n = late.num_rows();
+    let windows = missed.is_some();
+    let missed = missed.unwrap_or_else(|| {
+        arrow::array::new_null_array(
+            &DataType::List(Arc::new(Field::new_list_field(event_time_type(), true))),
+            n,
+        )
+    });
+    let mut columns: Vec<ArrayRef> = late.columns().to_vec();
+    columns.push(Arc::new(
+        TimestampMicrosecondArray::from(vec![watermark; n]).with_timezone("UTC"),
+    ));
+    columns.push(missed);
+    columns.push(Arc::new(Int64Array::from(vec![batch_id.0; n])));
+    Ok(RecordBatch::try_new(
+        late_schema(&late.schema(), windows),
+        columns,
+    )?)
 }
 
 /// The rows of `rows` (event time in `time_column`) a deduplication remembering keys for
@@ -172,20 +191,7 @@ pub fn expired_rows(
     if late.num_rows() == 0 {
         return Ok(None);
     }
-    let n = late.num_rows();
-    let mut columns: Vec<ArrayRef> = late.columns().to_vec();
-    columns.push(Arc::new(
-        TimestampMicrosecondArray::from(vec![watermark; n]).with_timezone("UTC"),
-    ));
-    columns.push(arrow::array::new_null_array(
-        &DataType::List(Arc::new(Field::new_list_field(event_time_type(), true))),
-        n,
-    ));
-    columns.push(Arc::new(Int64Array::from(vec![batch_id.0; n])));
-    Ok(Some(RecordBatch::try_new(
-        late_schema(&rows.schema(), false),
-        columns,
-    )?))
+    late_table_rows(&late, watermark, None, batch_id).map(Some)
 }
 
 #[cfg(test)]

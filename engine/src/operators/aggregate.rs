@@ -1259,26 +1259,14 @@ impl StatefulAggregate {
         .await
     }
 
-    /// The state folder, once restored (for messages).
-    pub(crate) fn state_location(&self) -> Option<String> {
-        self.log.as_ref().map(StateLog::location)
+    /// The state files, once restored.
+    pub(crate) fn log(&self) -> Option<&StateLog> {
+        self.log.as_ref()
     }
 
-    /// Takes `files` as the live state files (a manifest another attempt wrote first).
-    pub(crate) async fn adopt_state(&mut self, files: &[String]) -> Result<()> {
-        let log = self
-            .log
-            .as_mut()
-            .ok_or_else(|| Error::InvalidJob("state adopted before it was restored".into()))?;
-        log.adopt(files).await
-    }
-
-    /// Deletes state files of batches up to `committed` no longer live; call after its commit.
-    pub(crate) async fn collect_garbage(&self, committed: BatchId) -> Result<usize> {
-        match &self.log {
-            Some(log) => log.collect_garbage(committed).await,
-            None => Ok(0),
-        }
+    /// The state files, once restored, to adopt another attempt's.
+    pub(crate) fn log_mut(&mut self) -> Option<&mut StateLog> {
+        self.log.as_mut()
     }
 }
 

@@ -159,27 +159,35 @@ impl StatefulOperator {
         }
     }
 
+    /// The operator's state files, once restored.
+    fn log(&self) -> Option<&StateLog> {
+        match self {
+            StatefulOperator::Aggregate(a) => a.log(),
+            StatefulOperator::Deduplication(d) => d.log(),
+        }
+    }
+
     /// The state folder, once restored (for messages).
     pub(crate) fn state_location(&self) -> Option<String> {
-        match self {
-            StatefulOperator::Aggregate(a) => a.state_location(),
-            StatefulOperator::Deduplication(d) => d.state_location(),
-        }
+        self.log().map(StateLog::location)
     }
 
     /// Takes `files` as the live state (a manifest another attempt wrote first).
     pub(crate) async fn adopt_state(&mut self, files: &[String]) -> Result<(), Error> {
-        match self {
-            StatefulOperator::Aggregate(a) => a.adopt_state(files).await,
-            StatefulOperator::Deduplication(d) => d.adopt_state(files).await,
-        }
+        let log = match self {
+            StatefulOperator::Aggregate(a) => a.log_mut(),
+            StatefulOperator::Deduplication(d) => d.log_mut(),
+        };
+        let log =
+            log.ok_or_else(|| Error::InvalidJob("state adopted before it was restored".into()))?;
+        log.adopt(files).await
     }
 
     /// Deletes state files of batches up to `committed` no longer live.
     pub(crate) async fn collect_garbage(&self, committed: BatchId) -> Result<usize, Error> {
-        match self {
-            StatefulOperator::Aggregate(a) => a.collect_garbage(committed).await,
-            StatefulOperator::Deduplication(d) => d.collect_garbage(committed).await,
+        match self.log() {
+            Some(log) => log.collect_garbage(committed).await,
+            None => Ok(0),
         }
     }
 
