@@ -87,14 +87,7 @@ impl Lateness {
         let Some(watermark) = watermark else {
             return Ok(None);
         };
-        let times = rows
-            .column_by_name(time_column)
-            .and_then(|c| c.as_primitive_opt::<TimestampMicrosecondType>())
-            .ok_or_else(|| {
-                Error::UnsupportedQuery(format!(
-                    "the window's time column '{time_column}' is not an event-time column"
-                ))
-            })?;
+        let times = event_times(rows, time_column, "window")?;
         // The common case: even the oldest row's oldest window is open, so nothing is late.
         let oldest = arrow::compute::min(times);
         if oldest.is_none_or(|t| {
@@ -129,6 +122,21 @@ impl Lateness {
         let missed: ArrayRef = Arc::new(missed.finish());
         late_table_rows(&late, watermark, Some(missed), batch_id).map(Some)
     }
+}
+
+/// The event times of `rows` in `time_column`, which the `operator` (for the message) reads.
+fn event_times<'a>(
+    rows: &'a RecordBatch,
+    time_column: &str,
+    operator: &str,
+) -> Result<&'a arrow::array::PrimitiveArray<TimestampMicrosecondType>> {
+    rows.column_by_name(time_column)
+        .and_then(|c| c.as_primitive_opt::<TimestampMicrosecondType>())
+        .ok_or_else(|| {
+            Error::UnsupportedQuery(format!(
+                "the {operator}'s time column '{time_column}' is not an event-time column"
+            ))
+        })
 }
 
 /// `late` (source rows) as late-table rows: the watermark they met, the windows they missed
@@ -175,14 +183,7 @@ pub fn expired_rows(
     let Some(watermark) = watermark else {
         return Ok(None);
     };
-    let times = rows
-        .column_by_name(time_column)
-        .and_then(|c| c.as_primitive_opt::<TimestampMicrosecondType>())
-        .ok_or_else(|| {
-            Error::UnsupportedQuery(format!(
-                "the deduplication's time column '{time_column}' is not an event-time column"
-            ))
-        })?;
+    let times = event_times(rows, time_column, "deduplication")?;
     let late: BooleanArray = times
         .iter()
         .map(|t| Some(t.is_some_and(|t| t.saturating_add(horizon) <= watermark)))
