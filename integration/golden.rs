@@ -12,7 +12,8 @@ use serde_json::Value;
 use crate::support::*;
 
 /// A golden case: `integration/golden/<case>/` holds `job.toml` (paths relative to a work
-/// folder: `input/`, `tables/<name>`, `out`), `input/` (the stream's files), `tables/<name>.jsonl`
+/// folder: `input/`, `tables/<name>`, `out`), `input/` (the stream's files; a folder per
+/// source for a job with several), `tables/<name>.jsonl`
 /// (a Delta table's rows, written as a Delta table before the run) or `tables/<name>/` (a
 /// table of plain files, copied), `expected.jsonl` (the
 /// hand-checked output rows, lineage columns left out), optionally `expected_late.jsonl` (the
@@ -123,11 +124,17 @@ async fn write_jsonl_as_delta(jsonl: &Path, table: &Path) {
         .unwrap();
 }
 
+/// Copies the folder `from` (and its folders: one per source of a job with several) to `to`.
 fn copy_dir(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).unwrap();
     for entry in std::fs::read_dir(from).unwrap() {
         let path = entry.unwrap().path();
-        std::fs::copy(&path, to.join(path.file_name().unwrap())).unwrap();
+        let target = to.join(path.file_name().unwrap());
+        if path.is_dir() {
+            copy_dir(&path, &target);
+        } else {
+            std::fs::copy(&path, target).unwrap();
+        }
     }
 }
 

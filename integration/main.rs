@@ -28,4 +28,5 @@ mod object_storage;
 mod reconcile;
 mod side_tables;
 mod status;
+mod stream_joins;
 mod windows;

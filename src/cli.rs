@@ -549,9 +549,8 @@ async fn reconcile(path: PathBuf, from: i64, to: i64, registry: &Registry) -> Re
     );
     if r.late_rows > 0 {
         println!(
-            "  late rows: {} (in the late table; replayed under the watermark they met, so \
-             they count only in the windows that were still open)",
-            r.late_rows
+            "  late rows: {} (in the late table; {})",
+            r.late_rows, r.late_treatment
         );
     }
     println!(

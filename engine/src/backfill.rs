@@ -234,6 +234,15 @@ impl Job {
                     .into(),
             ));
         }
+        if query.joins_streams() {
+            return Err(Error::UnsupportedQuery(
+                "backfill of a job joining two streams is not available: the pairs a range \
+                 produced depend on rows of the other stream read before and after it (and on \
+                 the watermark each batch ran under), so a range cannot be recomputed alone; \
+                 reconcile checks the job instead"
+                    .into(),
+            ));
+        }
         if query.is_stateful() && window.is_none() {
             return Err(Error::UnsupportedQuery(
                 "a running aggregate (no window) has no range to replace: its groups span all \

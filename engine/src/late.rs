@@ -30,6 +30,8 @@ pub const WATERMARK: &str = "_watermark";
 pub const WINDOWS_MISSED: &str = "_windows_missed";
 /// Late-table column: the batch that read the row.
 pub const BATCH_ID: &str = "batch_id";
+/// Late-table column of a job joining two streams: the source the row came from.
+pub const SOURCE: &str = "_source";
 
 /// The late table's schema for rows of `source` (a source schema after event-time parsing);
 /// `windows`: whether rows are late for windows (else [`WINDOWS_MISSED`] is null).
@@ -43,6 +45,84 @@ pub fn late_schema(source: &SchemaRef, windows: bool) -> SchemaRef {
     ));
     fields.push(Field::new(BATCH_ID, DataType::Int64, false));
     Arc::new(Schema::new(fields))
+}
+
+/// The late table's schema for a job joining streams: [`SOURCE`], then every column of the
+/// `sources` (nullable; a column two sources share appears once), then the late columns.
+///
+/// # Errors
+/// If two sources have a column of the same name and different types.
+pub fn late_schema_of_sources(sources: &[(&str, &SchemaRef)]) -> Result<SchemaRef> {
+    let mut fields = vec![Field::new(SOURCE, DataType::Utf8, false)];
+    let mut owner: Vec<&str> = vec![""];
+    for (source, schema) in sources {
+        for f in schema.fields() {
+            match fields.iter().position(|g| g.name() == f.name()) {
+                Some(i) if fields[i].data_type() != f.data_type() => {
+                    return Err(Error::InvalidJob(format!(
+                        "the late table holds the late rows of sources '{}' and '{source}' in \
+                         one table, and their column '{}' has types {} and {}: rename it in one \
+                         source",
+                        owner[i],
+                        f.name(),
+                        fields[i].data_type(),
+                        f.data_type()
+                    )));
+                }
+                Some(_) => {}
+                None => {
+                    fields.push(f.as_ref().clone().with_nullable(true));
+                    owner.push(source);
+                }
+            }
+        }
+    }
+    let late = late_schema(&Arc::new(Schema::empty()), false);
+    fields.extend(late.fields().iter().map(|f| f.as_ref().clone()));
+    Ok(Arc::new(Schema::new(fields)))
+}
+
+/// The rows of `rows` (of `source`, event time in `time_column`) below `limit` — late for a
+/// join of streams under `watermark` — as rows of the late table `schema` (see
+/// [`late_schema_of_sources`]); `None` if there are none.
+///
+/// # Errors
+/// If `time_column` is missing or not a timestamp (a planning bug, not a data problem).
+pub fn below_watermark(
+    rows: &RecordBatch,
+    source: &str,
+    time_column: &str,
+    (limit, watermark): (i64, i64),
+    batch_id: BatchId,
+    schema: &SchemaRef,
+) -> Result<Option<RecordBatch>> {
+    let times = event_times(rows, time_column, "join")?;
+    let late: BooleanArray = times
+        .iter()
+        .map(|t| Some(t.is_some_and(|t| t < limit)))
+        .collect();
+    let late = filter_record_batch(rows, &late)?;
+    if late.num_rows() == 0 {
+        return Ok(None);
+    }
+    let late = late_table_rows(&late, watermark, None, batch_id)?;
+    let n = late.num_rows();
+    let columns = schema
+        .fields()
+        .iter()
+        .map(|f| {
+            if f.name() == SOURCE {
+                Ok(Arc::new(arrow::array::StringArray::from(vec![source; n])) as ArrayRef)
+            } else {
+                match late.column_by_name(f.name()) {
+                    Some(c) if c.data_type() == f.data_type() => Ok(Arc::clone(c)),
+                    Some(c) => Ok(arrow::compute::cast(c, f.data_type())?),
+                    None => Ok(arrow::array::new_null_array(f.data_type(), n)),
+                }
+            }
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Some(RecordBatch::try_new(Arc::clone(schema), columns)?))
 }
 
 /// Which windows are closed under a watermark: those whose end plus the allowed lateness is at

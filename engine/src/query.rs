@@ -40,6 +40,7 @@ use crate::operators::aggregate::{StateSize, StatefulAggregate, StatefulSettings
 use crate::operators::aggregate_state::AggregateState;
 use crate::operators::deduplicate::Deduplication;
 use crate::operators::is_data_error;
+use crate::operators::join::StreamJoin;
 use crate::operators::state_store::StateLog;
 pub use crate::operators::{FailedRow, QueryOutput};
 use crate::operators::{StatefulOperator, carry_columns, plan_operator};
@@ -324,6 +325,11 @@ impl StreamingQuery {
         };
         let stateful =
             plan_operator(&ctx, &plan, &uses, stateful_settings, settings.lineage).await?;
+        // A join of streams runs the plan with its bounds (state_ttl's included): shown as such.
+        let plan = match stateful.as_ref().and_then(StatefulOperator::join) {
+            Some(join) => join.plan().clone(),
+            None => plan,
+        };
         let plan = if settings.lineage && stateful.is_none() {
             let plan = carry_columns(plan, &[SOURCE_PARTITION, SOURCE_OFFSET])?;
             let schema = plan.schema();
@@ -350,12 +356,14 @@ impl StreamingQuery {
         let keyed_by_ttl = match &stateful {
             Some(StatefulOperator::Aggregate(a)) => a.window().is_none(),
             Some(StatefulOperator::Deduplication(_)) => true,
+            // Planning refused state_ttl where neither side needs it.
+            Some(StatefulOperator::Join(_)) => true,
             None => false,
         };
         if settings.state_ttl.is_some() && !keyed_by_ttl {
             return Err(Error::InvalidJob(
-                "state_ttl bounds the state of running aggregates (GROUP BY without a window) \
-                 and of deduplication; this query has neither — windows leave the state when \
+                "state_ttl bounds the state of running aggregates (GROUP BY without a window), \
+                 of deduplication and of joins of two streams; this query has none — windows leave the state when \
                  the watermark closes them"
                     .into(),
             ));
@@ -385,14 +393,11 @@ impl StreamingQuery {
 
     /// The schema of the rows the query produces.
     pub fn output_schema(&self) -> SchemaRef {
-        match self
-            .stateful
-            .as_ref()
-            .and_then(StatefulOperator::deduplication)
-        {
+        match self.stateful.as_ref() {
             // The upper part's: it carries the kept rows' lineage.
-            Some(dedup) => dedup.output_schema(),
-            None => Arc::new(self.plan.schema().as_arrow().clone()),
+            Some(StatefulOperator::Deduplication(dedup)) => dedup.output_schema(),
+            Some(StatefulOperator::Join(join)) => join.output_schema(),
+            _ => Arc::new(self.plan.schema().as_arrow().clone()),
         }
     }
 
@@ -432,6 +437,11 @@ impl StreamingQuery {
             .is_some_and(|s| s.deduplication().is_some())
     }
 
+    /// Whether the query's stateful operator is a join of two streams.
+    pub fn joins_streams(&self) -> bool {
+        self.stateful.as_ref().is_some_and(|s| s.join().is_some())
+    }
+
     /// Rows the last batch left out as duplicates (0 unless the query deduplicates).
     pub fn rows_duplicate(&self) -> u64 {
         self.stateful
@@ -457,18 +467,36 @@ impl StreamingQuery {
     /// The late table's schema, for a windowed or deduplicating query: its source's columns
     /// plus the late columns (see [`crate::late`]).
     pub fn late_schema(&self) -> Option<SchemaRef> {
+        if let Some(join) = self.stateful.as_ref().and_then(StatefulOperator::join) {
+            return self.join_late_schema(join).ok();
+        }
         let source = self.late_source()?;
         let (schema, _) = self.tables.tables.get(source)?;
         Some(self.late_schema_of(schema))
     }
 
     /// The source whose late rows the late table holds: a windowed aggregate's or a
-    /// deduplication's (`None`: no row of this query can be late).
+    /// deduplication's (`None`: no row of this query can be late, or a join's two sources
+    /// share the late table: see [`StreamingQuery::late_schema`]).
     pub fn late_source(&self) -> Option<&str> {
         match self.stateful.as_ref()? {
             StatefulOperator::Aggregate(a) => a.window().map(|(w, _)| w.source.as_str()),
             StatefulOperator::Deduplication(d) => Some(d.source().0),
+            StatefulOperator::Join(_) => None,
         }
+    }
+
+    /// The late table of a join of streams: its sources' columns and [`crate::late::SOURCE`].
+    fn join_late_schema(&self, join: &StreamJoin) -> Result<SchemaRef> {
+        let mut sources: Vec<(&str, &SchemaRef)> = Vec::new();
+        for (source, _) in join.sources() {
+            if !sources.iter().any(|(s, _)| *s == source)
+                && let Some((schema, _)) = self.tables.tables.get(source)
+            {
+                sources.push((source, schema));
+            }
+        }
+        crate::late::late_schema_of_sources(&sources)
     }
 
     /// The late table's schema for rows of the late source with columns `source`.
@@ -498,6 +526,24 @@ impl StreamingQuery {
             },
             Some(StatefulOperator::Deduplication(d)) if d.source().0 == source => {
                 crate::late::expired_rows(rows, d.source().1, watermark, d.ttl(), batch_id)
+            }
+            Some(StatefulOperator::Join(j)) => {
+                let (Some(watermark), Some(limit)) = (watermark, j.on_time_limit(watermark)) else {
+                    return Ok(None);
+                };
+                let Some((_, time_column)) = j.sources().into_iter().find(|(s, _)| *s == source)
+                else {
+                    return Ok(None);
+                };
+                let schema = self.join_late_schema(j)?;
+                crate::late::below_watermark(
+                    rows,
+                    source,
+                    time_column,
+                    (limit, watermark),
+                    batch_id,
+                    &schema,
+                )
             }
             _ => Ok(None),
         }
@@ -673,6 +719,9 @@ impl StreamingQuery {
             Some(StatefulOperator::Deduplication(dedup)) => {
                 return deduplicate(&self.tables, dedup, inputs, watermark.before).await;
             }
+            Some(StatefulOperator::Join(join)) => {
+                return join_streams(&self.tables, join, inputs, watermark.before).await;
+            }
             Some(StatefulOperator::Aggregate(stateful)) => stateful,
         };
         let plan = stateful.partial_plan(watermark.before)?;
@@ -705,6 +754,21 @@ async fn deduplicate(
     Ok(out)
 }
 
+/// One batch of a query joining two streams: each side's plan over its source's rows (late
+/// rows under `watermark` left out, rows it fails on isolated), then the join, which runs the
+/// upper part over the pairs.
+async fn join_streams(
+    tables: &SourceTables,
+    join: &mut StreamJoin,
+    inputs: &BTreeMap<String, RecordBatch>,
+    watermark: Option<i64>,
+) -> Result<QueryOutput> {
+    join.run(&tables.ctx, watermark, |plan| async move {
+        tables.isolate(&plan, inputs, Run::Collect).await
+    })
+    .await
+}
+
 impl StreamingQuery {
     /// One part of a bounded run: its rows under the watermark in force then (rows of windows
     /// it had closed left out; `None`: every row counts), so a long read can be fed chunk by
@@ -722,6 +786,9 @@ impl StreamingQuery {
             None => return self.tables.isolate(&self.plan, inputs, Run::Collect).await,
             Some(StatefulOperator::Deduplication(dedup)) => {
                 return deduplicate(&self.tables, dedup, inputs, watermark).await;
+            }
+            Some(StatefulOperator::Join(join)) => {
+                return join_streams(&self.tables, join, inputs, watermark).await;
             }
             Some(StatefulOperator::Aggregate(stateful)) => stateful,
         };
@@ -746,7 +813,9 @@ impl StreamingQuery {
             Some(StatefulOperator::Aggregate(stateful)) => {
                 stateful.emit_all(&self.tables.ctx).await
             }
-            Some(StatefulOperator::Deduplication(_)) | None => Ok(QueryOutput::default()),
+            Some(StatefulOperator::Deduplication(_) | StatefulOperator::Join(_)) | None => {
+                Ok(QueryOutput::default())
+            }
         }
     }
 

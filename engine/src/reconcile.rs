@@ -43,6 +43,12 @@ use crate::static_table::TablesAtVersions;
 use crate::watermark::display_watermark;
 use crate::window::{WINDOW_END, WINDOW_START, WindowKind};
 
+/// How a windowed job's reconcile treats late rows.
+const WINDOW_LATE: &str = "replayed under the watermark they met, so they count only in the \
+                           windows that were still open";
+/// How a stream join's reconcile treats late rows.
+const JOIN_LATE: &str = "left out of the recomputation: in the stream they joined nothing";
+
 /// How far apart two floats may be (relative) and still count as equal.
 pub const FLOAT_TOLERANCE: f64 = 1e-9;
 
@@ -65,6 +71,8 @@ pub struct Reconciliation {
     /// Windowed jobs: late rows of the period's windows (in the late table), replayed under the
     /// watermark they met, so they count only in the windows that were open.
     pub late_rows: usize,
+    /// How the recomputation treated the late rows, for the report.
+    pub late_treatment: &'static str,
     /// How the two sides compare.
     pub diff: RowDiff,
 }
@@ -160,6 +168,18 @@ impl Job {
             )
             .await;
         }
+        if query.joins_streams() {
+            return reconcile_join(
+                self.sink.as_ref(),
+                committed,
+                query,
+                &tables,
+                &expectations,
+                from,
+                to,
+            )
+            .await;
+        }
         if query.is_stateful() {
             return reconcile_windows(
                 self.sink.as_ref(),
@@ -221,6 +241,7 @@ impl Job {
             expected_rows: expected.num_rows(),
             table_rows: actual.num_rows(),
             late_rows: 0,
+            late_treatment: "",
             diff: compare(
                 &expected,
                 &actual,
@@ -405,6 +426,7 @@ async fn reconcile_windows(
         expected_rows: expected.num_rows(),
         table_rows: actual.num_rows(),
         late_rows,
+        late_treatment: WINDOW_LATE,
         diff: compare(&expected, &actual, &[column], &query.approximate_columns())?,
     })
 }
@@ -482,12 +504,88 @@ async fn reconcile_deduplication(
         expected_rows: expected.num_rows(),
         table_rows: actual.num_rows(),
         late_rows: 0,
+        late_treatment: "",
         diff: compare(
             &expected,
             &actual,
             &lineage_key(&output_schema),
             &BTreeSet::new(),
         )?,
+    })
+}
+
+/// Reconciles a job joining two streams. Its streamed output is the SQL join of every row that
+/// was not late (a late row — in the late table — joined nothing), whatever the batches were:
+/// so the recomputation runs the query once over every committed row of both sources minus the
+/// late rows, and compares the output rows whose event time falls in `[from, to)` (a pair's
+/// other row may lie outside the period).
+async fn reconcile_join(
+    sink: &dyn Sink,
+    committed: Committed<'_>,
+    mut query: StreamingQuery,
+    tables: &TablesAtVersions,
+    expectations: &Expectations,
+    from: i64,
+    to: i64,
+) -> Result<Reconciliation> {
+    let output_schema = query.output_schema();
+    let mut columns = BTreeSet::new();
+    for s in committed.sources {
+        if let Some(time) = &s.event_time {
+            columns.insert(time.column.clone());
+        }
+    }
+    let column = columns
+        .iter()
+        .find(|c| output_schema.index_of(c).is_ok())
+        .cloned()
+        .ok_or_else(|| {
+            Error::InvalidJob(format!(
+                "reconcile: the query's output has no event-time column ({}), so its rows \
+                 cannot be assigned to a period; select one in the query",
+                columns.into_iter().collect::<Vec<_>>().join(" or ")
+            ))
+        })?;
+    let late_table = sink.read_late(&TableScan::all()).await?;
+    let mut inputs = BTreeMap::new();
+    let mut late_rows = 0;
+    for s in committed.sources {
+        let raw = committed.read(s, i64::MIN, i64::MAX).await?;
+        let mut late = Vec::new();
+        for b in &late_table {
+            let names = b
+                .column_by_name(crate::late::SOURCE)
+                .map(|c| cast::cast(c, &DataType::Utf8))
+                .transpose()?
+                .ok_or_else(|| {
+                    Error::InvalidJob("reconcile: the late table has no _source column".into())
+                })?;
+            let names = names.as_string::<i32>();
+            let mine: BooleanArray = names.iter().map(|n| Some(n == Some(&s.name))).collect();
+            let rows = filter_record_batch(b, &mine)?;
+            if rows.num_rows() > 0 {
+                late_rows += rows.num_rows();
+                late.push(conform(&s.schema, &[rows])?);
+            }
+        }
+        inputs.insert(s.name.clone(), multiset_minus(&raw, &late)?);
+    }
+    let recomputed = tables
+        .execute_bounded(&mut query, vec![(inputs, None)])
+        .await?;
+    let recomputed = expectations.apply(recomputed.batches)?.kept;
+    let expected = concat_batches(&output_schema, &recomputed)?;
+    let expected = rows_in_period(&expected, &column, from, to)?;
+    let table = conform(&output_schema, &sink.read_output().await?)?;
+    let actual = rows_in_period(&table, &column, from, to)?;
+    Ok(Reconciliation {
+        column,
+        last_batch: committed.manifest.batch_id,
+        expected_rows: expected.num_rows(),
+        table_rows: actual.num_rows(),
+        late_rows,
+        late_treatment: JOIN_LATE,
+        diff: compare(&expected, &actual, &[], &BTreeSet::new())?,
     })
 }
 

@@ -13,6 +13,8 @@
 //!   aggregate's state (partial → merge → final), so any aggregate, a UDAF included, restores.
 //! - [`deduplicate`] — `Deduplication`: the first row per key to arrive (`ROW_NUMBER() … = 1`,
 //!   `SELECT DISTINCT`), each key remembered for `state_ttl` of event time.
+//! - [`join`] — `StreamJoin`: two streams joined on a key within a bound of event time, both
+//!   sides buffered until the watermark shows no match can come.
 //! - `group_table` — `GroupTable`: the aggregate's state in memory, one row per live group.
 //! - [`state_store`] — `StateLog`: state files (a base snapshot plus per-batch deltas),
 //!   compacted and garbage-collected up to the committed batch.
@@ -36,12 +38,14 @@ use crate::offsets::BatchId;
 use crate::window::WindowUse;
 use aggregate::{StateSize, StatefulAggregate, StatefulSettings, plan_stateful};
 use deduplicate::{DedupSettings, Deduplication, plan_deduplication};
+use join::{JoinSettings, StreamJoin, plan_stream_join};
 use state_store::{StateLog, StateWrite};
 
 pub mod aggregate;
 pub mod aggregate_state;
 pub mod deduplicate;
 mod group_table;
+pub mod join;
 pub mod state_store;
 
 /// The query's stateful operator: one per job for now (the chain of several is the next step).
@@ -51,10 +55,12 @@ pub(crate) enum StatefulOperator {
     Aggregate(Box<StatefulAggregate>),
     /// The first row per key.
     Deduplication(Box<Deduplication>),
+    /// A join of two streams.
+    Join(Box<StreamJoin>),
 }
 
-/// Plans the stateful operator of `plan`, if it needs one: a deduplication (`ROW_NUMBER() …
-/// = 1`, `SELECT DISTINCT` over the stream) or an aggregate.
+/// Plans the stateful operator of `plan`, if it needs one: a join of two streams, a
+/// deduplication (`ROW_NUMBER() … = 1`, `SELECT DISTINCT` over the stream) or an aggregate.
 ///
 /// # Errors
 /// If the plan needs state no operator keeps, naming the node and why.
@@ -67,6 +73,28 @@ pub(crate) async fn plan_operator(
 ) -> Result<Option<StatefulOperator>, Error> {
     if stateful_node(plan, settings.statics).is_none() {
         return Ok(None);
+    }
+    let joins = join::find(plan, settings.statics);
+    if let Some(found) = joins.first() {
+        let dedups = deduplicate::find(plan, settings.statics);
+        if joins.len() > 1 || !dedups.is_empty() {
+            return Err(Error::UnsupportedQuery(format!(
+                "the query joins streams {} times and deduplicates {} times; a job runs one \
+                 stateful operator for now — chains of them are not built yet",
+                joins.len(),
+                dedups.len()
+            )));
+        }
+        let join = JoinSettings {
+            event_time: settings.event_time,
+            mode: settings.mode,
+            state_ttl: settings.state_ttl,
+            allowed_lateness: settings.allowed_lateness,
+            statics: settings.statics,
+        };
+        return Ok(Some(StatefulOperator::Join(Box::new(plan_stream_join(
+            ctx, plan, found, join,
+        )?))));
     }
     match deduplicate::find(plan, settings.statics).as_slice() {
         [] => Ok(plan_stateful(ctx, plan, uses, settings)
@@ -102,6 +130,7 @@ impl StatefulOperator {
         match self {
             StatefulOperator::Aggregate(_) => StatefulAggregate::id(0),
             StatefulOperator::Deduplication(_) => Deduplication::id(0),
+            StatefulOperator::Join(_) => StreamJoin::id(0),
         }
     }
 
@@ -110,6 +139,7 @@ impl StatefulOperator {
         match self {
             StatefulOperator::Aggregate(a) => a.describe(0),
             StatefulOperator::Deduplication(d) => d.describe(0),
+            StatefulOperator::Join(j) => j.describe(0),
         }
     }
 
@@ -118,6 +148,7 @@ impl StatefulOperator {
         match self {
             StatefulOperator::Aggregate(a) => a.fingerprint(),
             StatefulOperator::Deduplication(d) => d.fingerprint(),
+            StatefulOperator::Join(j) => j.fingerprint(),
         }
     }
 
@@ -125,15 +156,23 @@ impl StatefulOperator {
     pub(crate) fn aggregate(&self) -> Option<&StatefulAggregate> {
         match self {
             StatefulOperator::Aggregate(a) => Some(a),
-            StatefulOperator::Deduplication(_) => None,
+            StatefulOperator::Deduplication(_) | StatefulOperator::Join(_) => None,
         }
     }
 
     /// The deduplication, if the operator is one.
     pub(crate) fn deduplication(&self) -> Option<&Deduplication> {
         match self {
-            StatefulOperator::Aggregate(_) => None,
             StatefulOperator::Deduplication(d) => Some(d),
+            StatefulOperator::Aggregate(_) | StatefulOperator::Join(_) => None,
+        }
+    }
+
+    /// The join of two streams, if the operator is one.
+    pub(crate) fn join(&self) -> Option<&StreamJoin> {
+        match self {
+            StatefulOperator::Join(j) => Some(j),
+            StatefulOperator::Aggregate(_) | StatefulOperator::Deduplication(_) => None,
         }
     }
 
@@ -148,6 +187,7 @@ impl StatefulOperator {
         match self {
             StatefulOperator::Aggregate(a) => a.restore(log, files, watermark).await,
             StatefulOperator::Deduplication(d) => d.restore(log, files, watermark).await,
+            StatefulOperator::Join(j) => j.restore(log, files, watermark).await,
         }
     }
 
@@ -156,6 +196,7 @@ impl StatefulOperator {
         match self {
             StatefulOperator::Aggregate(a) => a.write_state(batch_id).await,
             StatefulOperator::Deduplication(d) => d.write_state(batch_id).await,
+            StatefulOperator::Join(j) => j.write_state(batch_id).await,
         }
     }
 
@@ -164,6 +205,7 @@ impl StatefulOperator {
         match self {
             StatefulOperator::Aggregate(a) => a.log(),
             StatefulOperator::Deduplication(d) => d.log(),
+            StatefulOperator::Join(j) => j.log(),
         }
     }
 
@@ -177,6 +219,7 @@ impl StatefulOperator {
         let log = match self {
             StatefulOperator::Aggregate(a) => a.log_mut(),
             StatefulOperator::Deduplication(d) => d.log_mut(),
+            StatefulOperator::Join(j) => j.log_mut(),
         };
         let log =
             log.ok_or_else(|| Error::InvalidJob("state adopted before it was restored".into()))?;
@@ -196,6 +239,7 @@ impl StatefulOperator {
         match self {
             StatefulOperator::Aggregate(a) => a.state_size(),
             StatefulOperator::Deduplication(d) => d.state_size(),
+            StatefulOperator::Join(j) => j.state_size(),
         }
     }
 }

@@ -1,0 +1,1316 @@
+//! Stream-stream join: two streams joined on a key within a bound of event time, each side's
+//! rows buffered in state until no row of the other side can match them any more.
+//!
+//! Attribution (a click within an hour of its impression), enrichment by another stream (a bid
+//! with its auction) and Nexmark q3/q20 are joins of two streams. The output of such a join is
+//! every matching pair, and a pair's two rows may arrive batches apart, so both sides are kept:
+//!
+//! ```sql
+//! SELECT … FROM impressions i JOIN clicks c
+//!   ON i.ad = c.ad AND c.ts BETWEEN i.ts AND i.ts + INTERVAL '1' HOUR   -- an interval join
+//!
+//! SELECT … FROM bid b JOIN auction a ON b.auction = a.id               -- with state_ttl = "1h":
+//!                                                                        -- |b.ts − a.ts| ≤ 1h
+//! ```
+//!
+//! **Bounds.** Every conjunct of the ON clause of the form `X.ts ≤ Y.c [± interval]` (also `<`,
+//! `>=`, `>`, `BETWEEN`), where `X.ts` is one side's event time and `Y.c` a timestamp column of
+//! the other side (its event time, or another, as Nexmark's `B.date_time BETWEEN A.date_time
+//! AND A.expires`), says that no row of `X` newer than `Y.c + interval` matches a row of `Y`: so
+//! a row of `Y` leaves the state once the watermark passes that (`Y.c + interval <` watermark −
+//! allowed lateness). This is the side-specific rule Spark once got wrong (SPARK-46350): a side
+//! is purged by the *other* side's progress against the bound *it* gives. A side no conjunct
+//! bounds waits forever; the join is refused unless `state_ttl` is set, which then adds the
+//! bound `X.ts ≤ Y.ts + state_ttl` to the join's condition (so rows more than `state_ttl` apart
+//! never join, and the docs say so).
+//!
+//! **Late rows.** A row whose event time is below the watermark in force (minus the allowed
+//! lateness) could match rows already purged, so it is late: it goes to the late table, never
+//! into the join. Every other pair is found exactly once, in the batch the second of its rows
+//! arrives: the batch's new rows of the left side probe the right side's state and new rows, and
+//! the right side's new rows probe the left side's state (never the new × new pairs twice). A
+//! row purged before its partner arrived would need `partner.ts > row.c + interval ≥` the
+//! partner's bound — not a match — or a partner below the watermark — late. So the streamed
+//! output is the SQL join of every row that was not late, whatever the batches were, which is
+//! what reconcile recomputes.
+//!
+//! The watermark used is the job's (the minimum over every partition of both sources), which
+//! keeps state at most as long as per-source watermarks would, never shorter.
+//!
+//! ```text
+//!  upper   Projection / Filter / join with a static table   runs over the joined pairs
+//!  ──────────────────────────────────────────────────────────────────────────────────────
+//!  join    new left ⋈ (right state + new right)  ∪  left state ⋈ new right     (DataFusion)
+//!  ──────────────────────────────────────────────────────────────────────────────────────
+//!  lower   each side's plan over its source's rows (not late), buffered in the state
+//! ```
+//!
+//! **State** is the buffered rows of both sides. Each batch writes its new rows as a delta (one
+//! file, a side column telling them apart); a purge needs no write, since a restart drops what
+//! the restored watermark has purged.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use arrow::array::{ArrayRef, AsArray, BooleanArray, RecordBatch, UInt8Array};
+use arrow::compute::filter_record_batch;
+use arrow::datatypes::{DataType, Field, Schema, SchemaRef, TimestampMicrosecondType};
+use datafusion::catalog::MemTable;
+use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
+use datafusion::common::{Column, ScalarValue};
+use datafusion::datasource::provider_as_source;
+use datafusion::logical_expr::utils::split_conjunction;
+use datafusion::logical_expr::{
+    BinaryExpr, Expr, Join, JoinType, LogicalPlan, LogicalPlanBuilder, Operator, lit,
+};
+use datafusion::prelude::SessionContext;
+
+use super::aggregate::StateSize;
+use super::state_store::{StateLog, StateWrite};
+use super::{QueryOutput, reads_stream, stateful_node};
+use crate::error::{Error, Result};
+use crate::event_time::event_time_type;
+use crate::offsets::BatchId;
+use crate::sink::OutputMode;
+
+/// The table the upper part reads the joined pairs from.
+const JOINED_TABLE: &str = "__sluice_joined";
+/// The state's column telling the sides apart (0 left, 1 right).
+const SIDE: &str = "__sluice_side";
+
+/// How [`plan_stream_join`] plans the operator.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct JoinSettings<'a> {
+    /// Each source's event-time column.
+    pub(crate) event_time: &'a BTreeMap<String, String>,
+    /// Append or update.
+    pub(crate) mode: OutputMode,
+    /// The bound for a side the join's condition leaves unbounded, µs.
+    pub(crate) state_ttl: Option<i64>,
+    /// How far below the watermark a row is still on time, µs.
+    pub(crate) allowed_lateness: i64,
+    /// The static tables (every other table is a stream).
+    pub(crate) statics: &'a BTreeSet<String>,
+}
+
+/// The joins of `plan` whose two sides both read a stream.
+pub(crate) fn find(plan: &LogicalPlan, statics: &BTreeSet<String>) -> Vec<LogicalPlan> {
+    let mut found = Vec::new();
+    let _ = plan.apply(|node| {
+        if let LogicalPlan::Join(join) = node
+            && reads_stream(&join.left, statics)
+            && reads_stream(&join.right, statics)
+        {
+            found.push(node.clone());
+        }
+        Ok(TreeNodeRecursion::Continue)
+    });
+    found
+}
+
+/// One side of the join: its plan, its source, its state and its purge rule.
+struct Side {
+    /// `left` or `right`, for messages.
+    name: &'static str,
+    /// The source it reads.
+    source: String,
+    /// That source's event-time column.
+    time_column: String,
+    /// The side's plan over its source's rows.
+    lower: LogicalPlan,
+    /// The side's rows as stored and joined: its columns renamed `c0`, `c1`, ….
+    schema: SchemaRef,
+    /// Its column holding the source's event time.
+    time_index: usize,
+    /// The purge rule: a row leaves once `min(column + offset)` over these is below the
+    /// watermark (minus the allowed lateness).
+    expiry: Vec<(usize, i64)>,
+    /// The rows kept (the state).
+    rows: Vec<RecordBatch>,
+    /// This batch's new rows, as the join reads them.
+    new_rows: Arc<MemTable>,
+    /// The rows the other side's new rows probe: for the left side its state; for the right
+    /// side its state and its new rows.
+    probed: Arc<MemTable>,
+}
+
+impl Side {
+    fn num_rows(&self) -> usize {
+        self.rows.iter().map(RecordBatch::num_rows).sum()
+    }
+
+    /// Drops the rows that can no longer match a row of the other side at or above `limit`.
+    fn purge(&mut self, limit: i64) -> Result<()> {
+        let mut kept = Vec::with_capacity(self.rows.len());
+        for rows in self.rows.drain(..) {
+            let mut expiry: Option<Vec<Option<i64>>> = None;
+            for &(column, offset) in &self.expiry {
+                let times = rows
+                    .column(column)
+                    .as_primitive_opt::<TimestampMicrosecondType>()
+                    .ok_or_else(|| {
+                        Error::UnsupportedQuery("a join bound is not a timestamp".into())
+                    })?;
+                let bound = times.iter().map(|t| t.map(|t| t.saturating_add(offset)));
+                expiry = Some(match expiry {
+                    None => bound.collect(),
+                    Some(e) => e
+                        .into_iter()
+                        .zip(bound)
+                        .map(|(a, b)| Some(a?.min(b?)))
+                        .collect(),
+                });
+            }
+            // A null bound never matches: the row leaves.
+            let keep: BooleanArray = expiry
+                .unwrap_or_default()
+                .into_iter()
+                .map(|e| Some(e.is_some_and(|e| e >= limit)))
+                .collect();
+            let rows = filter_record_batch(&rows, &keep)?;
+            if rows.num_rows() > 0 {
+                kept.push(rows);
+            }
+        }
+        self.rows = if kept.len() > 64 {
+            vec![arrow::compute::concat_batches(&self.schema, &kept)?]
+        } else {
+            kept
+        };
+        Ok(())
+    }
+
+    /// The side's plan with the rows below `limit` (late) left out.
+    fn lower_plan(&self, limit: Option<i64>) -> Result<LogicalPlan> {
+        let Some(limit) = limit else {
+            return Ok(self.lower.clone());
+        };
+        let (qualifier, field) = self.lower.schema().qualified_field(self.time_index);
+        let time = Expr::Column(Column::new(qualifier.cloned(), field.name()));
+        let on_time = time.gt_eq(lit(ScalarValue::TimestampMicrosecond(
+            Some(limit),
+            Some("UTC".into()),
+        )));
+        Ok(LogicalPlanBuilder::from(self.lower.clone())
+            .filter(on_time)?
+            .build()?)
+    }
+
+    /// `batches` (the side's plan's output) in the stored schema.
+    fn stored(&self, batches: Vec<RecordBatch>) -> Result<Vec<RecordBatch>> {
+        batches
+            .into_iter()
+            .filter(|b| b.num_rows() > 0)
+            .map(|b| {
+                Ok(RecordBatch::try_new(
+                    Arc::clone(&self.schema),
+                    b.columns().to_vec(),
+                )?)
+            })
+            .collect()
+    }
+}
+
+/// A join of two streams, its state, and what runs above it.
+pub(crate) struct StreamJoin {
+    /// The join as written, for messages.
+    display: String,
+    /// The join's condition, for `validate` and the fingerprint.
+    condition: String,
+    sides: [Side; 2],
+    /// The pairs of one batch: new left ⋈ (right state + new right) ∪ left state ⋈ new right.
+    join: LogicalPlan,
+    /// The plan above the join, reading the pairs from [`JOINED_TABLE`].
+    upper: LogicalPlan,
+    joined: Arc<MemTable>,
+    joined_schema: SchemaRef,
+    allowed_lateness: i64,
+    state_schema: SchemaRef,
+    /// This batch's new rows of both sides, as state rows: the delta to write.
+    changes: Vec<RecordBatch>,
+    log: Option<StateLog>,
+    /// The whole query as it runs: optimised, with the bounds `state_ttl` added.
+    plan: LogicalPlan,
+}
+
+impl std::fmt::Debug for StreamJoin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamJoin")
+            .field("join", &self.display)
+            .field("condition", &self.condition)
+            .finish()
+    }
+}
+
+/// The table and column of the source `index`-th column of `plan`'s output is, unchanged
+/// (through aliases, projections of a bare column, filters and joins with tables); `None` if
+/// it is computed.
+fn source_column(plan: &LogicalPlan, index: usize) -> Option<(String, String)> {
+    match plan {
+        LogicalPlan::TableScan(scan) => Some((
+            scan.table_name.table().to_string(),
+            scan.projected_schema.field(index).name().clone(),
+        )),
+        LogicalPlan::Projection(p) => match p.expr.get(index)?.clone().unalias() {
+            Expr::Column(c) => source_column(&p.input, p.input.schema().index_of_column(&c).ok()?),
+            _ => None,
+        },
+        LogicalPlan::SubqueryAlias(a) => source_column(&a.input, index),
+        LogicalPlan::Filter(f) => source_column(&f.input, index),
+        LogicalPlan::Join(j) => {
+            let left = j.left.schema().fields().len();
+            if index < left {
+                source_column(&j.left, index)
+            } else {
+                source_column(&j.right, index - left)
+            }
+        }
+        _ => None,
+    }
+}
+
+/// `expr` as `column + offset` (µs): a bare column, or a column plus or minus an interval.
+fn column_plus(expr: &Expr) -> Option<(Column, i64)> {
+    match expr {
+        Expr::Column(c) => Some((c.clone(), 0)),
+        Expr::Cast(c) => column_plus(&c.expr),
+        Expr::BinaryExpr(BinaryExpr { left, op, right }) => {
+            let (column, offset) = column_plus(left)?;
+            let Expr::Literal(value, _) = right.as_ref() else {
+                return None;
+            };
+            let interval = interval_micros(value)?;
+            match op {
+                Operator::Plus => Some((column, offset.checked_add(interval)?)),
+                Operator::Minus => Some((column, offset.checked_sub(interval)?)),
+                _ => None,
+            }
+        }
+        _ => None,
+    }
+}
+
+/// A fixed interval in µs (months have no fixed length).
+fn interval_micros(value: &ScalarValue) -> Option<i64> {
+    const DAY: i64 = 86_400_000_000;
+    match value {
+        ScalarValue::IntervalMonthDayNano(Some(v)) if v.months == 0 => i64::from(v.days)
+            .checked_mul(DAY)?
+            .checked_add(v.nanoseconds / 1000),
+        ScalarValue::IntervalDayTime(Some(v)) => i64::from(v.days)
+            .checked_mul(DAY)?
+            .checked_add(i64::from(v.milliseconds) * 1000),
+        ScalarValue::DurationSecond(Some(s)) => s.checked_mul(1_000_000),
+        ScalarValue::DurationMillisecond(Some(ms)) => ms.checked_mul(1000),
+        ScalarValue::DurationMicrosecond(Some(us)) => Some(*us),
+        ScalarValue::DurationNanosecond(Some(ns)) => Some(ns / 1000),
+        _ => None,
+    }
+}
+
+/// The comparisons `small ≤ big + offset` the join's condition (its equalities and filter)
+/// makes between timestamp expressions.
+fn ordered_pairs(join: &Join) -> Vec<((Column, i64), (Column, i64))> {
+    let mut pairs = Vec::new();
+    let Some(filter) = &join.filter else {
+        return pairs;
+    };
+    for conjunct in split_conjunction(filter) {
+        match conjunct {
+            Expr::Between(b) if !b.negated => {
+                if let (Some(e), Some(low), Some(high)) = (
+                    column_plus(&b.expr),
+                    column_plus(&b.low),
+                    column_plus(&b.high),
+                ) {
+                    pairs.push((low, e.clone()));
+                    pairs.push((e, high));
+                }
+            }
+            Expr::BinaryExpr(BinaryExpr { left, op, right }) => {
+                let (Some(l), Some(r)) = (column_plus(left), column_plus(right)) else {
+                    continue;
+                };
+                match op {
+                    Operator::Lt | Operator::LtEq => pairs.push((l, r)),
+                    Operator::Gt | Operator::GtEq => pairs.push((r, l)),
+                    _ => {}
+                }
+            }
+            _ => {}
+        }
+    }
+    pairs
+}
+
+/// Which side of `join` (0 left, 1 right) outputs `column`, and at which index.
+fn side_of(join: &Join, column: &Column) -> Option<(usize, usize)> {
+    if let Ok(i) = join.left.schema().index_of_column(column) {
+        return Some((0, i));
+    }
+    join.right
+        .schema()
+        .index_of_column(column)
+        .ok()
+        .map(|i| (1, i))
+}
+
+/// Each side's purge rule from `join`'s condition: for side `s`, the `(column, offset)` pairs
+/// such that the other side's event time is at most `column + offset` in every match.
+fn purge_rules(join: &Join, times: &[(String, String); 2]) -> [Vec<(usize, i64)>; 2] {
+    let mut rules: [Vec<(usize, i64)>; 2] = [Vec::new(), Vec::new()];
+    let inputs = [join.left.as_ref(), join.right.as_ref()];
+    for ((small, small_offset), (big, big_offset)) in ordered_pairs(join) {
+        let (Some((x, xi)), Some((y, yi))) = (side_of(join, &small), side_of(join, &big)) else {
+            continue;
+        };
+        let is_event_time = source_column(inputs[x], xi).as_ref() == Some(&times[x]);
+        let is_timestamp = inputs[y].schema().field(yi).data_type() == &event_time_type();
+        if x != y && is_event_time && is_timestamp {
+            rules[y].push((yi, big_offset - small_offset));
+        }
+    }
+    rules
+}
+
+/// The index of the column of `plan`'s output that is the source's event time `time`.
+fn event_time_index(plan: &LogicalPlan, time: &(String, String)) -> Option<usize> {
+    (0..plan.schema().fields().len()).find(|&i| source_column(plan, i).as_ref() == Some(time))
+}
+
+/// The single stream `plan` reads, or an error naming what it reads.
+fn single_source(
+    plan: &LogicalPlan,
+    statics: &BTreeSet<String>,
+) -> std::result::Result<String, String> {
+    let mut sources = BTreeSet::new();
+    let _ = plan.apply(|node| {
+        if let LogicalPlan::TableScan(scan) = node
+            && !statics.contains(&scan.table_name.table().to_lowercase())
+        {
+            sources.insert(scan.table_name.table().to_string());
+        }
+        Ok(TreeNodeRecursion::Continue)
+    });
+    match sources.iter().collect::<Vec<_>>()[..] {
+        [one] => Ok(one.clone()),
+        _ => Err(sources.into_iter().collect::<Vec<_>>().join(", ")),
+    }
+}
+
+/// Plans the join of two streams `found` in `plan`: each side's plan and purge rule, the
+/// batch's join over new and kept rows, and the upper part over the pairs. `ctx` optimises the
+/// query first, so filters over one side are applied before its rows are kept.
+///
+/// # Errors
+/// If the join cannot run as a stream operator: not an inner join, update mode, a side reading
+/// other than one source or needing state of its own, a source without event time, a side no
+/// condition bounds without `state_ttl` (or `state_ttl` bounding nothing), or state needed
+/// above the join.
+pub(crate) fn plan_stream_join(
+    ctx: &SessionContext,
+    plan: &LogicalPlan,
+    found: &LogicalPlan,
+    settings: JoinSettings<'_>,
+) -> Result<StreamJoin> {
+    let display = found.display().to_string();
+    let refuse = |why: String| Error::UnsupportedQuery(format!("`{display}`: {why}"));
+    let LogicalPlan::Join(join) = found else {
+        unreachable!("found joins only")
+    };
+    if join.join_type != JoinType::Inner {
+        return Err(refuse(format!(
+            "a {} join of two streams would emit a row's unmatched form once it can no longer \
+             match, which is not built yet; join two streams with an inner join",
+            join.join_type
+        )));
+    }
+    if settings.mode != OutputMode::Append {
+        return Err(refuse(
+            "a join of two streams emits each pair once, as soon as both rows are present \
+             (append); set mode = \"append\" in [sink]"
+                .into(),
+        ));
+    }
+    let mut times: Vec<(String, String)> = Vec::new();
+    for (name, side) in [("left", &join.left), ("right", &join.right)] {
+        let source = single_source(side, settings.statics).map_err(|read| {
+            refuse(format!(
+                "each side of a join of two streams reads one source; the {name} side reads {read}"
+            ))
+        })?;
+        if let Some((node, _)) = stateful_node(side, settings.statics) {
+            return Err(refuse(format!(
+                "`{node}` on the {name} side of the join needs state of its own; a job runs one \
+                 stateful operator for now — chains of them are not built yet"
+            )));
+        }
+        let column = settings.event_time.get(&source).cloned().ok_or_else(|| {
+            refuse(format!(
+                "a join of two streams keeps rows until the watermark shows no match can come, \
+                 and source '{source}' has no event_time: set event_time in [sources.{source}]"
+            ))
+        })?;
+        times.push((source, column));
+    }
+    let times: [(String, String); 2] = [times[0].clone(), times[1].clone()];
+
+    // Bound every side: a side no conjunct bounds waits state_ttl, as an added conjunct.
+    let rules = purge_rules(join, &times);
+    let mut added = Vec::new();
+    let mut uses_ttl = false;
+    for s in 0..2 {
+        if !rules[s].is_empty() {
+            continue;
+        }
+        let inputs = [&join.left, &join.right];
+        let Some(ttl) = settings.state_ttl else {
+            return Err(refuse(format!(
+                "nothing in the join's ON clause bounds how long a row of the {} side ({}) \
+                 waits for its match, so the state would grow without bound: bound the other \
+                 side's event time by it (e.g. `{}.{} BETWEEN … AND … + INTERVAL '1' HOUR`) or \
+                 set state_ttl in [query] to join rows at most that far apart in event time",
+                ["left", "right"][s],
+                times[s].0,
+                times[1 - s].0,
+                times[1 - s].1,
+            )));
+        };
+        uses_ttl = true;
+        let own = event_time_index(inputs[s], &times[s]);
+        let other = event_time_index(inputs[1 - s], &times[1 - s]);
+        let (Some(own), Some(other)) = (own, other) else {
+            return Err(refuse(format!(
+                "state_ttl bounds a join of two streams by their event times, and the {} side \
+                 does not carry its source's event time ({}): select it in that side",
+                if own.is_none() {
+                    ["left", "right"][s]
+                } else {
+                    ["left", "right"][1 - s]
+                },
+                if own.is_none() {
+                    &times[s].1
+                } else {
+                    &times[1 - s].1
+                },
+            )));
+        };
+        let column = |side: &LogicalPlan, i: usize| {
+            let (q, f) = side.schema().qualified_field(i);
+            Expr::Column(Column::new(q.cloned(), f.name()))
+        };
+        let interval = lit(ScalarValue::new_interval_mdn(
+            0,
+            0,
+            ttl.saturating_mul(1000),
+        ));
+        added.push(column(inputs[1 - s], other).lt_eq(column(inputs[s], own) + interval));
+    }
+    if settings.state_ttl.is_some() && !uses_ttl {
+        return Err(refuse(
+            "state_ttl has no effect: the join's condition bounds both sides in event time, \
+             and rows leave the state by it; remove state_ttl"
+                .into(),
+        ));
+    }
+    let filter = added
+        .into_iter()
+        .chain(join.filter.clone())
+        .reduce(Expr::and);
+    let plan = if !uses_ttl {
+        plan.clone()
+    } else {
+        let bounded = Join::try_new(
+            Arc::clone(&join.left),
+            Arc::clone(&join.right),
+            join.on.clone(),
+            filter,
+            join.join_type,
+            join.join_constraint,
+            join.null_equality,
+            join.null_aware,
+        )?;
+        let bounded = LogicalPlan::Join(bounded);
+        plan.clone()
+            .transform_down(|node| {
+                if node == *found {
+                    Ok(Transformed::new(
+                        bounded.clone(),
+                        true,
+                        TreeNodeRecursion::Jump,
+                    ))
+                } else {
+                    Ok(Transformed::no(node))
+                }
+            })?
+            .data
+    };
+
+    // The optimised query: filters and projections of one side below the join, so the state
+    // keeps only the rows and columns the join needs.
+    let optimized = ctx.state().optimize(&plan)?;
+    let joins = find(&optimized, settings.statics);
+    let [found] = &joins[..] else {
+        return Err(refuse(format!(
+            "the query joins {} pairs of streams; a job runs one stateful operator for now",
+            joins.len()
+        )));
+    };
+    let LogicalPlan::Join(join) = found else {
+        unreachable!("found joins only")
+    };
+    let rules = purge_rules(join, &times);
+    let mut sides = Vec::new();
+    for (s, input) in [&join.left, &join.right].into_iter().enumerate() {
+        let name = ["left", "right"][s];
+        let time_index = event_time_index(input, &times[s]).ok_or_else(|| {
+            refuse(format!(
+                "the {name} side does not carry its source's event time ({}) to the join",
+                times[s].1
+            ))
+        })?;
+        if rules[s].is_empty() {
+            return Err(refuse(format!(
+                "the optimised join no longer bounds its {name} side; write its time bounds in \
+                 the ON clause"
+            )));
+        }
+        let schema = Arc::new(Schema::new(
+            input
+                .schema()
+                .fields()
+                .iter()
+                .enumerate()
+                .map(|(i, f)| Field::new(format!("c{i}"), f.data_type().clone(), f.is_nullable()))
+                .collect::<Vec<_>>(),
+        ));
+        let empty = || MemTable::try_new(Arc::clone(&schema), vec![vec![]]).map(Arc::new);
+        sides.push(Side {
+            name,
+            source: times[s].0.clone(),
+            time_column: times[s].1.clone(),
+            lower: input.as_ref().clone(),
+            schema: Arc::clone(&schema),
+            time_index,
+            expiry: rules[s].clone(),
+            rows: Vec::new(),
+            new_rows: empty()?,
+            probed: empty()?,
+        });
+    }
+    let [left, right]: [Side; 2] = sides.try_into().map_err(|_| refuse("two sides".into()))?;
+
+    // The batch's pairs: the same join over stand-ins of the sides with the same columns.
+    let stand_in = |side: &Side, table: &Arc<MemTable>, name: &str| -> Result<LogicalPlan> {
+        let schema = side.lower.schema();
+        let renamed: Vec<Expr> = schema
+            .iter()
+            .enumerate()
+            .map(|(i, (qualifier, field))| {
+                Expr::Column(Column::new(Some(name), format!("c{i}")))
+                    .alias_qualified(qualifier.cloned(), field.name())
+            })
+            .collect();
+        Ok(
+            LogicalPlanBuilder::scan(name, provider_as_source(Arc::clone(table) as _), None)?
+                .project(renamed)?
+                .build()?,
+        )
+    };
+    let pairs = |l: LogicalPlan, r: LogicalPlan| -> Result<LogicalPlan> {
+        Ok(LogicalPlan::Join(Join::try_new(
+            Arc::new(l),
+            Arc::new(r),
+            join.on.clone(),
+            join.filter.clone(),
+            JoinType::Inner,
+            join.join_constraint,
+            join.null_equality,
+            join.null_aware,
+        )?))
+    };
+    let new_left_with_right = pairs(
+        stand_in(&left, &left.new_rows, "__sluice_left_new")?,
+        stand_in(&right, &right.probed, "__sluice_right_all")?,
+    )?;
+    let left_state_with_new_right = pairs(
+        stand_in(&left, &left.probed, "__sluice_left_state")?,
+        stand_in(&right, &right.new_rows, "__sluice_right_new")?,
+    )?;
+    let batch_join = LogicalPlanBuilder::from(new_left_with_right)
+        .union(left_state_with_new_right)?
+        .build()?;
+
+    // The upper part reads the pairs from a table with the join's columns.
+    let joined_schema = Arc::new(Schema::new(
+        join.schema
+            .fields()
+            .iter()
+            .enumerate()
+            .map(|(i, f)| Field::new(format!("c{i}"), f.data_type().clone(), true))
+            .collect::<Vec<_>>(),
+    ));
+    let joined = Arc::new(MemTable::try_new(Arc::clone(&joined_schema), vec![vec![]])?);
+    let renamed: Vec<Expr> = join
+        .schema
+        .iter()
+        .enumerate()
+        .map(|(i, (qualifier, field))| {
+            Expr::Column(Column::new(Some(JOINED_TABLE), format!("c{i}")))
+                .alias_qualified(qualifier.cloned(), field.name())
+        })
+        .collect();
+    let replacement = LogicalPlanBuilder::scan(
+        JOINED_TABLE,
+        provider_as_source(Arc::clone(&joined) as _),
+        None,
+    )?
+    .project(renamed)?
+    .build()?;
+    let upper = optimized
+        .clone()
+        .transform_down(|node| {
+            if node == *found {
+                Ok(Transformed::new(
+                    replacement.clone(),
+                    true,
+                    TreeNodeRecursion::Jump,
+                ))
+            } else {
+                Ok(Transformed::no(node))
+            }
+        })?
+        .data;
+    let mut other_stream: Option<String> = None;
+    let _ = upper.apply_with_subqueries(|node| {
+        if let LogicalPlan::TableScan(scan) = node {
+            let name = scan.table_name.table();
+            if name != JOINED_TABLE && !settings.statics.contains(&name.to_lowercase()) {
+                other_stream = Some(name.to_string());
+                return Ok(TreeNodeRecursion::Stop);
+            }
+        }
+        Ok(TreeNodeRecursion::Continue)
+    });
+    if let Some(name) = other_stream {
+        return Err(refuse(format!(
+            "the query reads '{name}' beside the joined streams; a job with a join of two \
+             streams reads its streams only below the join (static tables may be joined above \
+             it)"
+        )));
+    }
+    if let Some((node, _)) = stateful_node(&upper, settings.statics) {
+        return Err(Error::UnsupportedQuery(format!(
+            "`{node}` over the joined rows needs state of its own; a job runs one stateful \
+             operator for now (a join of two streams, a deduplication or one aggregate) — \
+             chains of them are not built yet"
+        )));
+    }
+
+    let mut state_fields = vec![Field::new(SIDE, DataType::UInt8, false)];
+    for (prefix, side) in [("l", &left), ("r", &right)] {
+        for (i, f) in side.schema.fields().iter().enumerate() {
+            state_fields.push(Field::new(
+                format!("{prefix}{i}"),
+                f.data_type().clone(),
+                true,
+            ));
+        }
+    }
+    let condition = join
+        .on
+        .iter()
+        .map(|(l, r)| format!("{l} = {r}"))
+        .chain(join.filter.iter().map(readable))
+        .collect::<Vec<_>>()
+        .join(" AND ");
+    Ok(StreamJoin {
+        display,
+        condition,
+        sides: [left, right],
+        join: batch_join,
+        upper,
+        joined,
+        joined_schema,
+        allowed_lateness: settings.allowed_lateness,
+        state_schema: Arc::new(Schema::new(state_fields)),
+        changes: Vec::new(),
+        log: None,
+        plan: optimized,
+    })
+}
+
+impl StreamJoin {
+    /// The operator's id as the `position`-th operator of the query's chain.
+    pub(crate) fn id(position: usize) -> String {
+        format!("{position}-join")
+    }
+
+    /// The sources of the two sides (the same one twice for a self-join), with their
+    /// event-time columns.
+    pub(crate) fn sources(&self) -> [(&str, &str); 2] {
+        [
+            (&self.sides[0].source, &self.sides[0].time_column),
+            (&self.sides[1].source, &self.sides[1].time_column),
+        ]
+    }
+
+    /// The whole query as it runs (optimised, with the bounds `state_ttl` added).
+    pub(crate) fn plan(&self) -> &LogicalPlan {
+        &self.plan
+    }
+
+    /// The schema of the rows the upper part produces.
+    pub(crate) fn output_schema(&self) -> SchemaRef {
+        Arc::new(self.upper.schema().as_arrow().clone())
+    }
+
+    /// The operator as `sluice validate` shows it.
+    pub(crate) fn describe(&self, position: usize) -> super::OperatorDescription {
+        let rule = |side: &Side| -> String {
+            let columns: Vec<String> = side
+                .expiry
+                .iter()
+                .map(|&(i, offset)| {
+                    let column = side.lower.schema().field(i).name().clone();
+                    match offset {
+                        0 => column,
+                        o if o > 0 => format!("{column} + {}", duration(o)),
+                        o => format!("{column} − {}", duration(-o)),
+                    }
+                })
+                .collect();
+            format!(
+                "a row of {} ({}) leaves when {} < watermark{}",
+                side.source,
+                side.name,
+                columns.join(" and "),
+                if self.allowed_lateness > 0 {
+                    format!(" − {}", duration(self.allowed_lateness))
+                } else {
+                    String::new()
+                }
+            )
+        };
+        super::OperatorDescription {
+            id: Self::id(position),
+            what: format!(
+                "join of streams {} and {} on {}",
+                self.sides[0].source, self.sides[1].source, self.condition
+            ),
+            state_key: self
+                .sides
+                .iter()
+                .map(|s| format!("{} rows", s.source))
+                .collect(),
+            purge: format!("{}; {}", rule(&self.sides[0]), rule(&self.sides[1])),
+            emits: "each matching pair once, in the batch its second row arrives (append); a \
+                    row below the watermark is late"
+                .into(),
+        }
+    }
+
+    /// What the state means: the sides' sources and columns, the condition, and the rules.
+    pub(crate) fn fingerprint(&self) -> String {
+        let side = |s: &Side| {
+            let types: Vec<String> = s
+                .schema
+                .fields()
+                .iter()
+                .map(|f| f.data_type().to_string())
+                .collect();
+            format!("{}({})", s.source, types.join(", "))
+        };
+        format!(
+            "join {} with {} on {}",
+            side(&self.sides[0]),
+            side(&self.sides[1]),
+            self.condition
+        )
+    }
+
+    /// The oldest event time still on time under `watermark`: rows below it are late.
+    pub(crate) fn on_time_limit(&self, watermark: Option<i64>) -> Option<i64> {
+        watermark.map(|w| w.saturating_sub(self.allowed_lateness))
+    }
+
+    /// One batch: purges what the watermark in force lets go, runs each side's plan over its
+    /// source's rows (late rows left out: see [`crate::late::below_watermark`]), joins the new
+    /// rows with the kept ones and with each other, keeps the new rows, and runs the upper part
+    /// over the pairs. `side_rows` runs a side's plan (isolating the rows it fails on).
+    ///
+    /// # Errors
+    /// If a side's plan, the join or the upper part fails.
+    pub(crate) async fn run<F, Fut>(
+        &mut self,
+        ctx: &SessionContext,
+        watermark: Option<i64>,
+        side_rows: F,
+    ) -> Result<QueryOutput>
+    where
+        F: Fn(LogicalPlan) -> Fut,
+        Fut: Future<Output = Result<QueryOutput>>,
+    {
+        let limit = self.on_time_limit(watermark);
+        if let Some(limit) = limit {
+            for side in &mut self.sides {
+                side.purge(limit)?;
+            }
+        }
+        let mut out = QueryOutput::default();
+        let mut new_rows: [Vec<RecordBatch>; 2] = [Vec::new(), Vec::new()];
+        for (s, side) in self.sides.iter().enumerate() {
+            let rows = side_rows(side.lower_plan(limit)?).await?;
+            out.failed.extend(rows.failed);
+            new_rows[s] = side.stored(rows.batches)?;
+        }
+        let [left, right] = &self.sides;
+        *left.new_rows.batches[0].write().await = new_rows[0].clone();
+        *left.probed.batches[0].write().await = left.rows.clone();
+        *right.new_rows.batches[0].write().await = new_rows[1].clone();
+        *right.probed.batches[0].write().await =
+            right.rows.iter().chain(&new_rows[1]).cloned().collect();
+        let pairs = match ctx.execute_logical_plan(self.join.clone()).await {
+            Ok(df) => df.collect().await,
+            Err(e) => Err(e),
+        };
+        for table in [&left.new_rows, &left.probed, &right.new_rows, &right.probed] {
+            table.batches[0].write().await.clear();
+        }
+        let pairs: Vec<RecordBatch> = pairs?
+            .into_iter()
+            .filter(|b| b.num_rows() > 0)
+            .map(|b| RecordBatch::try_new(Arc::clone(&self.joined_schema), b.columns().to_vec()))
+            .collect::<std::result::Result<_, _>>()?;
+        self.changes.clear();
+        for (s, rows) in new_rows.into_iter().enumerate() {
+            for batch in &rows {
+                self.changes
+                    .push(state_rows(&self.sides, &self.state_schema, s, batch)?);
+            }
+            self.sides[s].rows.extend(rows);
+        }
+        if !pairs.is_empty() {
+            *self.joined.batches[0].write().await = pairs;
+            let result = match ctx.execute_logical_plan(self.upper.clone()).await {
+                Ok(df) => df.collect().await,
+                Err(e) => Err(e),
+            };
+            self.joined.batches[0].write().await.clear();
+            out.batches = result?.into_iter().filter(|b| b.num_rows() > 0).collect();
+        }
+        Ok(out)
+    }
+
+    /// Rows and in-memory bytes of the state (both sides' kept rows).
+    pub(crate) fn state_size(&self) -> StateSize {
+        let rows: usize = self.sides.iter().map(Side::num_rows).sum();
+        let bytes: usize = self
+            .sides
+            .iter()
+            .flat_map(|s| &s.rows)
+            .map(RecordBatch::get_array_memory_size)
+            .sum();
+        StateSize {
+            rows: rows as u64,
+            bytes: bytes as u64,
+        }
+    }
+
+    /// Restores both sides' rows from the files a committed manifest lists, without those the
+    /// restored `watermark` has purged.
+    ///
+    /// # Errors
+    /// If a file is missing or unreadable, or its columns are not this operator's.
+    pub(crate) async fn restore(
+        &mut self,
+        mut log: StateLog,
+        files: &[String],
+        watermark: Option<i64>,
+    ) -> Result<()> {
+        for side in &mut self.sides {
+            side.rows.clear();
+        }
+        for batch in log.restore(files).await? {
+            if batch.num_columns() != self.state_schema.fields().len() {
+                return Err(Error::InvalidJob(format!(
+                    "a state file of the join has {} columns, not the {} its sides have",
+                    batch.num_columns(),
+                    self.state_schema.fields().len()
+                )));
+            }
+            let sides = batch
+                .column(0)
+                .as_primitive_opt::<arrow::datatypes::UInt8Type>()
+                .ok_or_else(|| {
+                    Error::InvalidJob("a state file of the join has no side column".into())
+                })?
+                .clone();
+            let mut first = 1;
+            for (s, side) in self.sides.iter_mut().enumerate() {
+                let width = side.schema.fields().len();
+                let mine: BooleanArray = sides.iter().map(|v| Some(v == Some(s as u8))).collect();
+                let rows = filter_record_batch(&batch, &mine)?;
+                if rows.num_rows() > 0 {
+                    let columns = rows.columns()[first..first + width].to_vec();
+                    side.rows
+                        .push(RecordBatch::try_new(Arc::clone(&side.schema), columns)?);
+                }
+                first += width;
+            }
+        }
+        if let Some(limit) = self.on_time_limit(watermark) {
+            for side in &mut self.sides {
+                side.purge(limit)?;
+            }
+        }
+        self.changes.clear();
+        self.log = Some(log);
+        Ok(())
+    }
+
+    /// Writes this batch's new rows (a delta, or a new base) and returns the live files.
+    pub(crate) async fn write_state(&mut self, batch_id: BatchId) -> Result<StateWrite> {
+        let StreamJoin {
+            log,
+            sides,
+            state_schema,
+            changes,
+            ..
+        } = self;
+        let log = log
+            .as_mut()
+            .ok_or_else(|| Error::InvalidJob("state written before it was restored".into()))?;
+        let live = sides.iter().map(Side::num_rows).sum::<usize>() as u64;
+        log.write(batch_id, state_schema, changes, live, || {
+            let mut full = Vec::new();
+            for (s, side) in sides.iter().enumerate() {
+                for rows in &side.rows {
+                    full.push(state_rows(sides, state_schema, s, rows)?);
+                }
+            }
+            Ok(full)
+        })
+        .await
+    }
+
+    /// The state files, once restored.
+    pub(crate) fn log(&self) -> Option<&StateLog> {
+        self.log.as_ref()
+    }
+
+    /// The state files, once restored, to adopt another attempt's.
+    pub(crate) fn log_mut(&mut self) -> Option<&mut StateLog> {
+        self.log.as_mut()
+    }
+}
+
+/// `rows` of side `s` as state rows (the other side's columns null).
+fn state_rows(
+    sides: &[Side; 2],
+    schema: &SchemaRef,
+    s: usize,
+    rows: &RecordBatch,
+) -> Result<RecordBatch> {
+    let n = rows.num_rows();
+    let mut columns: Vec<ArrayRef> = vec![Arc::new(UInt8Array::from(vec![s as u8; n]))];
+    for (t, side) in sides.iter().enumerate() {
+        for (i, f) in side.schema.fields().iter().enumerate() {
+            columns.push(if t == s {
+                Arc::clone(rows.column(i))
+            } else {
+                arrow::array::new_null_array(f.data_type(), n)
+            });
+        }
+    }
+    Ok(RecordBatch::try_new(Arc::clone(schema), columns)?)
+}
+
+/// `expr` as text, with fixed intervals written as durations (`INTERVAL '1m'`).
+fn readable(expr: &Expr) -> String {
+    expr.clone()
+        .transform(|e| match &e {
+            Expr::Literal(value, _) => match interval_micros(value) {
+                Some(us) => Ok(Transformed::yes(Expr::Column(Column::new_unqualified(
+                    format!("INTERVAL '{}'", duration(us)),
+                )))),
+                None => Ok(Transformed::no(e)),
+            },
+            _ => Ok(Transformed::no(e)),
+        })
+        .map(|t| t.data.to_string())
+        .unwrap_or_else(|_| expr.to_string())
+}
+
+/// `micros` as a duration, for `validate`.
+fn duration(micros: i64) -> String {
+    humantime::format_duration(std::time::Duration::from_micros(micros.unsigned_abs())).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::time::Duration;
+
+    use arrow::array::{Int64Array, StringArray, TimestampMicrosecondArray};
+    use arrow::datatypes::Int64Type;
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::checkpoint::{BatchManifest, CheckpointStore};
+    use crate::query::{BatchWatermark, QuerySettings, StreamingQuery};
+    use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION};
+
+    const SECOND: i64 = 1_000_000;
+    const TTL: i64 = 30;
+    const OUT_OF_ORDERNESS: i64 = 10;
+
+    /// One event: (event time in seconds, key).
+    type Event = (i64, u8);
+
+    fn schema() -> SchemaRef {
+        Arc::new(Schema::new(vec![
+            Field::new("ts", event_time_type(), false),
+            Field::new("k", DataType::Utf8, false),
+            Field::new("until", event_time_type(), false),
+            Field::new(SOURCE_PARTITION, DataType::Utf8, false),
+            Field::new(SOURCE_OFFSET, DataType::Int64, false),
+        ]))
+    }
+
+    /// `until` of an event: its time plus 7 s per key unit.
+    fn until(e: Event) -> i64 {
+        e.0 + 7 * i64::from(e.1)
+    }
+
+    fn batch(events: &[Event], first: i64) -> RecordBatch {
+        let times = |f: fn(Event) -> i64| {
+            Arc::new(
+                TimestampMicrosecondArray::from_iter_values(events.iter().map(|e| f(*e) * SECOND))
+                    .with_timezone("UTC"),
+            )
+        };
+        RecordBatch::try_new(
+            schema(),
+            vec![
+                times(|e| e.0),
+                Arc::new(StringArray::from_iter_values(
+                    events.iter().map(|e| format!("k{}", e.1)),
+                )),
+                times(until),
+                Arc::new(StringArray::from(vec!["0"; events.len()])),
+                Arc::new(Int64Array::from_iter_values(
+                    first..first + events.len() as i64,
+                )),
+            ],
+        )
+        .unwrap()
+    }
+
+    fn settings(ttl: bool) -> QuerySettings {
+        QuerySettings {
+            lineage: true,
+            event_time: BTreeMap::from([
+                ("l".to_string(), "ts".to_string()),
+                ("r".to_string(), "ts".to_string()),
+            ]),
+            state_ttl: ttl.then(|| Duration::from_secs(TTL as u64)),
+            ..QuerySettings::default()
+        }
+    }
+
+    /// A query, whether it needs state_ttl, and the pairs it joins: `(left event, right event)`.
+    type Case = (&'static str, bool, fn(Event, Event) -> bool);
+
+    const CASES: [Case; 3] = [
+        (
+            "SELECT l._source_offset AS lo, r._source_offset AS ro FROM l JOIN r ON l.k = r.k \
+             AND r.ts BETWEEN l.ts - INTERVAL '5' SECOND AND l.ts + INTERVAL '20' SECOND",
+            false,
+            |l, r| l.1 == r.1 && l.0 - 5 <= r.0 && r.0 <= l.0 + 20,
+        ),
+        (
+            "SELECT l._source_offset AS lo, r._source_offset AS ro FROM l JOIN r ON l.k = r.k",
+            true,
+            |l, r| l.1 == r.1 && (l.0 - r.0).abs() <= TTL,
+        ),
+        (
+            "SELECT lo, ro FROM (SELECT a._source_offset AS lo, b._source_offset AS ro, b.k \
+             FROM l a JOIN r b ON a.k = b.k AND b.ts >= a.ts AND b.ts <= a.until) WHERE k <> 'k5'",
+            false,
+            |l, r| l.1 == r.1 && l.0 <= r.0 && r.0 <= until(l) && r.1 != 5,
+        ),
+    ];
+
+    fn watermark_after(before: Option<i64>, chunks: [&Vec<Event>; 2]) -> Option<i64> {
+        chunks
+            .iter()
+            .flat_map(|c| c.iter())
+            .map(|e| (e.0 - OUT_OF_ORDERNESS) * SECOND)
+            .chain(before)
+            .max()
+    }
+
+    /// What the rules say: a row below the watermark in force is late; every pair of rows
+    /// that were not late and satisfy the condition is emitted once. The sorted pairs of
+    /// offsets and the late count.
+    fn model(
+        batches: &[[Vec<Event>; 2]],
+        matches: fn(Event, Event) -> bool,
+    ) -> (Vec<(i64, i64)>, usize) {
+        let mut on_time: [Vec<(i64, Event)>; 2] = [Vec::new(), Vec::new()];
+        let mut offsets = [0i64; 2];
+        let mut late = 0;
+        let mut watermark = None;
+        for chunks in batches {
+            for s in 0..2 {
+                for &e in &chunks[s] {
+                    if watermark.is_some_and(|w| e.0 * SECOND < w) {
+                        late += 1;
+                    } else {
+                        on_time[s].push((offsets[s], e));
+                    }
+                    offsets[s] += 1;
+                }
+            }
+            watermark = watermark_after(watermark, [&chunks[0], &chunks[1]]);
+        }
+        let mut pairs = Vec::new();
+        for &(lo, l) in &on_time[0] {
+            for &(ro, r) in &on_time[1] {
+                if matches(l, r) {
+                    pairs.push((lo, ro));
+                }
+            }
+        }
+        pairs.sort_unstable();
+        (pairs, late)
+    }
+
+    /// The query streamed over `batches`, restarted from its state files after batch
+    /// `restart_after`: the sorted pairs of offsets it emitted, and the late rows.
+    async fn streamed(
+        sql: &str,
+        ttl: bool,
+        batches: &[[Vec<Event>; 2]],
+        restart_after: usize,
+    ) -> (Vec<(i64, i64)>, usize) {
+        let dir = tempfile::tempdir().unwrap();
+        let checkpoint =
+            CheckpointStore::open(&url::Url::from_directory_path(dir.path()).unwrap()).unwrap();
+        let sources = [("l".to_string(), schema()), ("r".to_string(), schema())];
+        let settings = settings(ttl);
+        let plan = || StreamingQuery::plan(sql, &sources, &settings);
+        let mut query = plan().await.unwrap();
+        query
+            .restore_state(StateLog::new(&checkpoint, 0), None, None)
+            .await
+            .unwrap();
+        let (mut pairs, mut late) = (Vec::new(), 0);
+        let mut watermark = None;
+        let mut offsets = [0i64; 2];
+        for (i, chunks) in batches.iter().enumerate() {
+            let mut inputs = BTreeMap::new();
+            for (s, name) in ["l", "r"].into_iter().enumerate() {
+                let rows = batch(&chunks[s], offsets[s]);
+                offsets[s] += chunks[s].len() as i64;
+                let late_rows = query
+                    .late_rows(name, &rows, watermark, BatchId(i as i64))
+                    .unwrap();
+                if let Some(l) = late_rows {
+                    assert_eq!(l.schema(), query.late_schema().unwrap());
+                    late += l.num_rows();
+                }
+                inputs.insert(name.to_string(), rows);
+            }
+            let after = watermark_after(watermark, [&chunks[0], &chunks[1]]);
+            let step = BatchWatermark {
+                before: watermark,
+                after,
+            };
+            let out = query.execute_isolating(&inputs, step).await.unwrap();
+            assert!(out.failed.is_empty());
+            for b in &out.batches {
+                let lo = b.column(0).as_primitive::<Int64Type>();
+                let ro = b.column(1).as_primitive::<Int64Type>();
+                pairs.extend(lo.values().iter().copied().zip(ro.values().iter().copied()));
+            }
+            watermark = after;
+            let (operators, _) = query.write_state(BatchId(i as i64)).await.unwrap();
+            if i == restart_after {
+                let manifest = BatchManifest {
+                    operators: Some(operators),
+                    ..BatchManifest::default()
+                };
+                query = plan().await.unwrap();
+                query
+                    .restore_state(StateLog::new(&checkpoint, 1), Some(&manifest), watermark)
+                    .await
+                    .unwrap();
+            }
+        }
+        pairs.sort_unstable();
+        (pairs, late)
+    }
+
+    fn events() -> impl Strategy<Value = Vec<[Vec<Event>; 2]>> {
+        let side = || prop::collection::vec((0i64..150, 0u8..6), 0..10);
+        prop::collection::vec((side(), side()).prop_map(|(l, r)| [l, r]), 1..8)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+
+        /// Every pair of rows that were not late is emitted exactly once, straight through
+        /// and across a restart from the state files at any batch, for interval bounds,
+        /// state_ttl and a bound given by another column.
+        #[test]
+        fn every_on_time_pair_is_joined_once(batches in events(), restart in 0usize..8) {
+            let runtime = tokio::runtime::Runtime::new().unwrap();
+            for (sql, ttl, matches) in CASES {
+                let (expected, late) = model(&batches, matches);
+                let (pairs, streamed_late) = runtime.block_on(streamed(sql, ttl, &batches, restart));
+                prop_assert_eq!(&pairs, &expected, "{}", sql);
+                prop_assert_eq!(streamed_late, late);
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_join_of_streams_is_described_and_refused_where_it_cannot_hold() {
+        let sources = [("l".to_string(), schema()), ("r".to_string(), schema())];
+        let query = StreamingQuery::plan(CASES[0].0, &sources, &settings(false))
+            .await
+            .unwrap();
+        let [operator] = &query.operators()[..] else {
+            panic!("one operator")
+        };
+        assert_eq!(operator.id, "0-join");
+        assert!(operator.purge.contains("ts + 20s"), "{}", operator.purge);
+        assert!(operator.purge.contains("ts + 5s"), "{}", operator.purge);
+        let late = query.late_schema().unwrap();
+        assert_eq!(late.field(0).name(), crate::late::SOURCE);
+        let refused = |sql: &'static str, settings: QuerySettings| {
+            let sources = sources.clone();
+            async move {
+                StreamingQuery::plan(sql, &sources, &settings)
+                    .await
+                    .unwrap_err()
+                    .to_string()
+            }
+        };
+        let error = refused(CASES[1].0, settings(false)).await;
+        assert!(error.contains("set state_ttl"), "{error}");
+        let error = refused(CASES[0].0, settings(true)).await;
+        assert!(error.contains("state_ttl has no effect"), "{error}");
+        let one_bound = "SELECT * FROM l JOIN r ON l.k = r.k AND r.ts >= l.ts";
+        let error = refused(one_bound, settings(false)).await;
+        assert!(error.contains("left side (l)"), "{error}");
+        let outer = "SELECT * FROM l LEFT JOIN r ON l.k = r.k";
+        let error = refused(outer, settings(true)).await;
+        assert!(error.contains("inner join"), "{error}");
+        let counted = "SELECT count(*) FROM l JOIN r ON l.k = r.k";
+        let error = refused(counted, settings(true)).await;
+        assert!(error.contains("chains"), "{error}");
+    }
+}
