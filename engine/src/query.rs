@@ -720,7 +720,7 @@ impl StreamingQuery {
                 return deduplicate(&self.tables, dedup, inputs, watermark.before).await;
             }
             Some(StatefulOperator::Join(join)) => {
-                return join_streams(&self.tables, join, inputs, watermark.before).await;
+                return join_streams(&self.tables, join, inputs, watermark).await;
             }
             Some(StatefulOperator::Aggregate(stateful)) => stateful,
         };
@@ -755,13 +755,13 @@ async fn deduplicate(
 }
 
 /// One batch of a query joining two streams: each side's plan over its source's rows (late
-/// rows under `watermark` left out, rows it fails on isolated), then the join, which runs the
-/// upper part over the pairs.
+/// rows under the watermark in force left out, rows it fails on isolated), then the join,
+/// which runs the upper part over the pairs and lets go of what the new watermark says.
 async fn join_streams(
     tables: &SourceTables,
     join: &mut StreamJoin,
     inputs: &BTreeMap<String, RecordBatch>,
-    watermark: Option<i64>,
+    watermark: BatchWatermark,
 ) -> Result<QueryOutput> {
     join.run(&tables.ctx, watermark, |plan| async move {
         tables.isolate(&plan, inputs, Run::Collect).await
@@ -788,6 +788,10 @@ impl StreamingQuery {
                 return deduplicate(&self.tables, dedup, inputs, watermark).await;
             }
             Some(StatefulOperator::Join(join)) => {
+                let watermark = BatchWatermark {
+                    before: watermark,
+                    after: watermark,
+                };
                 return join_streams(&self.tables, join, inputs, watermark).await;
             }
             Some(StatefulOperator::Aggregate(stateful)) => stateful,

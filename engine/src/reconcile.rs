@@ -570,9 +570,13 @@ async fn reconcile_join(
         }
         inputs.insert(s.name.clone(), multiset_minus(&raw, &late)?);
     }
-    let recomputed = tables
-        .execute_bounded(&mut query, vec![(inputs, None)])
-        .await?;
+    // Every row at once, then the job's watermark: a preserved side's rows it let go unmatched
+    // are emitted, as the stream emitted them; those it still holds are not yet.
+    let parts = vec![
+        (inputs, None),
+        (BTreeMap::new(), committed.manifest.watermark_micros),
+    ];
+    let recomputed = tables.execute_bounded(&mut query, parts).await?;
     let recomputed = expectations.apply(recomputed.batches)?.kept;
     let expected = concat_batches(&output_schema, &recomputed)?;
     let expected = rows_in_period(&expected, &column, from, to)?;

@@ -49,12 +49,14 @@
 //! file, a side column telling them apart); a purge needs no write, since a restart drops what
 //! the restored watermark has purged.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::Arc;
 
-use arrow::array::{ArrayRef, AsArray, BooleanArray, RecordBatch, UInt8Array};
+use arrow::array::{ArrayRef, AsArray, BooleanArray, RecordBatch, UInt8Array, UInt64Array};
 use arrow::compute::filter_record_batch;
-use arrow::datatypes::{DataType, Field, Schema, SchemaRef, TimestampMicrosecondType};
+use arrow::datatypes::{
+    DataType, Field, Schema, SchemaRef, TimestampMicrosecondType, UInt8Type, UInt64Type,
+};
 use datafusion::catalog::MemTable;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::common::{Column, ScalarValue};
@@ -71,6 +73,7 @@ use super::{QueryOutput, reads_stream, stateful_node};
 use crate::error::{Error, Result};
 use crate::event_time::event_time_type;
 use crate::offsets::BatchId;
+use crate::query::BatchWatermark;
 use crate::sink::OutputMode;
 
 /// The table the upper part reads the joined pairs from.
@@ -118,15 +121,23 @@ struct Side {
     time_column: String,
     /// The side's plan over its source's rows.
     lower: LogicalPlan,
-    /// The side's rows as stored and joined: its columns renamed `c0`, `c1`, ….
+    /// The side's rows as stored and joined: its columns renamed `c0`, `c1`, …, and last the
+    /// row's id (unique among the side's rows), by which matches are recorded.
     schema: SchemaRef,
     /// Its column holding the source's event time.
     time_index: usize,
     /// The purge rule: a row leaves once `min(column + offset)` over these is below the
     /// watermark (minus the allowed lateness).
     expiry: Vec<(usize, i64)>,
+    /// Whether the join keeps this side's unmatched rows (a left, right or full join): a row
+    /// that leaves the state unmatched is emitted with the other side's columns null.
+    preserved: bool,
     /// The rows kept (the state).
     rows: Vec<RecordBatch>,
+    /// Of a preserved side: the ids of the kept rows that have matched.
+    matched: HashSet<u64>,
+    /// The id the next new row gets.
+    next_id: u64,
     /// This batch's new rows, as the join reads them.
     new_rows: Arc<MemTable>,
     /// The rows the other side's new rows probe: for the left side its state; for the right
@@ -139,10 +150,18 @@ impl Side {
         self.rows.iter().map(RecordBatch::num_rows).sum()
     }
 
-    /// Drops the rows that can no longer match a row of the other side at or above `limit`.
-    fn purge(&mut self, limit: i64) -> Result<()> {
+    /// The index of the id column.
+    fn id_index(&self) -> usize {
+        self.schema.fields().len() - 1
+    }
+
+    /// Drops the rows that can no longer match a row of the other side at or above `limit`,
+    /// and returns those of them that never matched.
+    fn purge(&mut self, limit: i64) -> Result<Vec<RecordBatch>> {
         let mut kept = Vec::with_capacity(self.rows.len());
-        for rows in self.rows.drain(..) {
+        let mut unmatched = Vec::new();
+        let id_index = self.id_index();
+        for rows in std::mem::take(&mut self.rows) {
             let mut expiry: Option<Vec<Option<i64>>> = None;
             for &(column, offset) in &self.expiry {
                 let times = rows
@@ -167,6 +186,25 @@ impl Side {
                 .into_iter()
                 .map(|e| Some(e.is_some_and(|e| e >= limit)))
                 .collect();
+            if keep.true_count() == rows.num_rows() {
+                kept.push(rows);
+                continue;
+            }
+            if self.preserved {
+                let ids = rows.column(id_index).as_primitive::<UInt64Type>();
+                let never: BooleanArray = keep
+                    .iter()
+                    .zip(ids.values())
+                    .map(|(k, id)| {
+                        let leaves = k == Some(false);
+                        Some(leaves && !self.matched.remove(id))
+                    })
+                    .collect();
+                let never = filter_record_batch(&rows, &never)?;
+                if never.num_rows() > 0 {
+                    unmatched.push(never);
+                }
+            }
             let rows = filter_record_batch(&rows, &keep)?;
             if rows.num_rows() > 0 {
                 kept.push(rows);
@@ -177,7 +215,7 @@ impl Side {
         } else {
             kept
         };
-        Ok(())
+        Ok(unmatched)
     }
 
     /// The side's plan with the rows below `limit` (late) left out.
@@ -196,18 +234,19 @@ impl Side {
             .build()?)
     }
 
-    /// `batches` (the side's plan's output) in the stored schema.
-    fn stored(&self, batches: Vec<RecordBatch>) -> Result<Vec<RecordBatch>> {
-        batches
-            .into_iter()
-            .filter(|b| b.num_rows() > 0)
-            .map(|b| {
-                Ok(RecordBatch::try_new(
-                    Arc::clone(&self.schema),
-                    b.columns().to_vec(),
-                )?)
-            })
-            .collect()
+    /// `batches` (the side's plan's output) in the stored schema, each row given an id.
+    fn stored(&mut self, batches: Vec<RecordBatch>) -> Result<Vec<RecordBatch>> {
+        let mut out = Vec::new();
+        for b in batches.into_iter().filter(|b| b.num_rows() > 0) {
+            let n = b.num_rows() as u64;
+            let mut columns = b.columns().to_vec();
+            columns.push(Arc::new(UInt64Array::from_iter_values(
+                self.next_id..self.next_id + n,
+            )));
+            self.next_id += n;
+            out.push(RecordBatch::try_new(Arc::clone(&self.schema), columns)?);
+        }
+        Ok(out)
     }
 }
 
@@ -418,10 +457,13 @@ pub(crate) fn plan_stream_join(
     let LogicalPlan::Join(join) = found else {
         unreachable!("found joins only")
     };
-    if join.join_type != JoinType::Inner {
+    if !matches!(
+        join.join_type,
+        JoinType::Inner | JoinType::Left | JoinType::Right | JoinType::Full
+    ) {
         return Err(refuse(format!(
-            "a {} join of two streams would emit a row's unmatched form once it can no longer \
-             match, which is not built yet; join two streams with an inner join",
+            "a {} join of two streams is not built yet; join two streams with an inner, left, \
+             right or full join",
             join.join_type
         )));
     }
@@ -575,15 +617,19 @@ pub(crate) fn plan_stream_join(
                  the ON clause"
             )));
         }
-        let schema = Arc::new(Schema::new(
-            input
-                .schema()
-                .fields()
-                .iter()
-                .enumerate()
-                .map(|(i, f)| Field::new(format!("c{i}"), f.data_type().clone(), f.is_nullable()))
-                .collect::<Vec<_>>(),
+        let mut fields: Vec<Field> = input
+            .schema()
+            .fields()
+            .iter()
+            .enumerate()
+            .map(|(i, f)| Field::new(format!("c{i}"), f.data_type().clone(), f.is_nullable()))
+            .collect();
+        fields.push(Field::new(
+            format!("c{}", fields.len()),
+            DataType::UInt64,
+            false,
         ));
+        let schema = Arc::new(Schema::new(fields));
         let empty = || MemTable::try_new(Arc::clone(&schema), vec![vec![]]).map(Arc::new);
         sides.push(Side {
             name,
@@ -593,7 +639,15 @@ pub(crate) fn plan_stream_join(
             schema: Arc::clone(&schema),
             time_index,
             expiry: rules[s].clone(),
+            preserved: match join.join_type {
+                JoinType::Full => true,
+                JoinType::Left => s == 0,
+                JoinType::Right => s == 1,
+                _ => false,
+            },
             rows: Vec::new(),
+            matched: HashSet::new(),
+            next_id: 0,
             new_rows: empty()?,
             probed: empty()?,
         });
@@ -603,7 +657,7 @@ pub(crate) fn plan_stream_join(
     // The batch's pairs: the same join over stand-ins of the sides with the same columns.
     let stand_in = |side: &Side, table: &Arc<MemTable>, name: &str| -> Result<LogicalPlan> {
         let schema = side.lower.schema();
-        let renamed: Vec<Expr> = schema
+        let mut renamed: Vec<Expr> = schema
             .iter()
             .enumerate()
             .map(|(i, (qualifier, field))| {
@@ -611,14 +665,29 @@ pub(crate) fn plan_stream_join(
                     .alias_qualified(qualifier.cloned(), field.name())
             })
             .collect();
+        renamed.push(
+            Expr::Column(Column::new(Some(name), format!("c{}", side.id_index())))
+                .alias(format!("__sluice_{}_row", side.name)),
+        );
         Ok(
             LogicalPlanBuilder::scan(name, provider_as_source(Arc::clone(table) as _), None)?
                 .project(renamed)?
                 .build()?,
         )
     };
+    // Each pair: the join's columns, then the two rows' ids.
+    let mut pair_columns: Vec<Expr> = join
+        .schema
+        .iter()
+        .map(|(qualifier, field)| Expr::Column(Column::new(qualifier.cloned(), field.name())))
+        .collect();
+    for side in ["left", "right"] {
+        pair_columns.push(Expr::Column(Column::new_unqualified(format!(
+            "__sluice_{side}_row"
+        ))));
+    }
     let pairs = |l: LogicalPlan, r: LogicalPlan| -> Result<LogicalPlan> {
-        Ok(LogicalPlan::Join(Join::try_new(
+        let inner = Join::try_new(
             Arc::new(l),
             Arc::new(r),
             join.on.clone(),
@@ -627,7 +696,10 @@ pub(crate) fn plan_stream_join(
             join.join_constraint,
             join.null_equality,
             join.null_aware,
-        )?))
+        )?;
+        Ok(LogicalPlanBuilder::from(LogicalPlan::Join(inner))
+            .project(pair_columns.clone())?
+            .build()?)
     };
     let new_left_with_right = pairs(
         stand_in(&left, &left.new_rows, "__sluice_left_new")?,
@@ -804,9 +876,20 @@ impl StreamJoin {
                 .map(|s| format!("{} rows", s.source))
                 .collect(),
             purge: format!("{}; {}", rule(&self.sides[0]), rule(&self.sides[1])),
-            emits: "each matching pair once, in the batch its second row arrives (append); a \
-                    row below the watermark is late"
-                .into(),
+            emits: {
+                let mut emits = "each matching pair once, in the batch its second row arrives \
+                                 (append)"
+                    .to_string();
+                for side in self.sides.iter().filter(|s| s.preserved) {
+                    emits.push_str(&format!(
+                        "; an unmatched row of {} once it can no longer match, the other side \
+                         null",
+                        side.source
+                    ));
+                }
+                emits.push_str("; a row below the watermark is late");
+                emits
+            },
         }
     }
 
@@ -834,32 +917,34 @@ impl StreamJoin {
         watermark.map(|w| w.saturating_sub(self.allowed_lateness))
     }
 
-    /// One batch: purges what the watermark in force lets go, runs each side's plan over its
-    /// source's rows (late rows left out: see [`crate::late::below_watermark`]), joins the new
-    /// rows with the kept ones and with each other, keeps the new rows, and runs the upper part
-    /// over the pairs. `side_rows` runs a side's plan (isolating the rows it fails on).
+    /// One batch: runs each side's plan over its source's rows (rows late under the watermark
+    /// in force left out: see [`crate::late::below_watermark`]), joins the new rows with the
+    /// kept ones and with each other, keeps the new rows, lets go of the rows the batch's new
+    /// watermark says can no longer match (a preserved side's unmatched ones emitted with the
+    /// other side null), and runs the upper part over the pairs. `side_rows` runs a side's plan
+    /// (isolating the rows it fails on).
+    ///
+    /// Letting go under the *new* watermark is letting go before the next batch under the
+    /// watermark in force for it; done here, an unmatched row is emitted by the batch whose
+    /// manifest records the watermark that let it go, so a restart (which drops what the
+    /// restored watermark let go) never emits it twice.
     ///
     /// # Errors
     /// If a side's plan, the join or the upper part fails.
     pub(crate) async fn run<F, Fut>(
         &mut self,
         ctx: &SessionContext,
-        watermark: Option<i64>,
+        watermark: BatchWatermark,
         side_rows: F,
     ) -> Result<QueryOutput>
     where
         F: Fn(LogicalPlan) -> Fut,
         Fut: Future<Output = Result<QueryOutput>>,
     {
-        let limit = self.on_time_limit(watermark);
-        if let Some(limit) = limit {
-            for side in &mut self.sides {
-                side.purge(limit)?;
-            }
-        }
+        let limit = self.on_time_limit(watermark.before);
         let mut out = QueryOutput::default();
         let mut new_rows: [Vec<RecordBatch>; 2] = [Vec::new(), Vec::new()];
-        for (s, side) in self.sides.iter().enumerate() {
+        for (s, side) in self.sides.iter_mut().enumerate() {
             let rows = side_rows(side.lower_plan(limit)?).await?;
             out.failed.extend(rows.failed);
             new_rows[s] = side.stored(rows.batches)?;
@@ -877,11 +962,29 @@ impl StreamJoin {
         for table in [&left.new_rows, &left.probed, &right.new_rows, &right.probed] {
             table.batches[0].write().await.clear();
         }
-        let pairs: Vec<RecordBatch> = pairs?
-            .into_iter()
-            .filter(|b| b.num_rows() > 0)
-            .map(|b| RecordBatch::try_new(Arc::clone(&self.joined_schema), b.columns().to_vec()))
-            .collect::<std::result::Result<_, _>>()?;
+        // Each pair's columns, and the ids of the preserved sides' rows that matched.
+        let width = self.joined_schema.fields().len();
+        let mut joined = Vec::new();
+        let mut matched_now: [Vec<u64>; 2] = [Vec::new(), Vec::new()];
+        for pair in pairs? {
+            if pair.num_rows() == 0 {
+                continue;
+            }
+            joined.push(RecordBatch::try_new(
+                Arc::clone(&self.joined_schema),
+                pair.columns()[..width].to_vec(),
+            )?);
+            for (s, side) in self.sides.iter_mut().enumerate() {
+                if side.preserved {
+                    let ids = pair.column(width + s).as_primitive::<UInt64Type>();
+                    for &id in ids.values() {
+                        if side.matched.insert(id) {
+                            matched_now[s].push(id);
+                        }
+                    }
+                }
+            }
+        }
         self.changes.clear();
         for (s, rows) in new_rows.into_iter().enumerate() {
             for batch in &rows {
@@ -890,8 +993,21 @@ impl StreamJoin {
             }
             self.sides[s].rows.extend(rows);
         }
-        if !pairs.is_empty() {
-            *self.joined.batches[0].write().await = pairs;
+        for (s, ids) in matched_now.iter().enumerate() {
+            if !ids.is_empty() {
+                self.changes
+                    .push(matched_rows(&self.sides, &self.state_schema, s, ids)?);
+            }
+        }
+        if let Some(limit) = self.on_time_limit(watermark.after) {
+            for s in 0..2 {
+                for rows in self.sides[s].purge(limit)? {
+                    joined.push(self.unmatched(s, &rows)?);
+                }
+            }
+        }
+        if !joined.is_empty() {
+            *self.joined.batches[0].write().await = joined;
             let result = match ctx.execute_logical_plan(self.upper.clone()).await {
                 Ok(df) => df.collect().await,
                 Err(e) => Err(e),
@@ -900,6 +1016,25 @@ impl StreamJoin {
             out.batches = result?.into_iter().filter(|b| b.num_rows() > 0).collect();
         }
         Ok(out)
+    }
+
+    /// Unmatched `rows` of side `s` as joined rows: the other side's columns null.
+    fn unmatched(&self, s: usize, rows: &RecordBatch) -> Result<RecordBatch> {
+        let n = rows.num_rows();
+        let mut columns = Vec::with_capacity(self.joined_schema.fields().len());
+        for (t, side) in self.sides.iter().enumerate() {
+            for i in 0..side.id_index() {
+                columns.push(if t == s {
+                    Arc::clone(rows.column(i))
+                } else {
+                    arrow::array::new_null_array(side.schema.field(i).data_type(), n)
+                });
+            }
+        }
+        Ok(RecordBatch::try_new(
+            Arc::clone(&self.joined_schema),
+            columns,
+        )?)
     }
 
     /// Rows and in-memory bytes of the state (both sides' kept rows).
@@ -928,8 +1063,11 @@ impl StreamJoin {
         files: &[String],
         watermark: Option<i64>,
     ) -> Result<()> {
+        let mut matched: [HashSet<u64>; 2] = [HashSet::new(), HashSet::new()];
         for side in &mut self.sides {
             side.rows.clear();
+            side.matched.clear();
+            side.next_id = 0;
         }
         for batch in log.restore(files).await? {
             if batch.num_columns() != self.state_schema.fields().len() {
@@ -939,9 +1077,9 @@ impl StreamJoin {
                     self.state_schema.fields().len()
                 )));
             }
-            let sides = batch
+            let kinds = batch
                 .column(0)
-                .as_primitive_opt::<arrow::datatypes::UInt8Type>()
+                .as_primitive_opt::<UInt8Type>()
                 .ok_or_else(|| {
                     Error::InvalidJob("a state file of the join has no side column".into())
                 })?
@@ -949,16 +1087,42 @@ impl StreamJoin {
             let mut first = 1;
             for (s, side) in self.sides.iter_mut().enumerate() {
                 let width = side.schema.fields().len();
-                let mine: BooleanArray = sides.iter().map(|v| Some(v == Some(s as u8))).collect();
-                let rows = filter_record_batch(&batch, &mine)?;
-                if rows.num_rows() > 0 {
-                    let columns = rows.columns()[first..first + width].to_vec();
-                    side.rows
-                        .push(RecordBatch::try_new(Arc::clone(&side.schema), columns)?);
+                let id_column = first + side.id_index();
+                // Kind s: a row of side s; kind s + 2: a row of side s that matched.
+                for (kind, is_row) in [(s as u8, true), (s as u8 + 2, false)] {
+                    let mine: BooleanArray = kinds.iter().map(|v| Some(v == Some(kind))).collect();
+                    let rows = filter_record_batch(&batch, &mine)?;
+                    if rows.num_rows() == 0 {
+                        continue;
+                    }
+                    let ids = rows.column(id_column).as_primitive::<UInt64Type>();
+                    if is_row {
+                        let columns = rows.columns()[first..first + width].to_vec();
+                        side.rows
+                            .push(RecordBatch::try_new(Arc::clone(&side.schema), columns)?);
+                        let newest = ids.values().iter().max().map_or(0, |m| m + 1);
+                        side.next_id = side.next_id.max(newest);
+                    } else {
+                        matched[s].extend(ids.values().iter().copied());
+                    }
                 }
                 first += width;
             }
         }
+        for (side, matched) in self.sides.iter_mut().zip(matched) {
+            let live: HashSet<u64> = side
+                .rows
+                .iter()
+                .flat_map(|r| {
+                    r.column(side.schema.fields().len() - 1)
+                        .as_primitive::<UInt64Type>()
+                        .values()
+                        .to_vec()
+                })
+                .collect();
+            side.matched = matched.intersection(&live).copied().collect();
+        }
+        // What the restored watermark let go was let go (and emitted) by the committed batch.
         if let Some(limit) = self.on_time_limit(watermark) {
             for side in &mut self.sides {
                 side.purge(limit)?;
@@ -987,6 +1151,10 @@ impl StreamJoin {
             for (s, side) in sides.iter().enumerate() {
                 for rows in &side.rows {
                     full.push(state_rows(sides, state_schema, s, rows)?);
+                }
+                if !side.matched.is_empty() {
+                    let ids: Vec<u64> = side.matched.iter().copied().collect();
+                    full.push(matched_rows(sides, state_schema, s, &ids)?);
                 }
             }
             Ok(full)
@@ -1026,6 +1194,28 @@ fn state_rows(
     Ok(RecordBatch::try_new(Arc::clone(schema), columns)?)
 }
 
+/// State rows recording that the rows `ids` of side `s` matched (kind `s + 2`; only the id
+/// column set).
+fn matched_rows(
+    sides: &[Side; 2],
+    schema: &SchemaRef,
+    s: usize,
+    ids: &[u64],
+) -> Result<RecordBatch> {
+    let n = ids.len();
+    let mut columns: Vec<ArrayRef> = vec![Arc::new(UInt8Array::from(vec![s as u8 + 2; n]))];
+    for (t, side) in sides.iter().enumerate() {
+        for (i, f) in side.schema.fields().iter().enumerate() {
+            columns.push(if t == s && i == side.id_index() {
+                Arc::new(UInt64Array::from(ids.to_vec()))
+            } else {
+                arrow::array::new_null_array(f.data_type(), n)
+            });
+        }
+    }
+    Ok(RecordBatch::try_new(Arc::clone(schema), columns)?)
+}
+
 /// `expr` as text, with fixed intervals written as durations (`INTERVAL '1m'`).
 fn readable(expr: &Expr) -> String {
     expr.clone()
@@ -1049,7 +1239,7 @@ fn duration(micros: i64) -> String {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
+    use std::collections::{BTreeMap, BTreeSet};
     use std::time::Duration;
 
     use arrow::array::{Int64Array, StringArray, TimestampMicrosecondArray};
@@ -1119,27 +1309,54 @@ mod tests {
         }
     }
 
-    /// A query, whether it needs state_ttl, and the pairs it joins: `(left event, right event)`.
-    type Case = (&'static str, bool, fn(Event, Event) -> bool);
+    /// A query, whether it needs state_ttl, the pairs it joins (`(left event, right event)`),
+    /// and for each side it preserves (outer joins) when a row can no longer match (s).
+    struct Case {
+        sql: &'static str,
+        ttl: bool,
+        matches: fn(Event, Event) -> bool,
+        preserved: [Option<fn(Event) -> i64>; 2],
+    }
 
-    const CASES: [Case; 3] = [
-        (
-            "SELECT l._source_offset AS lo, r._source_offset AS ro FROM l JOIN r ON l.k = r.k \
-             AND r.ts BETWEEN l.ts - INTERVAL '5' SECOND AND l.ts + INTERVAL '20' SECOND",
-            false,
-            |l, r| l.1 == r.1 && l.0 - 5 <= r.0 && r.0 <= l.0 + 20,
-        ),
-        (
-            "SELECT l._source_offset AS lo, r._source_offset AS ro FROM l JOIN r ON l.k = r.k",
-            true,
-            |l, r| l.1 == r.1 && (l.0 - r.0).abs() <= TTL,
-        ),
-        (
-            "SELECT lo, ro FROM (SELECT a._source_offset AS lo, b._source_offset AS ro, b.k \
-             FROM l a JOIN r b ON a.k = b.k AND b.ts >= a.ts AND b.ts <= a.until) WHERE k <> 'k5'",
-            false,
-            |l, r| l.1 == r.1 && l.0 <= r.0 && r.0 <= until(l) && r.1 != 5,
-        ),
+    const CASES: [Case; 5] = [
+        Case {
+            sql: "SELECT l._source_offset AS lo, r._source_offset AS ro FROM l JOIN r \
+                  ON l.k = r.k \
+                  AND r.ts BETWEEN l.ts - INTERVAL '5' SECOND AND l.ts + INTERVAL '20' SECOND",
+            ttl: false,
+            matches: |l, r| l.1 == r.1 && l.0 - 5 <= r.0 && r.0 <= l.0 + 20,
+            preserved: [None, None],
+        },
+        Case {
+            sql: "SELECT l._source_offset AS lo, r._source_offset AS ro FROM l JOIN r \
+                  ON l.k = r.k",
+            ttl: true,
+            matches: |l, r| l.1 == r.1 && (l.0 - r.0).abs() <= TTL,
+            preserved: [None, None],
+        },
+        Case {
+            sql: "SELECT lo, ro FROM (SELECT a._source_offset AS lo, b._source_offset AS ro, \
+                  b.k FROM l a JOIN r b ON a.k = b.k AND b.ts >= a.ts AND b.ts <= a.until) \
+                  WHERE k <> 'k5'",
+            ttl: false,
+            matches: |l, r| l.1 == r.1 && l.0 <= r.0 && r.0 <= until(l) && r.1 != 5,
+            preserved: [None, None],
+        },
+        Case {
+            sql: "SELECT l._source_offset AS lo, r._source_offset AS ro FROM l LEFT JOIN r \
+                  ON l.k = r.k \
+                  AND r.ts BETWEEN l.ts - INTERVAL '5' SECOND AND l.ts + INTERVAL '20' SECOND",
+            ttl: false,
+            matches: |l, r| l.1 == r.1 && l.0 - 5 <= r.0 && r.0 <= l.0 + 20,
+            preserved: [Some(|l| l.0 + 20), None],
+        },
+        Case {
+            sql: "SELECT l._source_offset AS lo, r._source_offset AS ro FROM l FULL JOIN r \
+                  ON l.k = r.k",
+            ttl: true,
+            matches: |l, r| l.1 == r.1 && (l.0 - r.0).abs() <= TTL,
+            preserved: [Some(|l| l.0 + TTL), Some(|r| r.0 + TTL)],
+        },
     ];
 
     fn watermark_after(before: Option<i64>, chunks: [&Vec<Event>; 2]) -> Option<i64> {
@@ -1152,12 +1369,11 @@ mod tests {
     }
 
     /// What the rules say: a row below the watermark in force is late; every pair of rows
-    /// that were not late and satisfy the condition is emitted once. The sorted pairs of
-    /// offsets and the late count.
-    fn model(
-        batches: &[[Vec<Event>; 2]],
-        matches: fn(Event, Event) -> bool,
-    ) -> (Vec<(i64, i64)>, usize) {
+    /// that were not late and satisfy the condition is emitted once; an on-time row of a
+    /// preserved side that matched nothing is emitted alone (the other offset -1) once the
+    /// final watermark passes the time it can no longer match. The sorted pairs of offsets and
+    /// the late count.
+    fn model(batches: &[[Vec<Event>; 2]], case: &Case) -> (Vec<(i64, i64)>, usize) {
         let mut on_time: [Vec<(i64, Event)>; 2] = [Vec::new(), Vec::new()];
         let mut offsets = [0i64; 2];
         let mut late = 0;
@@ -1176,10 +1392,24 @@ mod tests {
             watermark = watermark_after(watermark, [&chunks[0], &chunks[1]]);
         }
         let mut pairs = Vec::new();
+        let mut matched = [BTreeSet::new(), BTreeSet::new()];
         for &(lo, l) in &on_time[0] {
             for &(ro, r) in &on_time[1] {
-                if matches(l, r) {
+                if (case.matches)(l, r) {
                     pairs.push((lo, ro));
+                    matched[0].insert(lo);
+                    matched[1].insert(ro);
+                }
+            }
+        }
+        for s in 0..2 {
+            let Some(expiry) = case.preserved[s] else {
+                continue;
+            };
+            for &(offset, e) in &on_time[s] {
+                let gone = watermark.is_some_and(|w| expiry(e) * SECOND < w);
+                if gone && !matched[s].contains(&offset) {
+                    pairs.push(if s == 0 { (offset, -1) } else { (-1, offset) });
                 }
             }
         }
@@ -1188,7 +1418,8 @@ mod tests {
     }
 
     /// The query streamed over `batches`, restarted from its state files after batch
-    /// `restart_after`: the sorted pairs of offsets it emitted, and the late rows.
+    /// `restart_after`: the sorted pairs of offsets it emitted (-1 for a null side), and the
+    /// late rows.
     async fn streamed(
         sql: &str,
         ttl: bool,
@@ -1233,7 +1464,11 @@ mod tests {
             for b in &out.batches {
                 let lo = b.column(0).as_primitive::<Int64Type>();
                 let ro = b.column(1).as_primitive::<Int64Type>();
-                pairs.extend(lo.values().iter().copied().zip(ro.values().iter().copied()));
+                pairs.extend(
+                    lo.iter()
+                        .zip(ro.iter())
+                        .map(|(l, r)| (l.unwrap_or(-1), r.unwrap_or(-1))),
+                );
             }
             watermark = after;
             let (operators, _) = query.write_state(BatchId(i as i64)).await.unwrap();
@@ -1261,16 +1496,18 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(24))]
 
-        /// Every pair of rows that were not late is emitted exactly once, straight through
-        /// and across a restart from the state files at any batch, for interval bounds,
-        /// state_ttl and a bound given by another column.
+        /// Every pair of rows that were not late is emitted exactly once, and an outer
+        /// join's unmatched rows once they can no longer match, straight through and across
+        /// a restart from the state files at any batch, for interval bounds, state_ttl, a
+        /// bound given by another column, left and full joins.
         #[test]
         fn every_on_time_pair_is_joined_once(batches in events(), restart in 0usize..8) {
             let runtime = tokio::runtime::Runtime::new().unwrap();
-            for (sql, ttl, matches) in CASES {
-                let (expected, late) = model(&batches, matches);
-                let (pairs, streamed_late) = runtime.block_on(streamed(sql, ttl, &batches, restart));
-                prop_assert_eq!(&pairs, &expected, "{}", sql);
+            for case in &CASES {
+                let (expected, late) = model(&batches, case);
+                let (pairs, streamed_late) =
+                    runtime.block_on(streamed(case.sql, case.ttl, &batches, restart));
+                prop_assert_eq!(&pairs, &expected, "{}", case.sql);
                 prop_assert_eq!(streamed_late, late);
             }
         }
@@ -1279,7 +1516,7 @@ mod tests {
     #[tokio::test]
     async fn a_join_of_streams_is_described_and_refused_where_it_cannot_hold() {
         let sources = [("l".to_string(), schema()), ("r".to_string(), schema())];
-        let query = StreamingQuery::plan(CASES[0].0, &sources, &settings(false))
+        let query = StreamingQuery::plan(CASES[0].sql, &sources, &settings(false))
             .await
             .unwrap();
         let [operator] = &query.operators()[..] else {
@@ -1290,6 +1527,11 @@ mod tests {
         assert!(operator.purge.contains("ts + 5s"), "{}", operator.purge);
         let late = query.late_schema().unwrap();
         assert_eq!(late.field(0).name(), crate::late::SOURCE);
+        let outer = StreamingQuery::plan(CASES[3].sql, &sources, &settings(false))
+            .await
+            .unwrap();
+        let emits = &outer.operators()[0].emits;
+        assert!(emits.contains("unmatched row of l"), "{emits}");
         let refused = |sql: &'static str, settings: QuerySettings| {
             let sources = sources.clone();
             async move {
@@ -1299,18 +1541,22 @@ mod tests {
                     .to_string()
             }
         };
-        let error = refused(CASES[1].0, settings(false)).await;
+        let error = refused(CASES[1].sql, settings(false)).await;
         assert!(error.contains("set state_ttl"), "{error}");
-        let error = refused(CASES[0].0, settings(true)).await;
+        let error = refused(CASES[0].sql, settings(true)).await;
         assert!(error.contains("state_ttl has no effect"), "{error}");
         let one_bound = "SELECT * FROM l JOIN r ON l.k = r.k AND r.ts >= l.ts";
         let error = refused(one_bound, settings(false)).await;
         assert!(error.contains("left side (l)"), "{error}");
-        let outer = "SELECT * FROM l LEFT JOIN r ON l.k = r.k";
-        let error = refused(outer, settings(true)).await;
-        assert!(error.contains("inner join"), "{error}");
         let counted = "SELECT count(*) FROM l JOIN r ON l.k = r.k";
         let error = refused(counted, settings(true)).await;
         assert!(error.contains("chains"), "{error}");
+        let update = QuerySettings {
+            output_mode: OutputMode::Update,
+            key: Some(vec!["lo".into()]),
+            ..settings(false)
+        };
+        let error = refused(CASES[0].sql, update).await;
+        assert!(error.contains("append"), "{error}");
     }
 }
