@@ -56,13 +56,19 @@ pub fn late_schema_of_sources(sources: &[(&str, &SchemaRef)]) -> Result<SchemaRe
     let mut fields = vec![Field::new(SOURCE, DataType::Utf8, false)];
     let mut owner: Vec<&str> = vec![""];
     for (source, schema) in sources {
+        if schema.index_of(SOURCE).is_ok() {
+            return Err(Error::InvalidJob(format!(
+                "the late table of a job joining streams names each row's source in its column \
+                 {SOURCE}, and source '{source}' has a column of that name: rename it"
+            )));
+        }
         for f in schema.fields() {
             match fields.iter().position(|g| g.name() == f.name()) {
                 Some(i) if fields[i].data_type() != f.data_type() => {
                     return Err(Error::InvalidJob(format!(
                         "the late table holds the late rows of sources '{}' and '{source}' in \
-                         one table, and their column '{}' has types {} and {}: rename it in one \
-                         source",
+                         one table, and their column '{}' has types {} and {}: declare the same \
+                         type in both sources' schemas, or rename the column in one",
                         owner[i],
                         f.name(),
                         fields[i].data_type(),

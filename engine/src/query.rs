@@ -368,7 +368,7 @@ impl StreamingQuery {
                     .into(),
             ));
         }
-        Ok(StreamingQuery {
+        let query = StreamingQuery {
             tables: SourceTables {
                 ctx,
                 tables,
@@ -378,7 +378,13 @@ impl StreamingQuery {
             plan,
             stateful,
             merge_key,
-        })
+        };
+        // The late table of a join of streams holds both sources' columns: refused now if
+        // they cannot share it, not at the first late row.
+        if let Some(join) = query.stateful.as_ref().and_then(StatefulOperator::join) {
+            query.join_late_schema(join)?;
+        }
+        Ok(query)
     }
 
     /// The tables the job writes: output (with its upsert key in update mode) and, for a
@@ -464,8 +470,9 @@ impl StreamingQuery {
         Ok(optimized.display_indent_schema().to_string())
     }
 
-    /// The late table's schema, for a windowed or deduplicating query: its source's columns
-    /// plus the late columns (see [`crate::late`]).
+    /// The late table's schema, for a windowed or deduplicating query (its source's columns)
+    /// or a join of streams (both sources' columns and `_source`), plus the late columns (see
+    /// [`crate::late`]).
     pub fn late_schema(&self) -> Option<SchemaRef> {
         if let Some(join) = self.stateful.as_ref().and_then(StatefulOperator::join) {
             return self.join_late_schema(join).ok();

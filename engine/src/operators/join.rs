@@ -35,7 +35,7 @@
 //! what reconcile recomputes.
 //!
 //! The watermark used is the job's (the minimum over every partition of both sources), which
-//! keeps state at most as long as per-source watermarks would, never shorter.
+//! keeps state at least as long as per-source watermarks would, never shorter.
 //!
 //! ```text
 //!  upper   Projection / Filter / join with a static table   runs over the joined pairs
@@ -55,7 +55,7 @@ use std::sync::Arc;
 use arrow::array::{ArrayRef, AsArray, BooleanArray, RecordBatch, UInt8Array, UInt64Array};
 use arrow::compute::filter_record_batch;
 use arrow::datatypes::{
-    DataType, Field, Schema, SchemaRef, TimestampMicrosecondType, UInt8Type, UInt64Type,
+    DataType, Field, Schema, SchemaRef, TimeUnit, TimestampMicrosecondType, UInt8Type, UInt64Type,
 };
 use datafusion::catalog::MemTable;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
@@ -75,6 +75,7 @@ use crate::event_time::event_time_type;
 use crate::offsets::BatchId;
 use crate::query::BatchWatermark;
 use crate::sink::OutputMode;
+use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_POSITION};
 
 /// The table the upper part reads the joined pairs from.
 const JOINED_TABLE: &str = "__sluice_joined";
@@ -296,7 +297,12 @@ fn source_column(plan: &LogicalPlan, index: usize) -> Option<(String, String)> {
         },
         LogicalPlan::SubqueryAlias(a) => source_column(&a.input, index),
         LogicalPlan::Filter(f) => source_column(&f.input, index),
-        LogicalPlan::Join(j) => {
+        LogicalPlan::Join(j)
+            if matches!(
+                j.join_type,
+                JoinType::Inner | JoinType::Left | JoinType::Right | JoinType::Full
+            ) =>
+        {
             let left = j.left.schema().fields().len();
             if index < left {
                 source_column(&j.left, index)
@@ -312,7 +318,15 @@ fn source_column(plan: &LogicalPlan, index: usize) -> Option<(String, String)> {
 fn column_plus(expr: &Expr) -> Option<(Column, i64)> {
     match expr {
         Expr::Column(c) => Some((c.clone(), 0)),
-        Expr::Cast(c) => column_plus(&c.expr),
+        // A cast that keeps every µs (a timestamp as fine or finer), never one that rounds.
+        Expr::Cast(c)
+            if matches!(
+                c.field.data_type(),
+                DataType::Timestamp(TimeUnit::Microsecond | TimeUnit::Nanosecond, _)
+            ) =>
+        {
+            column_plus(&c.expr)
+        }
         Expr::BinaryExpr(BinaryExpr { left, op, right }) => {
             let (column, offset) = column_plus(left)?;
             let Expr::Literal(value, _) = right.as_ref() else {
@@ -351,6 +365,13 @@ fn interval_micros(value: &ScalarValue) -> Option<i64> {
 /// makes between timestamp expressions.
 fn ordered_pairs(join: &Join) -> Vec<((Column, i64), (Column, i64))> {
     let mut pairs = Vec::new();
+    // An equality of two timestamps bounds both ways.
+    for (l, r) in &join.on {
+        if let (Some(l), Some(r)) = (column_plus(l), column_plus(r)) {
+            pairs.push((l.clone(), r.clone()));
+            pairs.push((r, l));
+        }
+    }
     let Some(filter) = &join.filter else {
         return pairs;
     };
@@ -478,7 +499,12 @@ pub(crate) fn plan_stream_join(
     for (name, side) in [("left", &join.left), ("right", &join.right)] {
         let source = single_source(side, settings.statics).map_err(|read| {
             refuse(format!(
-                "each side of a join of two streams reads one source; the {name} side reads {read}"
+                "each side of a join of two streams reads one source; the {name} side reads {}",
+                if read.is_empty() {
+                    "none outside a subquery".to_string()
+                } else {
+                    read
+                }
             ))
         })?;
         if let Some((node, _)) = stateful_node(side, settings.statics) {
@@ -497,18 +523,25 @@ pub(crate) fn plan_stream_join(
     }
     let times: [(String, String); 2] = [times[0].clone(), times[1].clone()];
 
-    // Bound every side: a side no conjunct bounds waits state_ttl, as an added conjunct.
-    let rules = purge_rules(join, &times);
+    // Bound every side: a side no conjunct bounds — in the optimised plan, where conditions
+    // written in WHERE have joined the ON clause — waits state_ttl, as an added conjunct.
+    let bounded: [bool; 2] = match &find(&ctx.state().optimize(plan)?, settings.statics)[..] {
+        [LogicalPlan::Join(optimized)] => {
+            let rules = purge_rules(optimized, &times);
+            [!rules[0].is_empty(), !rules[1].is_empty()]
+        }
+        _ => [false, false],
+    };
     let mut added = Vec::new();
     let mut uses_ttl = false;
     for s in 0..2 {
-        if !rules[s].is_empty() {
+        if bounded[s] {
             continue;
         }
         let inputs = [&join.left, &join.right];
         let Some(ttl) = settings.state_ttl else {
             return Err(refuse(format!(
-                "nothing in the join's ON clause bounds how long a row of the {} side ({}) \
+                "nothing in the join's condition bounds how long a row of the {} side ({}) \
                  waits for its match, so the state would grow without bound: bound the other \
                  side's event time by it (e.g. `{}.{} BETWEEN … AND … + INTERVAL '1' HOUR`) or \
                  set state_ttl in [query] to join rows at most that far apart in event time",
@@ -594,7 +627,8 @@ pub(crate) fn plan_stream_join(
     let joins = find(&optimized, settings.statics);
     let [found] = &joins[..] else {
         return Err(refuse(format!(
-            "the query joins {} pairs of streams; a job runs one stateful operator for now",
+            "the optimised query joins {} pairs of streams; a job runs one join of two streams \
+             for now",
             joins.len()
         )));
     };
@@ -856,7 +890,7 @@ impl StreamJoin {
                 "a row of {} ({}) leaves when {} < watermark{}",
                 side.source,
                 side.name,
-                columns.join(" and "),
+                columns.join(" or "),
                 if self.allowed_lateness > 0 {
                     format!(" − {}", duration(self.allowed_lateness))
                 } else {
@@ -893,16 +927,34 @@ impl StreamJoin {
         }
     }
 
-    /// What the state means: the sides' sources and columns, the condition, and the rules.
+    /// What the state means: each side's source, its columns (qualified names and types) and
+    /// filters — the rows it keeps — and the join's condition, which gives the purge rules.
     pub(crate) fn fingerprint(&self) -> String {
         let side = |s: &Side| {
-            let types: Vec<String> = s
-                .schema
-                .fields()
+            let columns: Vec<String> = s
+                .lower
+                .schema()
                 .iter()
-                .map(|f| f.data_type().to_string())
+                .map(|(qualifier, f)| match qualifier {
+                    Some(q) => format!("{q}.{} {}", f.name(), f.data_type()),
+                    None => format!("{} {}", f.name(), f.data_type()),
+                })
                 .collect();
-            format!("{}({})", s.source, types.join(", "))
+            let mut filters = Vec::new();
+            let _ = s.lower.apply(|node| {
+                match node {
+                    LogicalPlan::Filter(f) => filters.push(readable(&f.predicate)),
+                    LogicalPlan::TableScan(t) => filters.extend(t.filters.iter().map(readable)),
+                    _ => {}
+                }
+                Ok(TreeNodeRecursion::Continue)
+            });
+            let filters = if filters.is_empty() {
+                String::new()
+            } else {
+                format!(" where {}", filters.join(" AND "))
+            };
+            format!("{}({}){filters}", s.source, columns.join(", "))
         };
         format!(
             "join {} with {} on {}",
@@ -944,9 +996,16 @@ impl StreamJoin {
         let limit = self.on_time_limit(watermark.before);
         let mut out = QueryOutput::default();
         let mut new_rows: [Vec<RecordBatch>; 2] = [Vec::new(), Vec::new()];
+        let self_join = self.sides[0].source == self.sides[1].source;
+        let mut failed_here = HashSet::new();
         for (s, side) in self.sides.iter_mut().enumerate() {
             let rows = side_rows(side.lower_plan(limit)?).await?;
-            out.failed.extend(rows.failed);
+            for failed in rows.failed {
+                // A self-join reads each row twice: one dead letter for it.
+                if !self_join || failed_here.insert(lineage_of(&failed.row)) {
+                    out.failed.push(failed);
+                }
+            }
             new_rows[s] = side.stored(rows.batches)?;
         }
         let [left, right] = &self.sides;
@@ -1194,6 +1253,16 @@ fn state_rows(
     Ok(RecordBatch::try_new(Arc::clone(schema), columns)?)
 }
 
+/// A source row's lineage (partition, offset, position) as text.
+fn lineage_of(row: &RecordBatch) -> String {
+    [SOURCE_PARTITION, SOURCE_OFFSET, SOURCE_POSITION]
+        .iter()
+        .filter_map(|name| row.column_by_name(name))
+        .map(|c| arrow::util::display::array_value_to_string(c, 0).unwrap_or_default())
+        .collect::<Vec<_>>()
+        .join("@")
+}
+
 /// State rows recording that the rows `ids` of side `s` matched (kind `s + 2`; only the id
 /// column set).
 fn matched_rows(
@@ -1232,9 +1301,15 @@ fn readable(expr: &Expr) -> String {
         .unwrap_or_else(|_| expr.to_string())
 }
 
-/// `micros` as a duration, for `validate`.
+/// `micros` as a duration, for `validate` (negative with a minus sign).
 fn duration(micros: i64) -> String {
-    humantime::format_duration(std::time::Duration::from_micros(micros.unsigned_abs())).to_string()
+    let magnitude =
+        humantime::format_duration(std::time::Duration::from_micros(micros.unsigned_abs()));
+    if micros < 0 {
+        format!("-{magnitude}")
+    } else {
+        magnitude.to_string()
+    }
 }
 
 #[cfg(test)]
@@ -1315,8 +1390,11 @@ mod tests {
         sql: &'static str,
         ttl: bool,
         matches: fn(Event, Event) -> bool,
-        preserved: [Option<fn(Event) -> i64>; 2],
+        preserved: [Option<Expiry>; 2],
     }
+
+    /// When a preserved side's row can no longer match (s).
+    type Expiry = fn(Event) -> i64;
 
     const CASES: [Case; 5] = [
         Case {
