@@ -191,7 +191,7 @@ fn nexmark_joins_reconcile_after_sigkills_and_keep_their_state_flat() {
     let job = example(ws.path(), "q20", 1_000_000);
     let text = std::fs::read_to_string(&job)
         .unwrap()
-        .replace("state_ttl = \"10m\"", "state_ttl = \"5s\"")
+        .replace("state_ttl = \"1m\"", "state_ttl = \"5s\"")
         .replace(
             "max_out_of_orderness = \"0s\"",
             "max_out_of_orderness = \"0s\"\nmax_records_per_batch = 50_000",
