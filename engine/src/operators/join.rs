@@ -45,6 +45,13 @@
 //!  lower   each side's plan over its source's rows (not late), buffered in the state
 //! ```
 //!
+//! **Failures.** A row its side's plan fails on is a dead letter, as in a stateless query (once
+//! in a self-join). A new row whose pairs fail — the condition or the SQL over the pairs, on
+//! their values (a division by zero, a failing cast) — is one too: found by halving the batch's
+//! new rows (those that pair with kept rows first; between two new rows, the one the failures
+//! have in common), its pairs are not written and it is not kept.
+//! Each side carries its source rows' lineage for this.
+//!
 //! **State** is the buffered rows of both sides. Each batch writes its new rows as a delta (one
 //! file, a side column telling them apart); a purge needs no write, since a restart drops what
 //! the restored watermark has purged.
@@ -69,7 +76,7 @@ use datafusion::prelude::SessionContext;
 
 use super::aggregate::StateSize;
 use super::state_store::{StateLog, StateWrite};
-use super::{QueryOutput, reads_stream, stateful_node};
+use super::{FailedRow, QueryOutput, is_data_error, reads_stream, stateful_node};
 use crate::error::{Error, Result};
 use crate::event_time::event_time_type;
 use crate::offsets::BatchId;
@@ -258,8 +265,9 @@ pub(crate) struct StreamJoin {
     /// The join's condition, for `validate` and the fingerprint.
     condition: String,
     sides: [Side; 2],
-    /// The pairs of one batch: new left ⋈ (right state + new right) ∪ left state ⋈ new right.
-    join: LogicalPlan,
+    /// The pairs of one batch, by the side whose new rows they are driven by: new left ⋈
+    /// (right state + new right), and left state ⋈ new right — each pair in one of them.
+    pairs: [LogicalPlan; 2],
     /// The plan above the join, reading the pairs from [`JOINED_TABLE`].
     upper: LogicalPlan,
     joined: Arc<MemTable>,
@@ -632,9 +640,27 @@ pub(crate) fn plan_stream_join(
             joins.len()
         )));
     };
-    let LogicalPlan::Join(join) = found else {
+    let LogicalPlan::Join(optimized_join) = found else {
         unreachable!("found joins only")
     };
+    // Each side carries its source rows' lineage, so a row whose pairs fail is dead-lettered
+    // with its position.
+    let join = &Join::try_new(
+        Arc::new(with_lineage(
+            optimized_join.left.as_ref().clone(),
+            &times[0].0,
+        )?),
+        Arc::new(with_lineage(
+            optimized_join.right.as_ref().clone(),
+            &times[1].0,
+        )?),
+        optimized_join.on.clone(),
+        optimized_join.filter.clone(),
+        optimized_join.join_type,
+        optimized_join.join_constraint,
+        optimized_join.null_equality,
+        optimized_join.null_aware,
+    )?;
     let rules = purge_rules(join, &times);
     let mut sides = Vec::new();
     for (s, input) in [&join.left, &join.right].into_iter().enumerate() {
@@ -743,9 +769,6 @@ pub(crate) fn plan_stream_join(
         stand_in(&left, &left.probed, "__sluice_left_state")?,
         stand_in(&right, &right.new_rows, "__sluice_right_new")?,
     )?;
-    let batch_join = LogicalPlanBuilder::from(new_left_with_right)
-        .union(left_state_with_new_right)?
-        .build()?;
 
     // The upper part reads the pairs from a table with the join's columns.
     let joined_schema = Arc::new(Schema::new(
@@ -757,15 +780,19 @@ pub(crate) fn plan_stream_join(
             .collect::<Vec<_>>(),
     ));
     let joined = Arc::new(MemTable::try_new(Arc::clone(&joined_schema), vec![vec![]])?);
-    let renamed: Vec<Expr> = join
+    // Exactly the optimised join's columns (the lineage carried for dead letters left out).
+    let renamed: Vec<Expr> = optimized_join
         .schema
         .iter()
-        .enumerate()
-        .map(|(i, (qualifier, field))| {
-            Expr::Column(Column::new(Some(JOINED_TABLE), format!("c{i}")))
-                .alias_qualified(qualifier.cloned(), field.name())
+        .map(|(qualifier, field)| {
+            let column = Column::new(qualifier.cloned(), field.name());
+            let i = join.schema.index_of_column(&column)?;
+            Ok(
+                Expr::Column(Column::new(Some(JOINED_TABLE), format!("c{i}")))
+                    .alias_qualified(qualifier.cloned(), field.name()),
+            )
         })
-        .collect();
+        .collect::<Result<_>>()?;
     let replacement = LogicalPlanBuilder::scan(
         JOINED_TABLE,
         provider_as_source(Arc::clone(&joined) as _),
@@ -834,7 +861,7 @@ pub(crate) fn plan_stream_join(
         display,
         condition,
         sides: [left, right],
-        join: batch_join,
+        pairs: [new_left_with_right, left_state_with_new_right],
         upper,
         joined,
         joined_schema,
@@ -1008,40 +1035,64 @@ impl StreamJoin {
             }
             new_rows[s] = side.stored(rows.batches)?;
         }
-        let [left, right] = &self.sides;
-        *left.new_rows.batches[0].write().await = new_rows[0].clone();
-        *left.probed.batches[0].write().await = left.rows.clone();
-        *right.new_rows.batches[0].write().await = new_rows[1].clone();
-        *right.probed.batches[0].write().await =
-            right.rows.iter().chain(&new_rows[1]).cloned().collect();
-        let pairs = match ctx.execute_logical_plan(self.join.clone()).await {
-            Ok(df) => df.collect().await,
-            Err(e) => Err(e),
-        };
-        for table in [&left.new_rows, &left.probed, &right.new_rows, &right.probed] {
+        // Each pair once, in three parts: the new right rows with the kept left rows, the new
+        // left rows with the kept right rows, then new with new. A new row whose pairs fail
+        // (by their values) is a dead letter and is not kept: in the first two parts the new
+        // row's; in the third, the row the failures have in common (see `culprit`).
+        let mut matched_now: [Vec<u64>; 2] = [Vec::new(), Vec::new()];
+        for driving in [1, 0] {
+            let other = &self.sides[1 - driving];
+            *other.probed.batches[0].write().await = other.rows.clone();
+            let rows =
+                arrow::compute::concat_batches(&self.sides[driving].schema, &new_rows[driving])?;
+            let (batches, matched, failed) = self.pairs_isolating(ctx, driving, rows).await?;
+            out.batches.extend(batches);
+            for s in 0..2 {
+                matched_now[s].extend(matched[s].iter().copied());
+            }
+            if !failed.is_empty() {
+                let ids: HashSet<u64> = failed.iter().map(|(id, _)| *id).collect();
+                new_rows[driving] = without_ids(&new_rows[driving], &ids)?;
+                out.failed.extend(failed.into_iter().map(|(_, row)| row));
+            }
+        }
+        loop {
+            let lefts = arrow::compute::concat_batches(&self.sides[0].schema, &new_rows[0])?;
+            let rights = arrow::compute::concat_batches(&self.sides[1].schema, &new_rows[1])?;
+            if lefts.num_rows() == 0 || rights.num_rows() == 0 {
+                break;
+            }
+            *self.sides[0].probed.batches[0].write().await = vec![lefts.clone()];
+            match self.pairs_of(ctx, 1, rights.clone()).await {
+                Ok((batches, matched)) => {
+                    out.batches.extend(batches);
+                    for s in 0..2 {
+                        matched_now[s].extend(matched[s].iter().copied());
+                    }
+                    break;
+                }
+                Err(e) if !is_data_error(&e) => return Err(e),
+                Err(e) => {
+                    let (s, row, error) = self.culprit(ctx, &lefts, &rights, e).await?;
+                    let side = &self.sides[s];
+                    let id = row.column(side.id_index()).as_primitive::<UInt64Type>();
+                    let ids = HashSet::from([id.value(0)]);
+                    new_rows[s] = without_ids(&new_rows[s], &ids)?;
+                    out.failed.push(self.failed_row(s, &row, error)?);
+                }
+            }
+        }
+        for table in [&self.sides[0].probed, &self.sides[1].probed] {
             table.batches[0].write().await.clear();
         }
-        // Each pair's columns, and the ids of the preserved sides' rows that matched.
-        let width = self.joined_schema.fields().len();
-        let mut joined = Vec::new();
-        let mut matched_now: [Vec<u64>; 2] = [Vec::new(), Vec::new()];
-        for pair in pairs? {
-            if pair.num_rows() == 0 {
-                continue;
-            }
-            joined.push(RecordBatch::try_new(
-                Arc::clone(&self.joined_schema),
-                pair.columns()[..width].to_vec(),
-            )?);
-            for (s, side) in self.sides.iter_mut().enumerate() {
-                if side.preserved {
-                    let ids = pair.column(width + s).as_primitive::<UInt64Type>();
-                    for &id in ids.values() {
-                        if side.matched.insert(id) {
-                            matched_now[s].push(id);
-                        }
-                    }
-                }
+        let mut recorded: [Vec<u64>; 2] = [Vec::new(), Vec::new()];
+        for (s, ids) in matched_now.into_iter().enumerate() {
+            let side = &mut self.sides[s];
+            if side.preserved {
+                recorded[s] = ids
+                    .into_iter()
+                    .filter(|id| side.matched.insert(*id))
+                    .collect();
             }
         }
         self.changes.clear();
@@ -1052,7 +1103,7 @@ impl StreamJoin {
             }
             self.sides[s].rows.extend(rows);
         }
-        for (s, ids) in matched_now.iter().enumerate() {
+        for (s, ids) in recorded.iter().enumerate() {
             if !ids.is_empty() {
                 self.changes
                     .push(matched_rows(&self.sides, &self.state_schema, s, ids)?);
@@ -1061,20 +1112,216 @@ impl StreamJoin {
         if let Some(limit) = self.on_time_limit(watermark.after) {
             for s in 0..2 {
                 for rows in self.sides[s].purge(limit)? {
-                    joined.push(self.unmatched(s, &rows)?);
+                    let joined = self.unmatched(s, &rows)?;
+                    let (batches, failed) = self.upper_isolating(ctx, s, joined).await?;
+                    out.batches.extend(batches);
+                    out.failed.extend(failed);
                 }
             }
         }
-        if !joined.is_empty() {
-            *self.joined.batches[0].write().await = joined;
-            let result = match ctx.execute_logical_plan(self.upper.clone()).await {
-                Ok(df) => df.collect().await,
-                Err(e) => Err(e),
-            };
-            self.joined.batches[0].write().await.clear();
-            out.batches = result?.into_iter().filter(|b| b.num_rows() > 0).collect();
-        }
         Ok(out)
+    }
+
+    /// The pairs side `driving`'s new `rows` make (with the other side's probed rows), through
+    /// the upper part: its output, the ids of the rows that matched per side, and the rows of
+    /// `rows` whose pairs the condition or the upper part fails on (by their values: found by
+    /// halving), as dead letters.
+    #[allow(clippy::type_complexity)]
+    async fn pairs_isolating(
+        &self,
+        ctx: &SessionContext,
+        driving: usize,
+        rows: RecordBatch,
+    ) -> Result<(Vec<RecordBatch>, [Vec<u64>; 2], Vec<(u64, FailedRow)>)> {
+        let (mut batches, mut matched, mut failed) =
+            (Vec::new(), [Vec::new(), Vec::new()], Vec::new());
+        let mut pending = vec![(0, rows.num_rows())];
+        while let Some((offset, len)) = pending.pop() {
+            if len == 0 {
+                continue;
+            }
+            match self.pairs_of(ctx, driving, rows.slice(offset, len)).await {
+                Ok((out, ids)) => {
+                    batches.extend(out);
+                    for s in 0..2 {
+                        matched[s].extend(ids[s].iter().copied());
+                    }
+                }
+                Err(e) if !is_data_error(&e) => return Err(e),
+                Err(e) if len == 1 => {
+                    let row = rows.slice(offset, 1);
+                    let side = &self.sides[driving];
+                    let id = row.column(side.id_index()).as_primitive::<UInt64Type>();
+                    failed.push((id.value(0), self.failed_row(driving, &row, e.to_string())?));
+                }
+                Err(_) => {
+                    let half = len / 2;
+                    pending.push((offset + half, len - half));
+                    pending.push((offset, half));
+                }
+            }
+        }
+        Ok((batches, matched, failed))
+    }
+
+    /// Of the new `lefts` and `rights` whose pairs fail together (`error`), the row to
+    /// dead-letter: a right row that fails with the new left rows alone (found by halving),
+    /// unless it fails with only one of several new left rows — then that left row, the one
+    /// the failure is about. Its side, its row and the error of its pairs.
+    async fn culprit(
+        &self,
+        ctx: &SessionContext,
+        lefts: &RecordBatch,
+        rights: &RecordBatch,
+        error: Error,
+    ) -> Result<(usize, RecordBatch, String)> {
+        // Left probed holds `lefts`: halve the right rows down to one that fails.
+        let (mut offset, mut len, mut error) = (0, rights.num_rows(), error);
+        while len > 1 {
+            let half = len / 2;
+            match self.pairs_of(ctx, 1, rights.slice(offset, half)).await {
+                Ok(_) => {
+                    offset += half;
+                    len -= half;
+                }
+                Err(e) if !is_data_error(&e) => return Err(e),
+                Err(e) => {
+                    len = half;
+                    error = e;
+                }
+            }
+        }
+        let right = rights.slice(offset, 1);
+        // Which new left rows fail with it alone.
+        *self.sides[1].probed.batches[0].write().await = vec![right.clone()];
+        let (_, _, failing) = self.pairs_isolating(ctx, 0, lefts.clone()).await?;
+        self.sides[1].probed.batches[0].write().await.clear();
+        if let [(id, failed)] = &failing[..]
+            && lefts.num_rows() > 1
+        {
+            let ids = lefts.column(self.sides[0].id_index());
+            let index = ids
+                .as_primitive::<UInt64Type>()
+                .values()
+                .iter()
+                .position(|i| i == id)
+                .unwrap_or(0);
+            return Ok((0, lefts.slice(index, 1), failed.error.clone()));
+        }
+        Ok((1, right, error.to_string()))
+    }
+
+    /// The pairs side `driving`'s new `rows` make, through the upper part, and the ids of the
+    /// rows that matched per side.
+    async fn pairs_of(
+        &self,
+        ctx: &SessionContext,
+        driving: usize,
+        rows: RecordBatch,
+    ) -> Result<(Vec<RecordBatch>, [Vec<u64>; 2])> {
+        let new_rows = &self.sides[driving].new_rows;
+        *new_rows.batches[0].write().await = vec![rows];
+        let pairs = match ctx.execute_logical_plan(self.pairs[driving].clone()).await {
+            Ok(df) => df.collect().await,
+            Err(e) => Err(e),
+        };
+        new_rows.batches[0].write().await.clear();
+        let width = self.joined_schema.fields().len();
+        let mut joined = Vec::new();
+        let mut matched: [Vec<u64>; 2] = [Vec::new(), Vec::new()];
+        for pair in pairs? {
+            if pair.num_rows() == 0 {
+                continue;
+            }
+            joined.push(RecordBatch::try_new(
+                Arc::clone(&self.joined_schema),
+                pair.columns()[..width].to_vec(),
+            )?);
+            for (s, side) in self.sides.iter().enumerate() {
+                if side.preserved {
+                    let ids = pair.column(width + s).as_primitive::<UInt64Type>();
+                    matched[s].extend(ids.values().iter().copied());
+                }
+            }
+        }
+        Ok((self.run_upper(ctx, joined).await?, matched))
+    }
+
+    /// The upper part over side `s`'s unmatched rows (as joined rows); rows it fails on are
+    /// found by halving and dead-lettered.
+    async fn upper_isolating(
+        &self,
+        ctx: &SessionContext,
+        s: usize,
+        joined: RecordBatch,
+    ) -> Result<(Vec<RecordBatch>, Vec<FailedRow>)> {
+        let (mut batches, mut failed) = (Vec::new(), Vec::new());
+        let mut pending = vec![(0, joined.num_rows())];
+        while let Some((offset, len)) = pending.pop() {
+            if len == 0 {
+                continue;
+            }
+            match self.run_upper(ctx, vec![joined.slice(offset, len)]).await {
+                Ok(out) => batches.extend(out),
+                Err(e) if !is_data_error(&e) => return Err(e),
+                Err(e) if len == 1 => {
+                    // The side's columns of the joined row, as the side's row.
+                    let first = if s == 0 { 0 } else { self.sides[0].id_index() };
+                    let width = self.sides[s].id_index();
+                    let row = joined.slice(offset, 1);
+                    let mut columns = row.columns()[first..first + width].to_vec();
+                    columns.push(Arc::new(UInt64Array::from(vec![0u64])));
+                    let row = RecordBatch::try_new(Arc::clone(&self.sides[s].schema), columns)?;
+                    failed.push(self.failed_row(s, &row, e.to_string())?);
+                }
+                Err(_) => {
+                    let half = len / 2;
+                    pending.push((offset + half, len - half));
+                    pending.push((offset, half));
+                }
+            }
+        }
+        Ok((batches, failed))
+    }
+
+    /// The upper part over `joined` rows.
+    async fn run_upper(
+        &self,
+        ctx: &SessionContext,
+        joined: Vec<RecordBatch>,
+    ) -> Result<Vec<RecordBatch>> {
+        if joined.iter().all(|b| b.num_rows() == 0) {
+            return Ok(Vec::new());
+        }
+        *self.joined.batches[0].write().await = joined;
+        let result = match ctx.execute_logical_plan(self.upper.clone()).await {
+            Ok(df) => df.collect().await,
+            Err(e) => Err(e),
+        };
+        self.joined.batches[0].write().await.clear();
+        Ok(result?.into_iter().filter(|b| b.num_rows() > 0).collect())
+    }
+
+    /// A row of side `s` (stored schema) as a dead letter: its columns under the side's names
+    /// (the lineage among them), and the error.
+    fn failed_row(&self, s: usize, row: &RecordBatch, error: String) -> Result<FailedRow> {
+        let side = &self.sides[s];
+        let fields: Vec<Field> = side
+            .lower
+            .schema()
+            .fields()
+            .iter()
+            .map(|f| f.as_ref().clone().with_nullable(true))
+            .collect();
+        let row = RecordBatch::try_new(
+            Arc::new(Schema::new(fields)),
+            row.columns()[..side.id_index()].to_vec(),
+        )?;
+        Ok(FailedRow {
+            source: side.source.clone(),
+            row,
+            error,
+        })
     }
 
     /// Unmatched `rows` of side `s` as joined rows: the other side's columns null.
@@ -1251,6 +1498,54 @@ fn state_rows(
         }
     }
     Ok(RecordBatch::try_new(Arc::clone(schema), columns)?)
+}
+
+/// `side` with its scans of `source` reading the lineage columns too, carried up to its output.
+fn with_lineage(side: LogicalPlan, source: &str) -> Result<LogicalPlan> {
+    let lineage = [SOURCE_PARTITION, SOURCE_OFFSET, SOURCE_POSITION];
+    let scanned = side
+        .transform_up(|node| {
+            let LogicalPlan::TableScan(scan) = &node else {
+                return Ok(Transformed::no(node));
+            };
+            let Some(projection) = &scan.projection else {
+                return Ok(Transformed::no(node));
+            };
+            if scan.table_name.table() != source {
+                return Ok(Transformed::no(node));
+            }
+            let schema = scan.source.schema();
+            let mut projection = projection.clone();
+            for name in lineage {
+                if let Ok(i) = schema.index_of(name)
+                    && !projection.contains(&i)
+                {
+                    projection.push(i);
+                }
+            }
+            let scan = datafusion::logical_expr::TableScanBuilder::from(scan.clone())
+                .with_projection(Some(projection))
+                .build()?;
+            Ok(Transformed::yes(LogicalPlan::TableScan(scan)))
+        })?
+        .data;
+    super::carry_columns(scanned, &lineage)
+}
+
+/// `batches` (a side's stored rows) without the rows whose id is in `ids`.
+fn without_ids(batches: &[RecordBatch], ids: &HashSet<u64>) -> Result<Vec<RecordBatch>> {
+    batches
+        .iter()
+        .map(|b| {
+            let column = b.column(b.num_columns() - 1).as_primitive::<UInt64Type>();
+            let keep: BooleanArray = column
+                .values()
+                .iter()
+                .map(|id| Some(!ids.contains(id)))
+                .collect();
+            Ok(filter_record_batch(b, &keep)?)
+        })
+        .collect()
 }
 
 /// A source row's lineage (partition, offset, position) as text.
@@ -1588,6 +1883,107 @@ mod tests {
                 prop_assert_eq!(&pairs, &expected, "{}", case.sql);
                 prop_assert_eq!(streamed_late, late);
             }
+        }
+    }
+
+    /// A row whose pairs the SQL over the join fails on (by its values) is a dead letter with
+    /// its position, its other pairs are not written, and it is not kept to join later rows;
+    /// every other pair is.
+    #[tokio::test]
+    async fn a_row_whose_pairs_fail_is_a_dead_letter_and_the_rest_join() {
+        let sql = "SELECT l._source_offset AS lo, r._source_offset AS ro, \
+                   10 / (r._source_offset - 3) AS x FROM l JOIN r ON l.k = r.k";
+        let sources = [("l".to_string(), schema()), ("r".to_string(), schema())];
+        let mut query = StreamingQuery::plan(sql, &sources, &settings(true))
+            .await
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let checkpoint =
+            CheckpointStore::open(&url::Url::from_directory_path(dir.path()).unwrap()).unwrap();
+        query
+            .restore_state(StateLog::new(&checkpoint, 0), None, None)
+            .await
+            .unwrap();
+        let pairs_of = |out: &QueryOutput| {
+            let mut pairs = Vec::new();
+            for b in &out.batches {
+                let lo = b.column(0).as_primitive::<Int64Type>();
+                let ro = b.column(1).as_primitive::<Int64Type>();
+                pairs.extend(lo.values().iter().copied().zip(ro.values().iter().copied()));
+            }
+            pairs.sort_unstable();
+            pairs
+        };
+        // Two left rows and five right rows of key k1: right row 3 fails with both.
+        let inputs = BTreeMap::from([
+            ("l".to_string(), batch(&[(10, 1), (11, 1)], 0)),
+            ("r".to_string(), batch(&[(12, 1); 5], 0)),
+        ]);
+        let out = query
+            .execute_isolating(&inputs, BatchWatermark::default())
+            .await
+            .unwrap();
+        let expected: Vec<(i64, i64)> = [0, 1]
+            .into_iter()
+            .flat_map(|lo| [0, 1, 2, 4].map(|ro| (lo, ro)))
+            .collect();
+        assert_eq!(pairs_of(&out), expected);
+        let [failed] = &out.failed[..] else {
+            panic!("one dead letter: {:?}", out.failed)
+        };
+        assert_eq!(failed.source, "r");
+        let letter = crate::dead_letter::dead_letter_from_row(&failed.row, &failed.error).unwrap();
+        assert_eq!(letter.offset, 3);
+        assert!(failed.error.contains("Divide by zero"), "{}", failed.error);
+        // A later left row joins the kept right rows, not the dead letter.
+        let inputs = BTreeMap::from([("l".to_string(), batch(&[(13, 1)], 2))]);
+        let out = query
+            .execute_isolating(&inputs, BatchWatermark::default())
+            .await
+            .unwrap();
+        assert_eq!(pairs_of(&out), vec![(2, 0), (2, 1), (2, 2), (2, 4)]);
+        assert!(out.failed.is_empty());
+    }
+
+    /// New with new: the row the failures have in common is the dead letter, whichever side.
+    #[tokio::test]
+    async fn a_bad_row_among_new_rows_is_the_one_dead_lettered() {
+        for (sql, source, offset) in [
+            (
+                "SELECT l._source_offset AS lo, r._source_offset AS ro, \
+              10 / (l._source_offset - 1) AS x FROM l JOIN r ON l.k = r.k",
+                "l",
+                1,
+            ),
+            (
+                "SELECT l._source_offset AS lo, r._source_offset AS ro, \
+              10 / (r._source_offset - 2) AS x FROM l JOIN r ON l.k = r.k",
+                "r",
+                2,
+            ),
+        ] {
+            let sources = [("l".to_string(), schema()), ("r".to_string(), schema())];
+            let mut query = StreamingQuery::plan(sql, &sources, &settings(true))
+                .await
+                .unwrap();
+            let inputs = BTreeMap::from([
+                ("l".to_string(), batch(&[(10, 1); 3], 0)),
+                ("r".to_string(), batch(&[(12, 1); 4], 0)),
+            ]);
+            let out = query
+                .execute_isolating(&inputs, BatchWatermark::default())
+                .await
+                .unwrap();
+            let [failed] = &out.failed[..] else {
+                panic!("{sql}: one dead letter: {:?}", out.failed)
+            };
+            assert_eq!(failed.source, source, "{sql}");
+            let letter =
+                crate::dead_letter::dead_letter_from_row(&failed.row, &failed.error).unwrap();
+            assert_eq!(letter.offset, offset, "{sql}");
+            let rows: usize = out.batches.iter().map(RecordBatch::num_rows).sum();
+            let expected = if source == "l" { 2 * 4 } else { 3 * 3 };
+            assert_eq!(rows, expected, "{sql}");
         }
     }
 
