@@ -529,32 +529,8 @@ pub(crate) fn plan_deduplication(
     )?
     .project(renamed)?
     .build()?;
-    let upper = plan
-        .clone()
-        .transform_down(|node| {
-            if node == found.node {
-                Ok(Transformed::new(
-                    replacement.clone(),
-                    true,
-                    TreeNodeRecursion::Jump,
-                ))
-            } else {
-                Ok(Transformed::no(node))
-            }
-        })?
-        .data;
-    let mut other_stream: Option<String> = None;
-    let _ = upper.apply_with_subqueries(|node| {
-        if let LogicalPlan::TableScan(scan) = node {
-            let name = scan.table_name.table();
-            if name != FIRST_ROWS_TABLE && !settings.statics.contains(&name.to_lowercase()) {
-                other_stream = Some(name.to_string());
-                return Ok(TreeNodeRecursion::Stop);
-            }
-        }
-        Ok(TreeNodeRecursion::Continue)
-    });
-    if let Some(name) = other_stream {
+    let upper = super::replace_node(plan, &found.node, &replacement)?;
+    if let Some(name) = super::other_stream(&upper, FIRST_ROWS_TABLE, settings.statics) {
         return Err(Error::UnsupportedQuery(format!(
             "the query reads '{name}' beside the deduplicated rows of '{source}'; a \
              deduplicating job reads its stream only below the deduplication (static tables may \

@@ -613,20 +613,7 @@ pub(crate) fn plan_stream_join(
             join.null_equality,
             join.null_aware,
         )?;
-        let bounded = LogicalPlan::Join(bounded);
-        plan.clone()
-            .transform_down(|node| {
-                if node == *found {
-                    Ok(Transformed::new(
-                        bounded.clone(),
-                        true,
-                        TreeNodeRecursion::Jump,
-                    ))
-                } else {
-                    Ok(Transformed::no(node))
-                }
-            })?
-            .data
+        super::replace_node(plan, found, &LogicalPlan::Join(bounded))?
     };
 
     // The optimised query: filters and projections of one side below the join, so the state
@@ -800,32 +787,8 @@ pub(crate) fn plan_stream_join(
     )?
     .project(renamed)?
     .build()?;
-    let upper = optimized
-        .clone()
-        .transform_down(|node| {
-            if node == *found {
-                Ok(Transformed::new(
-                    replacement.clone(),
-                    true,
-                    TreeNodeRecursion::Jump,
-                ))
-            } else {
-                Ok(Transformed::no(node))
-            }
-        })?
-        .data;
-    let mut other_stream: Option<String> = None;
-    let _ = upper.apply_with_subqueries(|node| {
-        if let LogicalPlan::TableScan(scan) = node {
-            let name = scan.table_name.table();
-            if name != JOINED_TABLE && !settings.statics.contains(&name.to_lowercase()) {
-                other_stream = Some(name.to_string());
-                return Ok(TreeNodeRecursion::Stop);
-            }
-        }
-        Ok(TreeNodeRecursion::Continue)
-    });
-    if let Some(name) = other_stream {
+    let upper = super::replace_node(&optimized, found, &replacement)?;
+    if let Some(name) = super::other_stream(&upper, JOINED_TABLE, settings.statics) {
         return Err(refuse(format!(
             "the query reads '{name}' beside the joined streams; a job with a join of two \
              streams reads its streams only below the join (static tables may be joined above \

@@ -244,6 +244,49 @@ impl StatefulOperator {
     }
 }
 
+/// `plan` with every occurrence of `node` replaced by `with` (the operator's part of a plan
+/// replaced by the scan its upper part reads).
+pub(crate) fn replace_node(
+    plan: &LogicalPlan,
+    node: &LogicalPlan,
+    with: &LogicalPlan,
+) -> Result<LogicalPlan, Error> {
+    let replaced = plan.clone().transform_down(|n| {
+        if n == *node {
+            Ok(Transformed::new(
+                with.clone(),
+                true,
+                TreeNodeRecursion::Jump,
+            ))
+        } else {
+            Ok(Transformed::no(n))
+        }
+    })?;
+    Ok(replaced.data)
+}
+
+/// A stream `upper` reads beside the operator's output table `own` (subqueries included), if
+/// any: an operator's upper part may join static tables, never read another stream.
+pub(crate) fn other_stream(
+    upper: &LogicalPlan,
+    own: &str,
+    statics: &BTreeSet<String>,
+) -> Option<String> {
+    let mut found = None;
+    // The visitor never fails.
+    let _ = upper.apply_with_subqueries(|node| {
+        if let LogicalPlan::TableScan(scan) = node {
+            let name = scan.table_name.table();
+            if name != own && !statics.contains(&name.to_lowercase()) {
+                found = Some(name.to_string());
+                return Ok(TreeNodeRecursion::Stop);
+            }
+        }
+        Ok(TreeNodeRecursion::Continue)
+    });
+    found
+}
+
 /// Adds the columns `names` to every projection whose input has them and whose output lacks
 /// them, bottom up, so a column of the source (lineage, event time) reaches the top of `plan`.
 pub(crate) fn carry_columns(plan: LogicalPlan, names: &[&str]) -> Result<LogicalPlan, Error> {
