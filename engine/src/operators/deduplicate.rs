@@ -324,7 +324,9 @@ pub(crate) fn plan_deduplication(
     });
     if let Some(node) = reorders {
         return Err(refuse(format!(
-            "`{node}` below the deduplication would change the order rows arrive in, which              decides the first row of a key; deduplicate the stream itself (expressions, WHERE              and UNNEST are fine) and join tables over the deduplicated rows"
+            "`{node}` below the deduplication would change the order rows arrive in, which \
+             decides the first row of a key; deduplicate the stream itself (expressions, WHERE \
+             and UNNEST are fine) and join tables over the deduplicated rows"
         )));
     }
     let mut occurrences = 0;
@@ -334,7 +336,8 @@ pub(crate) fn plan_deduplication(
     });
     if occurrences > 1 {
         return Err(refuse(
-            "the query uses this deduplication more than once (a WITH referenced twice); a              ROW_NUMBER() over the stream is kept to its first row once"
+            "the query uses this deduplication more than once (a WITH referenced twice); a \
+             ROW_NUMBER() over the stream is kept to its first row once"
                 .into(),
         ));
     }
