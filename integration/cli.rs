@@ -158,6 +158,18 @@ fn bad_job_files_get_errors_naming_the_problem() {
             "set state_ttl",
         ),
         (
+            // A self-join of the stream with no time bound and no state_ttl.
+            good.replace(
+                "FROM events\nWHERE user_id <> 3",
+                "FROM events JOIN events e2 USING (id)\nWHERE events.user_id <> 3",
+            )
+            .replace("SELECT id, user_id,", "SELECT id, events.user_id,")
+            .replace("amount * 2", "events.amount * 2")
+            .replace("CAST(code AS INT)", "CAST(events.code AS INT)")
+            .replace("date_trunc('minute', ts) AS minute, ts", "e2.ts"),
+            "set state_ttl in [query]",
+        ),
+        (
             good.replace("event_time = \"ts\"", "event_time = \"when\""),
             "'when'",
         ),
