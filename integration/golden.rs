@@ -17,14 +17,15 @@ use crate::support::*;
 /// (a Delta table's rows, written as a Delta table before the run) or `tables/<name>/` (a
 /// table of plain files, copied), `expected.jsonl` (the
 /// hand-checked output rows, lineage columns left out), optionally `expected_late.jsonl` (the
-/// late table's rows, lineage and null columns left out) and `crash` (a named crash point,
-/// e.g. `after_commit:1`). The case runs straight through, and again from scratch killed at
-/// the crash point and restarted; both outputs must equal the expected rows.
+/// late table's rows, lineage and null columns left out) and `crash` (named crash points, one per
+/// line, e.g. `after_commit:1`). The case runs straight through, and again from scratch killed
+/// at each crash point and restarted; every output must equal the expected rows.
 async fn run_golden_case(case: &Path) {
     let expected = expected_rows(&case.join("expected.jsonl")).expect("expected.jsonl");
     let expected_late = expected_rows(&case.join("expected_late.jsonl"));
     let crash = std::fs::read_to_string(case.join("crash")).unwrap();
-    for crash_at in [None, Some(crash.trim())] {
+    let points = crash.lines().map(str::trim).filter(|l| !l.is_empty());
+    for crash_at in std::iter::once(None).chain(points.map(Some)) {
         let ws = tempfile::tempdir().unwrap();
         copy_dir(&case.join("input"), &ws.path().join("input"));
         std::fs::copy(case.join("job.toml"), ws.path().join("job.toml")).unwrap();

@@ -618,7 +618,11 @@ impl StreamingQuery {
             .unwrap_or_default();
         let files = self.recorded_state_files(manifest, &location)?;
         match self.stateful.as_mut() {
-            Some(stateful) => stateful.adopt_state(&files).await,
+            Some(stateful) => {
+                stateful
+                    .adopt_state(&files, manifest.watermark_micros)
+                    .await
+            }
             None => Ok(()),
         }
     }

@@ -45,16 +45,19 @@
 //!  lower   each side's plan over its source's rows (not late), buffered in the state
 //! ```
 //!
-//! **Failures.** A row its side's plan fails on is a dead letter, as in a stateless query (once
-//! in a self-join). A new row whose pairs fail — the condition or the SQL over the pairs, on
-//! their values (a division by zero, a failing cast) — is one too: found by halving the batch's
-//! new rows (those that pair with kept rows first; between two new rows, the one the failures
-//! have in common), its pairs are not written and it is not kept.
-//! Each side carries its source rows' lineage for this.
+//! **Failures.** A row its side's plan fails on — its filters, its columns, its join keys
+//! (computed in the side's plan for this) — is a dead letter, as in a stateless query (once in
+//! a self-join), and is not kept. A pair the SQL over the join fails on (a division by zero, a
+//! failing cast) is found by halving the batch's pairs and is one dead letter: both rows'
+//! columns, at the left row's position (each side carries its source rows' lineage), the right
+//! row's in the error; both rows stay kept, and the pair counts as a match. A condition over
+//! both sides that fails on values fails the batch, saying to move it into one side.
 //!
-//! **State** is the buffered rows of both sides. Each batch writes its new rows as a delta (one
-//! file, a side column telling them apart); a purge needs no write, since a restart drops what
-//! the restored watermark has purged.
+//! **State** is the buffered rows of both sides (the columns the join and the SQL above it need,
+//! the lineage, a row id) and, for a side an outer join preserves, which rows have matched.
+//! Each batch writes its new rows and new matches as a delta (one file, a kind column telling
+//! them apart); a purge needs no write, since a restart drops what the restored watermark has
+//! let go.
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::Arc;
@@ -471,7 +474,7 @@ fn single_source(
 /// query first, so filters over one side are applied before its rows are kept.
 ///
 /// # Errors
-/// If the join cannot run as a stream operator: not an inner join, update mode, a side reading
+/// If the join cannot run as a stream operator: a semi or anti join, update mode, a side reading
 /// other than one source or needing state of its own, a source without event time, a side no
 /// condition bounds without `state_ttl` (or `state_ttl` bounding nothing), or state needed
 /// above the join.
@@ -630,18 +633,22 @@ pub(crate) fn plan_stream_join(
     let LogicalPlan::Join(optimized_join) = found else {
         unreachable!("found joins only")
     };
-    // Each side carries its source rows' lineage, so a row whose pairs fail is dead-lettered
-    // with its position.
+    // Each side carries its source rows' lineage, so a pair the SQL above fails on is
+    // dead-lettered with its rows' positions; and computes its join keys, so a key expression
+    // that fails on a row (a CAST) makes that row a dead letter, not the batch fail.
+    let mut left = with_lineage(optimized_join.left.as_ref().clone(), &times[0].0)?;
+    let mut right = with_lineage(optimized_join.right.as_ref().clone(), &times[1].0)?;
+    let mut on = Vec::with_capacity(optimized_join.on.len());
+    for (i, (l, r)) in optimized_join.on.iter().enumerate() {
+        on.push((
+            key_column(&mut left, l, &format!("__sluice_left_key_{i}"))?,
+            key_column(&mut right, r, &format!("__sluice_right_key_{i}"))?,
+        ));
+    }
     let join = &Join::try_new(
-        Arc::new(with_lineage(
-            optimized_join.left.as_ref().clone(),
-            &times[0].0,
-        )?),
-        Arc::new(with_lineage(
-            optimized_join.right.as_ref().clone(),
-            &times[1].0,
-        )?),
-        optimized_join.on.clone(),
+        Arc::new(left),
+        Arc::new(right),
+        on,
         optimized_join.filter.clone(),
         optimized_join.join_type,
         optimized_join.join_constraint,
@@ -946,11 +953,21 @@ impl StreamJoin {
             };
             format!("{}({}){filters}", s.source, columns.join(", "))
         };
+        // An outer join records matches an inner one does not, and the lateness decides what
+        // a restart drops as already let go.
+        let preserved: Vec<&str> = self
+            .sides
+            .iter()
+            .filter(|s| s.preserved)
+            .map(|s| s.name)
+            .collect();
         format!(
-            "join {} with {} on {}",
+            "join {} with {} on {}; preserving [{}]; lateness {}",
             side(&self.sides[0]),
             side(&self.sides[1]),
-            self.condition
+            self.condition,
+            preserved.join(", "),
+            self.allowed_lateness
         )
     }
 
@@ -998,64 +1015,59 @@ impl StreamJoin {
             }
             new_rows[s] = side.stored(rows.batches)?;
         }
-        // Each pair once, in three parts: the new right rows with the kept left rows, the new
-        // left rows with the kept right rows, then new with new. A new row whose pairs fail
-        // (by their values) is a dead letter and is not kept: in the first two parts the new
-        // row's; in the third, the row the failures have in common (see `culprit`).
-        let mut matched_now: [Vec<u64>; 2] = [Vec::new(), Vec::new()];
-        for driving in [1, 0] {
-            let other = &self.sides[1 - driving];
-            *other.probed.batches[0].write().await = other.rows.clone();
-            let rows =
-                arrow::compute::concat_batches(&self.sides[driving].schema, &new_rows[driving])?;
-            let (batches, matched, failed) = self.pairs_isolating(ctx, driving, rows).await?;
-            out.batches.extend(batches);
-            for s in 0..2 {
-                matched_now[s].extend(matched[s].iter().copied());
-            }
-            if !failed.is_empty() {
-                let ids: HashSet<u64> = failed.iter().map(|(id, _)| *id).collect();
-                new_rows[driving] = without_ids(&new_rows[driving], &ids)?;
-                out.failed.extend(failed.into_iter().map(|(_, row)| row));
+        // Each pair once: the new left rows with the right side's kept and new rows, the kept
+        // left rows with the new right rows.
+        let [left, right] = &self.sides;
+        *left.new_rows.batches[0].write().await = new_rows[0].clone();
+        *left.probed.batches[0].write().await = left.rows.clone();
+        *right.new_rows.batches[0].write().await = new_rows[1].clone();
+        *right.probed.batches[0].write().await =
+            right.rows.iter().chain(&new_rows[1]).cloned().collect();
+        let mut pairs = Vec::new();
+        let mut failure = None;
+        for plan in &self.pairs {
+            match ctx.execute_logical_plan(plan.clone()).await {
+                Ok(df) => match df.collect().await {
+                    Ok(batches) => pairs.extend(batches),
+                    Err(e) => failure = Some(e),
+                },
+                Err(e) => failure = Some(e),
             }
         }
-        loop {
-            let lefts = arrow::compute::concat_batches(&self.sides[0].schema, &new_rows[0])?;
-            let rights = arrow::compute::concat_batches(&self.sides[1].schema, &new_rows[1])?;
-            if lefts.num_rows() == 0 || rights.num_rows() == 0 {
-                break;
-            }
-            *self.sides[0].probed.batches[0].write().await = vec![lefts.clone()];
-            match self.pairs_of(ctx, 1, rights.clone()).await {
-                Ok((batches, matched)) => {
-                    out.batches.extend(batches);
-                    for s in 0..2 {
-                        matched_now[s].extend(matched[s].iter().copied());
-                    }
-                    break;
-                }
-                Err(e) if !is_data_error(&e) => return Err(e),
-                Err(e) => {
-                    let (s, row, error) = self.culprit(ctx, &lefts, &rights, e).await?;
-                    let side = &self.sides[s];
-                    let id = row.column(side.id_index()).as_primitive::<UInt64Type>();
-                    let ids = HashSet::from([id.value(0)]);
-                    new_rows[s] = without_ids(&new_rows[s], &ids)?;
-                    out.failed.push(self.failed_row(s, &row, error)?);
-                }
-            }
-        }
-        for table in [&self.sides[0].probed, &self.sides[1].probed] {
+        for table in [&left.new_rows, &left.probed, &right.new_rows, &right.probed] {
             table.batches[0].write().await.clear();
         }
-        let mut recorded: [Vec<u64>; 2] = [Vec::new(), Vec::new()];
-        for (s, ids) in matched_now.into_iter().enumerate() {
-            let side = &mut self.sides[s];
-            if side.preserved {
-                recorded[s] = ids
-                    .into_iter()
-                    .filter(|id| side.matched.insert(*id))
-                    .collect();
+        if let Some(error) = failure {
+            // Not a row's: the key expressions and one side's conditions run in the sides'
+            // plans, where a failing row is a dead letter; what fails here is a condition over
+            // both sides.
+            return Err(Error::UnsupportedQuery(format!(
+                "the join's condition over both sides failed: {error}; a condition that \
+                 fails on values (a division, a cast) belongs in one side's SQL, where a \
+                 failing row is a dead letter"
+            )));
+        }
+        // Each pair's columns, and the ids of the preserved sides' rows that matched.
+        let width = self.joined_schema.fields().len();
+        let mut joined = Vec::new();
+        let mut matched_now: [Vec<u64>; 2] = [Vec::new(), Vec::new()];
+        for pair in pairs {
+            if pair.num_rows() == 0 {
+                continue;
+            }
+            joined.push(RecordBatch::try_new(
+                Arc::clone(&self.joined_schema),
+                pair.columns()[..width].to_vec(),
+            )?);
+            for (s, side) in self.sides.iter_mut().enumerate() {
+                if side.preserved {
+                    let ids = pair.column(width + s).as_primitive::<UInt64Type>();
+                    for &id in ids.values() {
+                        if side.matched.insert(id) {
+                            matched_now[s].push(id);
+                        }
+                    }
+                }
             }
         }
         self.changes.clear();
@@ -1066,7 +1078,7 @@ impl StreamJoin {
             }
             self.sides[s].rows.extend(rows);
         }
-        for (s, ids) in recorded.iter().enumerate() {
+        for (s, ids) in matched_now.iter().enumerate() {
             if !ids.is_empty() {
                 self.changes
                     .push(matched_rows(&self.sides, &self.state_schema, s, ids)?);
@@ -1075,147 +1087,24 @@ impl StreamJoin {
         if let Some(limit) = self.on_time_limit(watermark.after) {
             for s in 0..2 {
                 for rows in self.sides[s].purge(limit)? {
-                    let joined = self.unmatched(s, &rows)?;
-                    let (batches, failed) = self.upper_isolating(ctx, s, joined).await?;
-                    out.batches.extend(batches);
-                    out.failed.extend(failed);
+                    joined.push(self.unmatched(s, &rows)?);
                 }
             }
+        }
+        if !joined.is_empty() {
+            let all = arrow::compute::concat_batches(&self.joined_schema, &joined)?;
+            let (batches, failed) = self.upper_isolating(ctx, all).await?;
+            out.batches.extend(batches);
+            out.failed.extend(failed);
         }
         Ok(out)
     }
 
-    /// The pairs side `driving`'s new `rows` make (with the other side's probed rows), through
-    /// the upper part: its output, the ids of the rows that matched per side, and the rows of
-    /// `rows` whose pairs the condition or the upper part fails on (by their values: found by
-    /// halving), as dead letters.
-    #[allow(clippy::type_complexity)]
-    async fn pairs_isolating(
-        &self,
-        ctx: &SessionContext,
-        driving: usize,
-        rows: RecordBatch,
-    ) -> Result<(Vec<RecordBatch>, [Vec<u64>; 2], Vec<(u64, FailedRow)>)> {
-        let (mut batches, mut matched, mut failed) =
-            (Vec::new(), [Vec::new(), Vec::new()], Vec::new());
-        let mut pending = vec![(0, rows.num_rows())];
-        while let Some((offset, len)) = pending.pop() {
-            if len == 0 {
-                continue;
-            }
-            match self.pairs_of(ctx, driving, rows.slice(offset, len)).await {
-                Ok((out, ids)) => {
-                    batches.extend(out);
-                    for s in 0..2 {
-                        matched[s].extend(ids[s].iter().copied());
-                    }
-                }
-                Err(e) if !is_data_error(&e) => return Err(e),
-                Err(e) if len == 1 => {
-                    let row = rows.slice(offset, 1);
-                    let side = &self.sides[driving];
-                    let id = row.column(side.id_index()).as_primitive::<UInt64Type>();
-                    failed.push((id.value(0), self.failed_row(driving, &row, e.to_string())?));
-                }
-                Err(_) => {
-                    let half = len / 2;
-                    pending.push((offset + half, len - half));
-                    pending.push((offset, half));
-                }
-            }
-        }
-        Ok((batches, matched, failed))
-    }
-
-    /// Of the new `lefts` and `rights` whose pairs fail together (`error`), the row to
-    /// dead-letter: a right row that fails with the new left rows alone (found by halving),
-    /// unless it fails with only one of several new left rows — then that left row, the one
-    /// the failure is about. Its side, its row and the error of its pairs.
-    async fn culprit(
-        &self,
-        ctx: &SessionContext,
-        lefts: &RecordBatch,
-        rights: &RecordBatch,
-        error: Error,
-    ) -> Result<(usize, RecordBatch, String)> {
-        // Left probed holds `lefts`: halve the right rows down to one that fails.
-        let (mut offset, mut len, mut error) = (0, rights.num_rows(), error);
-        while len > 1 {
-            let half = len / 2;
-            match self.pairs_of(ctx, 1, rights.slice(offset, half)).await {
-                Ok(_) => {
-                    offset += half;
-                    len -= half;
-                }
-                Err(e) if !is_data_error(&e) => return Err(e),
-                Err(e) => {
-                    len = half;
-                    error = e;
-                }
-            }
-        }
-        let right = rights.slice(offset, 1);
-        // Which new left rows fail with it alone.
-        *self.sides[1].probed.batches[0].write().await = vec![right.clone()];
-        let (_, _, failing) = self.pairs_isolating(ctx, 0, lefts.clone()).await?;
-        self.sides[1].probed.batches[0].write().await.clear();
-        if let [(id, failed)] = &failing[..]
-            && lefts.num_rows() > 1
-        {
-            let ids = lefts.column(self.sides[0].id_index());
-            let index = ids
-                .as_primitive::<UInt64Type>()
-                .values()
-                .iter()
-                .position(|i| i == id)
-                .unwrap_or(0);
-            return Ok((0, lefts.slice(index, 1), failed.error.clone()));
-        }
-        Ok((1, right, error.to_string()))
-    }
-
-    /// The pairs side `driving`'s new `rows` make, through the upper part, and the ids of the
-    /// rows that matched per side.
-    async fn pairs_of(
-        &self,
-        ctx: &SessionContext,
-        driving: usize,
-        rows: RecordBatch,
-    ) -> Result<(Vec<RecordBatch>, [Vec<u64>; 2])> {
-        let new_rows = &self.sides[driving].new_rows;
-        *new_rows.batches[0].write().await = vec![rows];
-        let pairs = match ctx.execute_logical_plan(self.pairs[driving].clone()).await {
-            Ok(df) => df.collect().await,
-            Err(e) => Err(e),
-        };
-        new_rows.batches[0].write().await.clear();
-        let width = self.joined_schema.fields().len();
-        let mut joined = Vec::new();
-        let mut matched: [Vec<u64>; 2] = [Vec::new(), Vec::new()];
-        for pair in pairs? {
-            if pair.num_rows() == 0 {
-                continue;
-            }
-            joined.push(RecordBatch::try_new(
-                Arc::clone(&self.joined_schema),
-                pair.columns()[..width].to_vec(),
-            )?);
-            for (s, side) in self.sides.iter().enumerate() {
-                if side.preserved {
-                    let ids = pair.column(width + s).as_primitive::<UInt64Type>();
-                    matched[s].extend(ids.values().iter().copied());
-                }
-            }
-        }
-        Ok((self.run_upper(ctx, joined).await?, matched))
-    }
-
-    /// The upper part over side `s`'s unmatched rows (as joined rows); rows it fails on are
-    /// found by halving and dead-lettered.
+    /// The upper part over `joined` rows (pairs, and unmatched rows null-padded); rows it fails
+    /// on (by their values) are found by halving and dead-lettered, a pair as one dead letter.
     async fn upper_isolating(
         &self,
         ctx: &SessionContext,
-        s: usize,
         joined: RecordBatch,
     ) -> Result<(Vec<RecordBatch>, Vec<FailedRow>)> {
         let (mut batches, mut failed) = (Vec::new(), Vec::new());
@@ -1224,19 +1113,10 @@ impl StreamJoin {
             if len == 0 {
                 continue;
             }
-            match self.run_upper(ctx, vec![joined.slice(offset, len)]).await {
+            match self.run_upper(ctx, joined.slice(offset, len)).await {
                 Ok(out) => batches.extend(out),
                 Err(e) if !is_data_error(&e) => return Err(e),
-                Err(e) if len == 1 => {
-                    // The side's columns of the joined row, as the side's row.
-                    let first = if s == 0 { 0 } else { self.sides[0].id_index() };
-                    let width = self.sides[s].id_index();
-                    let row = joined.slice(offset, 1);
-                    let mut columns = row.columns()[first..first + width].to_vec();
-                    columns.push(Arc::new(UInt64Array::from(vec![0u64])));
-                    let row = RecordBatch::try_new(Arc::clone(&self.sides[s].schema), columns)?;
-                    failed.push(self.failed_row(s, &row, e.to_string())?);
-                }
+                Err(e) if len == 1 => failed.push(self.failed_pair(&joined.slice(offset, 1), &e)?),
                 Err(_) => {
                     let half = len / 2;
                     pending.push((offset + half, len - half));
@@ -1251,12 +1131,9 @@ impl StreamJoin {
     async fn run_upper(
         &self,
         ctx: &SessionContext,
-        joined: Vec<RecordBatch>,
+        joined: RecordBatch,
     ) -> Result<Vec<RecordBatch>> {
-        if joined.iter().all(|b| b.num_rows() == 0) {
-            return Ok(Vec::new());
-        }
-        *self.joined.batches[0].write().await = joined;
+        *self.joined.batches[0].write().await = vec![joined];
         let result = match ctx.execute_logical_plan(self.upper.clone()).await {
             Ok(df) => df.collect().await,
             Err(e) => Err(e),
@@ -1265,24 +1142,60 @@ impl StreamJoin {
         Ok(result?.into_iter().filter(|b| b.num_rows() > 0).collect())
     }
 
-    /// A row of side `s` (stored schema) as a dead letter: its columns under the side's names
-    /// (the lineage among them), and the error.
-    fn failed_row(&self, s: usize, row: &RecordBatch, error: String) -> Result<FailedRow> {
-        let side = &self.sides[s];
-        let fields: Vec<Field> = side
-            .lower
-            .schema()
-            .fields()
-            .iter()
-            .map(|f| f.as_ref().clone().with_nullable(true))
-            .collect();
-        let row = RecordBatch::try_new(
-            Arc::new(Schema::new(fields)),
-            row.columns()[..side.id_index()].to_vec(),
-        )?;
+    /// A joined row the upper part fails on, as one dead letter: both sides' columns (named
+    /// `<qualifier>.<column>`), at the position of its left row (of its right row, for a right
+    /// row unmatched), the other row's position in the error.
+    fn failed_pair(&self, row: &RecordBatch, error: &Error) -> Result<FailedRow> {
+        let lineage = [SOURCE_PARTITION, SOURCE_OFFSET, SOURCE_POSITION];
+        let left_width = self.sides[0].id_index();
+        let present = |s: usize| {
+            let first = if s == 0 { 0 } else { left_width };
+            let side = &self.sides[s];
+            (0..side.id_index()).any(|i| !row.column(first + i).is_null(0))
+        };
+        let (at, other) = if present(0) { (0, 1) } else { (1, 0) };
+        let mut fields = Vec::new();
+        let mut columns = Vec::new();
+        let mut positions = [String::new(), String::new()];
+        for (s, side) in self.sides.iter().enumerate() {
+            let first = if s == 0 { 0 } else { left_width };
+            let schema = side.lower.schema();
+            let position: Vec<String> = lineage
+                .iter()
+                .filter_map(|name| schema.fields().iter().position(|f| f.name() == name))
+                .map(|i| row.column(first + i))
+                .filter(|c| !c.is_null(0))
+                .map(|c| arrow::util::display::array_value_to_string(c, 0))
+                .collect::<std::result::Result<_, _>>()?;
+            positions[s] = position.join("@");
+            for (i, (qualifier, field)) in schema.iter().enumerate() {
+                let column = Arc::clone(row.column(first + i));
+                if lineage.contains(&field.name().as_str()) {
+                    if s != at {
+                        continue;
+                    }
+                    fields.push(Field::new(field.name(), field.data_type().clone(), true));
+                } else {
+                    let name = match qualifier {
+                        Some(q) => format!("{q}.{}", field.name()),
+                        None => field.name().clone(),
+                    };
+                    fields.push(Field::new(name, field.data_type().clone(), true));
+                }
+                columns.push(column);
+            }
+        }
+        let error = if present(other) {
+            format!(
+                "{error} (joined with {} row {})",
+                self.sides[other].source, positions[other]
+            )
+        } else {
+            error.to_string()
+        };
         Ok(FailedRow {
-            source: side.source.clone(),
-            row,
+            source: self.sides[at].source.clone(),
+            row: RecordBatch::try_new(Arc::new(Schema::new(fields)), columns)?,
             error,
         })
     }
@@ -1369,11 +1282,12 @@ impl StreamJoin {
                         let columns = rows.columns()[first..first + width].to_vec();
                         side.rows
                             .push(RecordBatch::try_new(Arc::clone(&side.schema), columns)?);
-                        let newest = ids.values().iter().max().map_or(0, |m| m + 1);
-                        side.next_id = side.next_id.max(newest);
                     } else {
                         matched[s].extend(ids.values().iter().copied());
                     }
+                    // No id a file holds is handed out again.
+                    let newest = ids.values().iter().max().map_or(0, |m| m + 1);
+                    side.next_id = side.next_id.max(newest);
                 }
                 first += width;
             }
@@ -1440,6 +1354,11 @@ impl StreamJoin {
     pub(crate) fn log_mut(&mut self) -> Option<&mut StateLog> {
         self.log.as_mut()
     }
+
+    /// The state files, taken out to restore from another attempt's.
+    pub(crate) fn take_log(&mut self) -> Option<StateLog> {
+        self.log.take()
+    }
 }
 
 /// `rows` of side `s` as state rows (the other side's columns null).
@@ -1495,20 +1414,22 @@ fn with_lineage(side: LogicalPlan, source: &str) -> Result<LogicalPlan> {
     super::carry_columns(scanned, &lineage)
 }
 
-/// `batches` (a side's stored rows) without the rows whose id is in `ids`.
-fn without_ids(batches: &[RecordBatch], ids: &HashSet<u64>) -> Result<Vec<RecordBatch>> {
-    batches
+/// The join key `expr` of `side` as a column: itself if it is one, else computed by a
+/// projection added to `side` under `name`.
+fn key_column(side: &mut LogicalPlan, expr: &Expr, name: &str) -> Result<Expr> {
+    if let Expr::Column(_) = expr {
+        return Ok(expr.clone());
+    }
+    let mut exprs: Vec<Expr> = side
+        .schema()
         .iter()
-        .map(|b| {
-            let column = b.column(b.num_columns() - 1).as_primitive::<UInt64Type>();
-            let keep: BooleanArray = column
-                .values()
-                .iter()
-                .map(|id| Some(!ids.contains(id)))
-                .collect();
-            Ok(filter_record_batch(b, &keep)?)
-        })
-        .collect()
+        .map(|(qualifier, field)| Expr::Column(Column::new(qualifier.cloned(), field.name())))
+        .collect();
+    exprs.push(expr.clone().alias(name));
+    *side = LogicalPlanBuilder::from(side.clone())
+        .project(exprs)?
+        .build()?;
+    Ok(Expr::Column(Column::new_unqualified(name)))
 }
 
 /// A source row's lineage (partition, offset, position) as text.
@@ -1849,34 +1770,28 @@ mod tests {
         }
     }
 
-    /// A row whose pairs the SQL over the join fails on (by its values) is a dead letter with
-    /// its position, its other pairs are not written, and it is not kept to join later rows;
-    /// every other pair is.
+    fn sorted_pairs(out: &QueryOutput) -> Vec<(i64, i64)> {
+        let mut pairs = Vec::new();
+        for b in &out.batches {
+            let lo = b.column(0).as_primitive::<Int64Type>();
+            let ro = b.column(1).as_primitive::<Int64Type>();
+            pairs.extend(lo.values().iter().copied().zip(ro.values().iter().copied()));
+        }
+        pairs.sort_unstable();
+        pairs
+    }
+
+    /// A pair the SQL over the join fails on (by its values) is one dead letter, at its left
+    /// row's position with the right row's in the error; both rows stay kept, and every
+    /// other pair is written — in this batch and later ones.
     #[tokio::test]
-    async fn a_row_whose_pairs_fail_is_a_dead_letter_and_the_rest_join() {
+    async fn a_pair_the_query_fails_on_is_a_dead_letter_and_the_rest_join() {
         let sql = "SELECT l._source_offset AS lo, r._source_offset AS ro, \
                    10 / (r._source_offset - 3) AS x FROM l JOIN r ON l.k = r.k";
         let sources = [("l".to_string(), schema()), ("r".to_string(), schema())];
         let mut query = StreamingQuery::plan(sql, &sources, &settings(true))
             .await
             .unwrap();
-        let dir = tempfile::tempdir().unwrap();
-        let checkpoint =
-            CheckpointStore::open(&url::Url::from_directory_path(dir.path()).unwrap()).unwrap();
-        query
-            .restore_state(StateLog::new(&checkpoint, 0), None, None)
-            .await
-            .unwrap();
-        let pairs_of = |out: &QueryOutput| {
-            let mut pairs = Vec::new();
-            for b in &out.batches {
-                let lo = b.column(0).as_primitive::<Int64Type>();
-                let ro = b.column(1).as_primitive::<Int64Type>();
-                pairs.extend(lo.values().iter().copied().zip(ro.values().iter().copied()));
-            }
-            pairs.sort_unstable();
-            pairs
-        };
         // Two left rows and five right rows of key k1: right row 3 fails with both.
         let inputs = BTreeMap::from([
             ("l".to_string(), batch(&[(10, 1), (11, 1)], 0)),
@@ -1890,64 +1805,66 @@ mod tests {
             .into_iter()
             .flat_map(|lo| [0, 1, 2, 4].map(|ro| (lo, ro)))
             .collect();
-        assert_eq!(pairs_of(&out), expected);
+        assert_eq!(sorted_pairs(&out), expected);
+        let mut offsets: Vec<i64> = out
+            .failed
+            .iter()
+            .map(|f| {
+                assert_eq!(f.source, "l");
+                assert!(f.error.contains("Divide by zero"), "{}", f.error);
+                assert!(f.error.contains("joined with r row 0@3"), "{}", f.error);
+                let letter = crate::dead_letter::dead_letter_from_row(&f.row, &f.error).unwrap();
+                letter.offset
+            })
+            .collect();
+        offsets.sort_unstable();
+        assert_eq!(offsets, vec![0, 1], "one dead letter per failing pair");
+        // A later left row joins every kept right row; its pair with row 3 fails again.
+        let inputs = BTreeMap::from([("l".to_string(), batch(&[(13, 1)], 2))]);
+        let out = query
+            .execute_isolating(&inputs, BatchWatermark::default())
+            .await
+            .unwrap();
+        assert_eq!(sorted_pairs(&out), vec![(2, 0), (2, 1), (2, 2), (2, 4)]);
+        assert_eq!(out.failed.len(), 1);
+    }
+
+    /// A condition on one side (or a join key computed from one side) runs in that side's
+    /// plan: a row it fails on is a dead letter of that side, not kept, and the rest join.
+    #[tokio::test]
+    async fn a_side_condition_that_fails_on_a_row_dead_letters_that_row() {
+        let sql = "SELECT l._source_offset AS lo, r._source_offset AS ro FROM l JOIN r \
+                   ON upper(l.k) = upper(r.k) AND 10 / (r._source_offset - 3) <> 0";
+        let sources = [("l".to_string(), schema()), ("r".to_string(), schema())];
+        let mut query = StreamingQuery::plan(sql, &sources, &settings(true))
+            .await
+            .unwrap();
+        let inputs = BTreeMap::from([
+            ("l".to_string(), batch(&[(10, 1), (11, 1)], 0)),
+            ("r".to_string(), batch(&[(12, 1); 5], 0)),
+        ]);
+        let out = query
+            .execute_isolating(&inputs, BatchWatermark::default())
+            .await
+            .unwrap();
         let [failed] = &out.failed[..] else {
             panic!("one dead letter: {:?}", out.failed)
         };
         assert_eq!(failed.source, "r");
         let letter = crate::dead_letter::dead_letter_from_row(&failed.row, &failed.error).unwrap();
         assert_eq!(letter.offset, 3);
-        assert!(failed.error.contains("Divide by zero"), "{}", failed.error);
-        // A later left row joins the kept right rows, not the dead letter.
+        let expected: Vec<(i64, i64)> = [0, 1]
+            .into_iter()
+            .flat_map(|lo| [0, 1, 2, 4].map(|ro| (lo, ro)))
+            .collect();
+        assert_eq!(sorted_pairs(&out), expected);
+        // Not kept: a later left row joins the four others.
         let inputs = BTreeMap::from([("l".to_string(), batch(&[(13, 1)], 2))]);
         let out = query
             .execute_isolating(&inputs, BatchWatermark::default())
             .await
             .unwrap();
-        assert_eq!(pairs_of(&out), vec![(2, 0), (2, 1), (2, 2), (2, 4)]);
-        assert!(out.failed.is_empty());
-    }
-
-    /// New with new: the row the failures have in common is the dead letter, whichever side.
-    #[tokio::test]
-    async fn a_bad_row_among_new_rows_is_the_one_dead_lettered() {
-        for (sql, source, offset) in [
-            (
-                "SELECT l._source_offset AS lo, r._source_offset AS ro, \
-              10 / (l._source_offset - 1) AS x FROM l JOIN r ON l.k = r.k",
-                "l",
-                1,
-            ),
-            (
-                "SELECT l._source_offset AS lo, r._source_offset AS ro, \
-              10 / (r._source_offset - 2) AS x FROM l JOIN r ON l.k = r.k",
-                "r",
-                2,
-            ),
-        ] {
-            let sources = [("l".to_string(), schema()), ("r".to_string(), schema())];
-            let mut query = StreamingQuery::plan(sql, &sources, &settings(true))
-                .await
-                .unwrap();
-            let inputs = BTreeMap::from([
-                ("l".to_string(), batch(&[(10, 1); 3], 0)),
-                ("r".to_string(), batch(&[(12, 1); 4], 0)),
-            ]);
-            let out = query
-                .execute_isolating(&inputs, BatchWatermark::default())
-                .await
-                .unwrap();
-            let [failed] = &out.failed[..] else {
-                panic!("{sql}: one dead letter: {:?}", out.failed)
-            };
-            assert_eq!(failed.source, source, "{sql}");
-            let letter =
-                crate::dead_letter::dead_letter_from_row(&failed.row, &failed.error).unwrap();
-            assert_eq!(letter.offset, offset, "{sql}");
-            let rows: usize = out.batches.iter().map(RecordBatch::num_rows).sum();
-            let expected = if source == "l" { 2 * 4 } else { 3 * 3 };
-            assert_eq!(rows, expected, "{sql}");
-        }
+        assert_eq!(sorted_pairs(&out), vec![(2, 0), (2, 1), (2, 2), (2, 4)]);
     }
 
     #[tokio::test]

@@ -214,8 +214,20 @@ impl StatefulOperator {
         self.log().map(StateLog::location)
     }
 
-    /// Takes `files` as the live state (a manifest another attempt wrote first).
-    pub(crate) async fn adopt_state(&mut self, files: &[String]) -> Result<(), Error> {
+    /// Takes `files` as the live state (a manifest another attempt wrote first, recording
+    /// `watermark`). A join of streams reloads its rows from them: another attempt numbered
+    /// the rows it kept (and recorded their matches) in an order of its own.
+    pub(crate) async fn adopt_state(
+        &mut self,
+        files: &[String],
+        watermark: Option<i64>,
+    ) -> Result<(), Error> {
+        if let StatefulOperator::Join(j) = self {
+            let log = j
+                .take_log()
+                .ok_or_else(|| Error::InvalidJob("state adopted before it was restored".into()))?;
+            return j.restore(log, files, watermark).await;
+        }
         let log = match self {
             StatefulOperator::Aggregate(a) => a.log_mut(),
             StatefulOperator::Deduplication(d) => d.log_mut(),
