@@ -302,7 +302,8 @@ async fn joins_that_would_need_state_are_refused_by_name() {
         ),
         (
             "SELECT a.id, b.id AS other FROM events a JOIN events b ON a.user_id = b.user_id",
-            ["Inner Join", "a join of two streams"],
+            // Two streams joined with nothing bounding how long a row waits.
+            ["Inner Join", "set state_ttl"],
         ),
         (
             "SELECT window_start, count(*) AS n FROM tumble(events, ts, INTERVAL '1' MINUTE) e \

@@ -1953,7 +1953,7 @@ mod tests {
                 "SELECT a.window_start FROM (SELECT window_start, count(*) FROM tumble(t, ts, INTERVAL '1' MINUTE) GROUP BY window_start) a \
                  JOIN (SELECT window_start, count(*) FROM hop(t, ts, INTERVAL '20' SECOND, INTERVAL '1' MINUTE) GROUP BY window_start) b \
                  ON a.window_start = b.window_start",
-                "several different aggregates",
+                "a window join",
             ),
         ] {
             let e = StreamingQuery::plan(sql, &sources, &settings(Duration::ZERO))

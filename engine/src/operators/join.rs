@@ -520,8 +520,9 @@ pub(crate) fn plan_stream_join(
         })?;
         if let Some((node, _)) = stateful_node(side, settings.statics) {
             return Err(refuse(format!(
-                "`{node}` on the {name} side of the join needs state of its own; a job runs one \
-                 stateful operator for now — chains of them are not built yet"
+                "`{node}` on the {name} side of the join needs state of its own: a join of \
+                 aggregates (a window join) or of deduplicated rows is a chain of stateful \
+                 operators, not built yet — a job runs one stateful operator for now"
             )));
         }
         let column = settings.event_time.get(&source).cloned().ok_or_else(|| {
