@@ -821,10 +821,11 @@ pub(crate) fn plan_stream_join(
             ));
         }
     }
-    let condition = join
+    // The keys as written (not the sides' computed key columns): what the state means.
+    let condition = optimized_join
         .on
         .iter()
-        .map(|(l, r)| format!("{l} = {r}"))
+        .map(|(l, r)| format!("{} = {}", readable(l), readable(r)))
         .chain(join.filter.iter().map(readable))
         .collect::<Vec<_>>()
         .join(" AND ");
@@ -1039,13 +1040,19 @@ impl StreamJoin {
             table.batches[0].write().await.clear();
         }
         if let Some(error) = failure {
-            // Not a row's: the key expressions and one side's conditions run in the sides'
-            // plans, where a failing row is a dead letter; what fails here is a condition over
-            // both sides.
+            let error = Error::from(error);
+            if !is_data_error(&error) {
+                return Err(error);
+            }
+            // Not a row's: the key expressions and (for an inner join) one side's conditions
+            // run in the sides' plans, where a failing row is a dead letter; what fails here
+            // is a condition over both sides, or on an outer join's preserved side.
             return Err(Error::UnsupportedQuery(format!(
-                "the join's condition over both sides failed: {error}; a condition that \
-                 fails on values (a division, a cast) belongs in one side's SQL, where a \
-                 failing row is a dead letter"
+                "the join's condition failed on the values of a pair: {error}; a condition \
+                 that can fail on values (a division, a cast) belongs in one side's SQL (a \
+                 subquery for an outer join's preserved side), where a failing row is a dead \
+                 letter — changing the condition starts the job over (its state means another \
+                 join)"
             )));
         }
         // Each pair's columns, and the ids of the preserved sides' rows that matched.
@@ -1418,7 +1425,8 @@ fn with_lineage(side: LogicalPlan, source: &str) -> Result<LogicalPlan> {
 /// The join key `expr` of `side` as a column: itself if it is one, else computed by a
 /// projection added to `side` under `name`.
 fn key_column(side: &mut LogicalPlan, expr: &Expr, name: &str) -> Result<Expr> {
-    if let Expr::Column(_) = expr {
+    // A column, or a time plus an interval (a bound, which cannot fail on a value).
+    if column_plus(expr).is_some() {
         return Ok(expr.clone());
     }
     let mut exprs: Vec<Expr> = side
@@ -1903,6 +1911,25 @@ mod tests {
         let one_bound = "SELECT * FROM l JOIN r ON l.k = r.k AND r.ts >= l.ts";
         let error = refused(one_bound, settings(false)).await;
         assert!(error.contains("left side (l)"), "{error}");
+        // An equality of times (with an offset) bounds both sides: no state_ttl needed.
+        let equal = "SELECT * FROM l JOIN r ON l.k = r.k AND l.ts = r.ts + INTERVAL '1' SECOND";
+        StreamingQuery::plan(equal, &sources, &settings(false))
+            .await
+            .unwrap();
+        // Keys computed in the sides still tell two queries' states apart.
+        let fingerprint = |sql: &'static str| {
+            let sources = sources.clone();
+            async move {
+                let query = StreamingQuery::plan(sql, &sources, &settings(true))
+                    .await
+                    .unwrap();
+                query.operators()[0].what.clone()
+            }
+        };
+        let upper = fingerprint("SELECT * FROM l JOIN r ON upper(l.k) = r.k").await;
+        let lower = fingerprint("SELECT * FROM l JOIN r ON lower(l.k) = r.k").await;
+        assert!(upper.contains("upper(l.k)"), "{upper}");
+        assert_ne!(upper, lower);
         let counted = "SELECT count(*) FROM l JOIN r ON l.k = r.k";
         let error = refused(counted, settings(true)).await;
         assert!(error.contains("chains"), "{error}");
