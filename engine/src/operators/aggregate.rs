@@ -482,20 +482,7 @@ pub(crate) async fn plan_stateful(
     )?
     .project(renamed)?
     .build()?;
-    let upper = plan
-        .clone()
-        .transform_down(|node| {
-            if node == original {
-                Ok(Transformed::new(
-                    replacement.clone(),
-                    true,
-                    TreeNodeRecursion::Jump,
-                ))
-            } else {
-                Ok(Transformed::no(node))
-            }
-        })?
-        .data;
+    let upper = super::replace_node(plan, &original, &replacement)?;
     check_upper(&upper, settings.mode)?;
 
     let session = grouping.is_session();

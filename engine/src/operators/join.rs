@@ -1358,11 +1358,6 @@ impl StreamJoin {
         self.log.as_ref()
     }
 
-    /// The state files, once restored, to adopt another attempt's.
-    pub(crate) fn log_mut(&mut self) -> Option<&mut StateLog> {
-        self.log.as_mut()
-    }
-
     /// The state files, taken out to restore from another attempt's.
     pub(crate) fn take_log(&mut self) -> Option<StateLog> {
         self.log.take()

@@ -222,20 +222,16 @@ impl StatefulOperator {
         files: &[String],
         watermark: Option<i64>,
     ) -> Result<(), Error> {
-        if let StatefulOperator::Join(j) = self {
-            let log = j
-                .take_log()
-                .ok_or_else(|| Error::InvalidJob("state adopted before it was restored".into()))?;
-            return j.restore(log, files, watermark).await;
-        }
+        let unrestored = || Error::InvalidJob("state adopted before it was restored".into());
         let log = match self {
             StatefulOperator::Aggregate(a) => a.log_mut(),
             StatefulOperator::Deduplication(d) => d.log_mut(),
-            StatefulOperator::Join(j) => j.log_mut(),
+            StatefulOperator::Join(j) => {
+                let log = j.take_log().ok_or_else(unrestored)?;
+                return j.restore(log, files, watermark).await;
+            }
         };
-        let log =
-            log.ok_or_else(|| Error::InvalidJob("state adopted before it was restored".into()))?;
-        log.adopt(files).await
+        log.ok_or_else(unrestored)?.adopt(files).await
     }
 
     /// Deletes state files of batches up to `committed` no longer live.
