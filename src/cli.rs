@@ -414,7 +414,11 @@ async fn validate(path: PathBuf, registry: &Registry) -> Result<()> {
         println!("\nstateful operators (state carried between batches, bounded by its purge):");
         for op in &validation.operators {
             println!("  {}  {}", op.id, op.what);
-            println!("    state key: {}", op.state_key.join(", "));
+            if op.state_key.is_empty() {
+                println!("    state key: none (no state of its own)");
+            } else {
+                println!("    state key: {}", op.state_key.join(", "));
+            }
             println!("    purge: {}", op.purge);
             println!("    emits: {}", op.emits);
         }

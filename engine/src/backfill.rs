@@ -243,6 +243,14 @@ impl Job {
                     .into(),
             ));
         }
+        if query.joins_windows() {
+            return Err(Error::UnsupportedQuery(
+                "backfill of a window join is not available yet: it would replace the joined \
+                 windows its range touched on both sources, and that rule is not built; \
+                 reconcile checks the job instead"
+                    .into(),
+            ));
+        }
         if query.is_stateful() && window.is_none() {
             return Err(Error::UnsupportedQuery(
                 "a running aggregate (no window) has no range to replace: its groups span all \

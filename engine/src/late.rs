@@ -112,6 +112,16 @@ pub fn below_watermark(
         return Ok(None);
     }
     let late = late_table_rows(&late, watermark, None, batch_id)?;
+    of_source(&late, source, schema).map(Some)
+}
+
+/// `late` (late-table rows of one source, see [`late_schema`]) as rows of the late table
+/// `schema` of a job joining streams (see [`late_schema_of_sources`]): [`SOURCE`] set to
+/// `source`, the other sources' columns null.
+///
+/// # Errors
+/// If a column cannot be cast to the table's type (a planning bug: the schemas were checked).
+pub fn of_source(late: &RecordBatch, source: &str, schema: &SchemaRef) -> Result<RecordBatch> {
     let n = late.num_rows();
     let columns = schema
         .fields()
@@ -128,7 +138,7 @@ pub fn below_watermark(
             }
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok(Some(RecordBatch::try_new(Arc::clone(schema), columns)?))
+    Ok(RecordBatch::try_new(Arc::clone(schema), columns)?)
 }
 
 /// Which windows are closed under a watermark: those whose end plus the allowed lateness is at

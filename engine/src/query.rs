@@ -42,6 +42,7 @@ use crate::operators::deduplicate::Deduplication;
 use crate::operators::is_data_error;
 use crate::operators::join::StreamJoin;
 use crate::operators::state_store::StateLog;
+use crate::operators::window_join::WindowJoin;
 pub use crate::operators::{FailedRow, QueryOutput};
 use crate::operators::{StatefulOperator, carry_columns, plan_operator};
 use crate::sink::{OutputMode, OutputTables};
@@ -358,7 +359,7 @@ impl StreamingQuery {
             Some(StatefulOperator::Deduplication(_)) => true,
             // Planning refused state_ttl where neither side needs it.
             Some(StatefulOperator::Join(_)) => true,
-            None => false,
+            Some(StatefulOperator::WindowJoin(_)) | None => false,
         };
         if settings.state_ttl.is_some() && !keyed_by_ttl {
             return Err(Error::InvalidJob(
@@ -381,8 +382,8 @@ impl StreamingQuery {
         };
         // The late table of a join of streams holds both sources' columns: refused now if
         // they cannot share it, not at the first late row.
-        if let Some(join) = query.stateful.as_ref().and_then(StatefulOperator::join) {
-            query.join_late_schema(join)?;
+        if let Some(sources) = query.joined_sources() {
+            query.late_schema_of_streams(&sources)?;
         }
         Ok(query)
     }
@@ -448,6 +449,30 @@ impl StreamingQuery {
         self.stateful.as_ref().is_some_and(|s| s.join().is_some())
     }
 
+    /// Whether the query joins two windowed aggregates on their windows.
+    pub fn joins_windows(&self) -> bool {
+        self.stateful
+            .as_ref()
+            .is_some_and(|s| s.window_join().is_some())
+    }
+
+    /// The sources a join (of streams, or of windows) reads, which share the late table.
+    fn joined_sources(&self) -> Option<Vec<&str>> {
+        match self.stateful.as_ref()? {
+            StatefulOperator::Join(j) => {
+                let mut sources: Vec<&str> = Vec::new();
+                for (source, _) in j.sources() {
+                    if !sources.contains(&source) {
+                        sources.push(source);
+                    }
+                }
+                Some(sources)
+            }
+            StatefulOperator::WindowJoin(w) => Some(w.sources()),
+            _ => None,
+        }
+    }
+
     /// Rows the last batch left out as duplicates (0 unless the query deduplicates).
     pub fn rows_duplicate(&self) -> u64 {
         self.stateful
@@ -460,7 +485,7 @@ impl StreamingQuery {
     pub fn operators(&self) -> Vec<crate::operators::OperatorDescription> {
         self.stateful
             .iter()
-            .map(StatefulOperator::describe)
+            .flat_map(StatefulOperator::describe)
             .collect()
     }
 
@@ -474,8 +499,8 @@ impl StreamingQuery {
     /// or a join of streams (both sources' columns and `_source`), plus the late columns (see
     /// [`crate::late`]).
     pub fn late_schema(&self) -> Option<SchemaRef> {
-        if let Some(join) = self.stateful.as_ref().and_then(StatefulOperator::join) {
-            return self.join_late_schema(join).ok();
+        if let Some(sources) = self.joined_sources() {
+            return self.late_schema_of_streams(&sources).ok();
         }
         let source = self.late_source()?;
         let (schema, _) = self.tables.tables.get(source)?;
@@ -489,21 +514,17 @@ impl StreamingQuery {
         match self.stateful.as_ref()? {
             StatefulOperator::Aggregate(a) => a.window().map(|(w, _)| w.source.as_str()),
             StatefulOperator::Deduplication(d) => Some(d.source().0),
-            StatefulOperator::Join(_) => None,
+            StatefulOperator::Join(_) | StatefulOperator::WindowJoin(_) => None,
         }
     }
 
-    /// The late table of a join of streams: its sources' columns and [`crate::late::SOURCE`].
-    fn join_late_schema(&self, join: &StreamJoin) -> Result<SchemaRef> {
-        let mut sources: Vec<(&str, &SchemaRef)> = Vec::new();
-        for (source, _) in join.sources() {
-            if !sources.iter().any(|(s, _)| *s == source)
-                && let Some((schema, _)) = self.tables.tables.get(source)
-            {
-                sources.push((source, schema));
-            }
-        }
-        crate::late::late_schema_of_sources(&sources)
+    /// The late table of a join: its `sources`' columns and [`crate::late::SOURCE`].
+    fn late_schema_of_streams(&self, sources: &[&str]) -> Result<SchemaRef> {
+        let schemas: Vec<(&str, &SchemaRef)> = sources
+            .iter()
+            .filter_map(|s| Some((*s, &self.tables.tables.get(*s)?.0)))
+            .collect();
+        crate::late::late_schema_of_sources(&schemas)
     }
 
     /// The late table's schema for rows of the late source with columns `source`.
@@ -542,7 +563,8 @@ impl StreamingQuery {
                 else {
                     return Ok(None);
                 };
-                let schema = self.join_late_schema(j)?;
+                let schema =
+                    self.late_schema_of_streams(&self.joined_sources().unwrap_or_default())?;
                 crate::late::below_watermark(
                     rows,
                     source,
@@ -551,6 +573,18 @@ impl StreamingQuery {
                     batch_id,
                     &schema,
                 )
+            }
+            Some(StatefulOperator::WindowJoin(w)) => {
+                let Some((window, lateness)) = w.window_of(source) else {
+                    return Ok(None);
+                };
+                let Some(late) =
+                    lateness.late_rows(rows, &window.time_column, watermark, batch_id)?
+                else {
+                    return Ok(None);
+                };
+                let schema = self.late_schema_of_streams(&w.sources())?;
+                crate::late::of_source(&late, source, &schema).map(Some)
             }
             _ => Ok(None),
         }
@@ -571,7 +605,7 @@ impl StreamingQuery {
         watermark: Option<i64>,
     ) -> Result<()> {
         let files = match manifest {
-            None => Vec::new(),
+            None => BTreeMap::new(),
             Some(m) => self.recorded_state_files(m, &log.location())?,
         };
         match self.stateful.as_mut() {
@@ -593,14 +627,19 @@ impl StreamingQuery {
         let mut bytes_written = 0;
         if let Some(stateful) = self.stateful.as_mut() {
             let written = stateful.write_state(batch_id).await?;
-            bytes_written += written.bytes_written;
-            operators.insert(
-                stateful.id(),
-                OperatorCheckpoint {
-                    fingerprint: stateful.fingerprint(),
-                    files: written.live_files,
-                },
-            );
+            let fingerprints: BTreeMap<String, String> =
+                stateful.fingerprints().into_iter().collect();
+            for (id, write) in written {
+                bytes_written += write.bytes_written;
+                let fingerprint = fingerprints.get(&id).cloned().unwrap_or_default();
+                operators.insert(
+                    id,
+                    OperatorCheckpoint {
+                        fingerprint,
+                        files: write.live_files,
+                    },
+                );
+            }
         }
         Ok((operators, bytes_written))
     }
@@ -634,15 +673,20 @@ impl StreamingQuery {
         &self,
         manifest: &BatchManifest,
         checkpoint: &str,
-    ) -> Result<Vec<String>> {
-        let Some(recorded) = &manifest.operators else {
-            return Ok(manifest.state_files.clone());
-        };
+    ) -> Result<BTreeMap<String, Vec<String>>> {
         let planned: BTreeMap<String, String> = self
             .stateful
             .iter()
-            .map(|s| (s.id(), s.fingerprint()))
+            .flat_map(StatefulOperator::fingerprints)
             .collect();
+        let Some(recorded) = &manifest.operators else {
+            // The one aggregate's files, from before operators were recorded.
+            return Ok(planned
+                .keys()
+                .take(1)
+                .map(|id| (id.clone(), manifest.state_files.clone()))
+                .collect());
+        };
         let mismatch = |operator: &str, recorded: String, planned: String| {
             Err(Error::StateOfAnotherQuery {
                 operator: operator.to_string(),
@@ -679,8 +723,8 @@ impl StreamingQuery {
             );
         }
         Ok(recorded
-            .values()
-            .flat_map(|state| state.files.clone())
+            .iter()
+            .map(|(id, state)| (id.clone(), state.files.clone()))
             .collect())
     }
 
@@ -733,6 +777,13 @@ impl StreamingQuery {
             Some(StatefulOperator::Join(join)) => {
                 return join_streams(&self.tables, join, inputs, watermark).await;
             }
+            Some(StatefulOperator::WindowJoin(join)) => {
+                let failed =
+                    accumulate_windows(&self.tables, join, inputs, watermark.before).await?;
+                let mut out = join.emit(&self.tables.ctx, watermark.after).await?;
+                out.failed.splice(0..0, failed);
+                return Ok(out);
+            }
             Some(StatefulOperator::Aggregate(stateful)) => stateful,
         };
         let plan = stateful.partial_plan(watermark.before)?;
@@ -763,6 +814,26 @@ async fn deduplicate(
         .await?;
     out.failed.splice(0..0, rows.failed);
     Ok(out)
+}
+
+/// Merges a batch's rows into both aggregates of a window join: each side's aggregate over the
+/// rows of its windows still open under `watermark`, rows it fails on isolated (returned).
+async fn accumulate_windows(
+    tables: &SourceTables,
+    join: &mut WindowJoin,
+    inputs: &BTreeMap<String, RecordBatch>,
+    watermark: Option<i64>,
+) -> Result<Vec<FailedRow>> {
+    let mut failed = Vec::new();
+    for side in join.sides_mut() {
+        let plan = side.partial_plan(watermark)?;
+        let partials = tables
+            .isolate(&plan, inputs, Run::Partial(side.operator()))
+            .await?;
+        side.accumulate(partials.batches).await?;
+        failed.extend(partials.failed);
+    }
+    Ok(failed)
 }
 
 /// One batch of a query joining two streams: each side's plan over its source's rows (late
@@ -805,6 +876,13 @@ impl StreamingQuery {
                 };
                 return join_streams(&self.tables, join, inputs, watermark).await;
             }
+            Some(StatefulOperator::WindowJoin(join)) => {
+                let failed = accumulate_windows(&self.tables, join, inputs, watermark).await?;
+                return Ok(QueryOutput {
+                    batches: Vec::new(),
+                    failed,
+                });
+            }
             Some(StatefulOperator::Aggregate(stateful)) => stateful,
         };
         let plan = stateful.partial_plan(watermark)?;
@@ -828,6 +906,7 @@ impl StreamingQuery {
             Some(StatefulOperator::Aggregate(stateful)) => {
                 stateful.emit_all(&self.tables.ctx).await
             }
+            Some(StatefulOperator::WindowJoin(join)) => join.emit_all(&self.tables.ctx).await,
             Some(StatefulOperator::Deduplication(_) | StatefulOperator::Join(_)) | None => {
                 Ok(QueryOutput::default())
             }
@@ -870,7 +949,25 @@ impl StreamingQuery {
 
     /// The window a windowed query aggregates over, and when its windows close.
     pub(crate) fn window(&self) -> Option<(&crate::window::WindowUse, crate::late::Lateness)> {
-        self.stateful.as_ref()?.aggregate()?.window()
+        match self.stateful.as_ref()? {
+            StatefulOperator::WindowJoin(join) => join.sides()[0].window(),
+            other => other.aggregate()?.window(),
+        }
+    }
+
+    /// The sources whose rows a windowed query aggregates, each with its window and lateness:
+    /// one, or a window join's two (one if both sides read the same source).
+    pub(crate) fn windowed_sources(
+        &self,
+    ) -> Vec<(&crate::window::WindowUse, crate::late::Lateness)> {
+        match self.stateful.as_ref() {
+            Some(StatefulOperator::WindowJoin(join)) => join
+                .sources()
+                .into_iter()
+                .filter_map(|s| join.window_of(s))
+                .collect(),
+            _ => self.window().into_iter().collect(),
+        }
     }
 }
 

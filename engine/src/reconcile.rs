@@ -322,7 +322,14 @@ async fn reconcile_windows(
         })?;
     // Every window in the period must be closed, or the table cannot hold it yet. (A session's
     // end is known only from the data: sessions still open are left out of both sides below.)
-    let size = window.kind.size();
+    // A window join's sides may differ in size (their ends are equal): the larger decides
+    // which events can fall in the period's windows.
+    let size = query
+        .windowed_sources()
+        .iter()
+        .map(|(w, _)| w.kind.size())
+        .max()
+        .unwrap_or(window.kind.size());
     let sessions = matches!(window.kind, WindowKind::Session { .. });
     let (first, last) = match column {
         WINDOW_START => (from, to - 1),
@@ -339,59 +346,69 @@ async fn reconcile_windows(
             display_watermark(watermark),
         )));
     }
-    // The events of every window overlapping the period.
-    let source = committed
-        .sources
-        .iter()
-        .find(|s| s.name == window.source)
-        .ok_or_else(|| Error::in_source(&window.source, "not among the job's sources"))?;
     // The events of the windows overlapping the period; for sessions, which can span any
-    // length, every committed event.
+    // length, every committed event. A window join's two sources alike: their windows close
+    // together.
     let (lo, hi) = if sessions {
         (i64::MIN, i64::MAX)
     } else {
         (first.saturating_sub(size), last.saturating_add(size) + 1)
     };
-    let raw = committed.read(source, lo, hi).await?;
-
-    // Late rows of those events, grouped by the watermark they met: replayed under it.
     let late_table = sink.read_late(&TableScan::all()).await?;
-    let mut late_by_watermark: BTreeMap<i64, Vec<RecordBatch>> = BTreeMap::new();
+    let mut on_time = BTreeMap::new();
+    // Late rows of those events, grouped by the watermark they met: replayed under it.
+    let mut late_by_watermark: BTreeMap<i64, BTreeMap<String, Vec<RecordBatch>>> = BTreeMap::new();
     let mut late_rows = 0;
-    for b in &late_table {
-        let watermarks = b
-            .column_by_name(WATERMARK)
-            .map(|c| cast::cast(c, &DataType::Int64))
-            .transpose()?
-            .ok_or_else(|| {
-                Error::InvalidJob("reconcile: the late table has no _watermark column".into())
-            })?;
-        let rows = conform(&source.schema, std::slice::from_ref(b))?;
-        let times = rows
-            .column_by_name(&window.time_column)
-            .map(|c| cast::cast(c, &DataType::Int64))
-            .transpose()?
-            .ok_or_else(|| Error::InvalidJob("reconcile: late rows lack event time".into()))?;
-        let (watermarks, times) = (
-            watermarks.as_primitive::<Int64Type>(),
-            times.as_primitive::<Int64Type>(),
-        );
-        for i in 0..rows.num_rows() {
-            if (lo..hi).contains(&times.value(i)) {
-                late_rows += 1;
-                late_by_watermark
-                    .entry(watermarks.value(i))
-                    .or_default()
-                    .push(rows.slice(i, 1));
+    for (window, _) in query.windowed_sources() {
+        let source = committed
+            .sources
+            .iter()
+            .find(|s| s.name == window.source)
+            .ok_or_else(|| Error::in_source(&window.source, "not among the job's sources"))?;
+        let raw = committed.read(source, lo, hi).await?;
+        let mut late_all = Vec::new();
+        for b in &late_table {
+            let b = of_source(b, &source.name)?;
+            let watermarks = b
+                .column_by_name(WATERMARK)
+                .map(|c| cast::cast(c, &DataType::Int64))
+                .transpose()?
+                .ok_or_else(|| {
+                    Error::InvalidJob("reconcile: the late table has no _watermark column".into())
+                })?;
+            let rows = conform(&source.schema, std::slice::from_ref(&b))?;
+            let times = rows
+                .column_by_name(&window.time_column)
+                .map(|c| cast::cast(c, &DataType::Int64))
+                .transpose()?
+                .ok_or_else(|| Error::InvalidJob("reconcile: late rows lack event time".into()))?;
+            let (watermarks, times) = (
+                watermarks.as_primitive::<Int64Type>(),
+                times.as_primitive::<Int64Type>(),
+            );
+            for i in 0..rows.num_rows() {
+                if (lo..hi).contains(&times.value(i)) {
+                    late_rows += 1;
+                    late_all.push(rows.slice(i, 1));
+                    late_by_watermark
+                        .entry(watermarks.value(i))
+                        .or_default()
+                        .entry(source.name.clone())
+                        .or_default()
+                        .push(rows.slice(i, 1));
+                }
             }
         }
+        on_time.insert(source.name.clone(), multiset_minus(&raw, &late_all)?);
     }
-    let late_all: Vec<RecordBatch> = late_by_watermark.values().flatten().cloned().collect();
-    let on_time = multiset_minus(&raw, &late_all)?;
-    let mut parts = vec![(BTreeMap::from([(source.name.clone(), on_time)]), None)];
-    for (wm, rows) in late_by_watermark {
-        let rows = concat_batches(&source.schema, &rows)?;
-        parts.push((BTreeMap::from([(source.name.clone(), rows)]), Some(wm)));
+    let mut parts = vec![(on_time, None)];
+    for (wm, by_source) in late_by_watermark {
+        let mut inputs = BTreeMap::new();
+        for (name, rows) in by_source {
+            let schema = rows[0].schema();
+            inputs.insert(name, concat_batches(&schema, &rows)?);
+        }
+        parts.push((inputs, Some(wm)));
     }
     let recomputed = tables.execute_bounded(&mut query, parts).await?;
     let recomputed = expectations.apply(recomputed.batches)?.kept;
@@ -591,6 +608,21 @@ async fn reconcile_join(
         late_treatment: JOIN_LATE,
         diff: compare(&expected, &actual, &[], &BTreeSet::new())?,
     })
+}
+
+/// The rows of a late table batch `late` that `source` read: all of them, unless the late
+/// table is a join's, which names each row's source in [`crate::late::SOURCE`].
+fn of_source(late: &RecordBatch, source: &str) -> Result<RecordBatch> {
+    let Some(names) = late.column_by_name(crate::late::SOURCE) else {
+        return Ok(late.clone());
+    };
+    let names = cast::cast(names, &DataType::Utf8)?;
+    let mine: BooleanArray = names
+        .as_string::<i32>()
+        .iter()
+        .map(|n| Some(n == Some(source)))
+        .collect();
+    Ok(filter_record_batch(late, &mine)?)
 }
 
 /// `rows` (of `source`, in read order) split by the batch that read them: the first whose end

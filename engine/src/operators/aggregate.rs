@@ -52,7 +52,6 @@ use arrow::row::{RowConverter, SortField};
 use datafusion::catalog::MemTable;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::common::{Column, ScalarValue};
-use datafusion::datasource::provider_as_source;
 use datafusion::functions_aggregate::expr_fn::max;
 use datafusion::logical_expr::{Aggregate, Expr, LogicalPlan, LogicalPlanBuilder, lit};
 use datafusion::prelude::SessionContext;
@@ -453,37 +452,10 @@ pub(crate) async fn plan_stateful(
         .collect();
 
     // The upper part reads the finished groups from a table with the aggregate's schema.
-    let finished_schema = Arc::new(Schema::new(
-        original
-            .schema()
-            .fields()
-            .iter()
-            .enumerate()
-            .map(|(i, f)| Field::new(format!("c{i}"), f.data_type().clone(), true))
-            .collect::<Vec<_>>(),
-    ));
-    let finished = Arc::new(MemTable::try_new(
-        Arc::clone(&finished_schema),
-        vec![vec![]],
-    )?);
-    let renamed = original
-        .schema()
-        .iter()
-        .enumerate()
-        .map(|(i, (qualifier, field))| {
-            Expr::Column(Column::new(Some(FINISHED_TABLE), format!("c{i}")))
-                .alias_qualified(qualifier.cloned(), field.name())
-        })
-        .collect::<Vec<_>>();
-    let replacement = LogicalPlanBuilder::scan(
-        FINISHED_TABLE,
-        provider_as_source(Arc::clone(&finished) as _),
-        None,
-    )?
-    .project(renamed)?
-    .build()?;
+    let (finished, finished_schema, replacement) =
+        super::stand_in(FINISHED_TABLE, original.schema())?;
     let upper = super::replace_node(plan, &original, &replacement)?;
-    check_upper(&upper, settings.mode)?;
+    check_upper(&upper, settings.mode, &[FINISHED_TABLE])?;
 
     let session = grouping.is_session();
     Ok(Some(StatefulAggregate {
@@ -618,10 +590,10 @@ fn running_aggregate(
     Ok((Grouping::Running { ttl }, aggregate, source.clone()))
 }
 
-/// Checks what runs above the aggregate: it reads no source directly and does not LIMIT; in
-/// append mode its aggregates group by (its window functions partition by) a window column or a
-/// rename of one; in update mode it only projects.
-fn check_upper(upper: &LogicalPlan, mode: OutputMode) -> Result<()> {
+/// Checks what runs above the aggregate (reading it from the `own` tables): it reads no source
+/// directly and does not LIMIT; in append mode its aggregates group by (its window functions
+/// partition by) a window column or a rename of one; in update mode it only projects.
+pub(super) fn check_upper(upper: &LogicalPlan, mode: OutputMode, own: &[&str]) -> Result<()> {
     // Names that carry the window, bottom up: window_start, window_end and their aliases.
     let mut window_names: BTreeSet<String> = [WINDOW_START, WINDOW_END]
         .into_iter()
@@ -656,7 +628,7 @@ fn check_upper(upper: &LogicalPlan, mode: OutputMode) -> Result<()> {
     // trips over the subquery's own nodes.
     let _ = upper.apply_with_subqueries(|node| {
         if let LogicalPlan::TableScan(scan) = node
-            && scan.table_name.table() != FINISHED_TABLE
+            && !own.contains(&scan.table_name.table())
         {
             problem = Some(format!(
                 "`{}` reads a table beside the aggregate's output: join a static table below \
@@ -1940,7 +1912,7 @@ mod tests {
                 "SELECT a.window_start FROM (SELECT window_start, count(*) FROM tumble(t, ts, INTERVAL '1' MINUTE) GROUP BY window_start) a \
                  JOIN (SELECT window_start, count(*) FROM hop(t, ts, INTERVAL '20' SECOND, INTERVAL '1' MINUTE) GROUP BY window_start) b \
                  ON a.window_start = b.window_start",
-                "a window join",
+                "over different windows",
             ),
         ] {
             let e = StreamingQuery::plan(sql, &sources, &settings(Duration::ZERO))

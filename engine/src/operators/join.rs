@@ -79,7 +79,7 @@ use datafusion::prelude::SessionContext;
 
 use super::aggregate::StateSize;
 use super::state_store::{StateLog, StateWrite};
-use super::{FailedRow, QueryOutput, is_data_error, reads_stream, stateful_node};
+use super::{FailedRow, QueryOutput, is_data_error, reads_stream, single_source, stateful_node};
 use crate::error::{Error, Result};
 use crate::event_time::event_time_type;
 use crate::offsets::BatchId;
@@ -449,26 +449,6 @@ fn event_time_index(plan: &LogicalPlan, time: &(String, String)) -> Option<usize
     (0..plan.schema().fields().len()).find(|&i| source_column(plan, i).as_ref() == Some(time))
 }
 
-/// The single stream `plan` reads, or an error naming what it reads.
-fn single_source(
-    plan: &LogicalPlan,
-    statics: &BTreeSet<String>,
-) -> std::result::Result<String, String> {
-    let mut sources = BTreeSet::new();
-    let _ = plan.apply(|node| {
-        if let LogicalPlan::TableScan(scan) = node
-            && !statics.contains(&scan.table_name.table().to_lowercase())
-        {
-            sources.insert(scan.table_name.table().to_string());
-        }
-        Ok(TreeNodeRecursion::Continue)
-    });
-    match sources.iter().collect::<Vec<_>>()[..] {
-        [one] => Ok(one.clone()),
-        _ => Err(sources.into_iter().collect::<Vec<_>>().join(", ")),
-    }
-}
-
 /// Plans the join of two streams `found` in `plan`: each side's plan and purge rule, the
 /// batch's join over new and kept rows, and the upper part over the pairs. `ctx` optimises the
 /// query first, so filters over one side are applied before its rows are kept.
@@ -520,9 +500,10 @@ pub(crate) fn plan_stream_join(
         })?;
         if let Some((node, _)) = stateful_node(side, settings.statics) {
             return Err(refuse(format!(
-                "`{node}` on the {name} side of the join needs state of its own: a join of \
-                 aggregates (a window join) or of deduplicated rows is a chain of stateful \
-                 operators, not built yet — a job runs one stateful operator for now"
+                "`{node}` on the {name} side of the join needs state of its own: two windowed \
+                 aggregates joined on their windows run as a window join, but a join of an \
+                 aggregate or of deduplicated rows with another stream's rows is a chain of \
+                 stateful operators, not built yet"
             )));
         }
         let column = settings.event_time.get(&source).cloned().ok_or_else(|| {

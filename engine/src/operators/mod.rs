@@ -15,6 +15,8 @@
 //!   `SELECT DISTINCT`), each key remembered for `state_ttl` of event time.
 //! - [`join`] — `StreamJoin`: two streams joined on a key within a bound of event time, both
 //!   sides buffered until the watermark shows no match can come.
+//! - [`window_join`] — `WindowJoin`: two windowed aggregates joined on their windows, each
+//!   window pair joined in the batch that closes both (no state of its own).
 //! - `group_table` — `GroupTable`: the aggregate's state in memory, one row per live group.
 //! - [`state_store`] — `StateLog`: state files (a base snapshot plus per-batch deltas),
 //!   compacted and garbage-collected up to the committed batch.
@@ -22,15 +24,18 @@
 //! This module depends on nothing of the query planner: the types an operator's execution
 //! yields ([`QueryOutput`], [`FailedRow`]) are defined here and used by [`crate::query`].
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::Arc;
 
 use arrow::array::RecordBatch;
+use arrow::datatypes::{Field, Schema, SchemaRef};
 use arrow::error::ArrowError;
-use datafusion::common::Column;
+use datafusion::catalog::MemTable;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
+use datafusion::common::{Column, DFSchema};
+use datafusion::datasource::provider_as_source;
 use datafusion::error::DataFusionError;
-use datafusion::logical_expr::{Expr, JoinType, LogicalPlan, Projection};
+use datafusion::logical_expr::{Expr, JoinType, LogicalPlan, LogicalPlanBuilder, Projection};
 use datafusion::prelude::SessionContext;
 
 use crate::error::Error;
@@ -40,6 +45,7 @@ use aggregate::{StateSize, StatefulAggregate, StatefulSettings, plan_stateful};
 use deduplicate::{DedupSettings, Deduplication, plan_deduplication};
 use join::{JoinSettings, StreamJoin, plan_stream_join};
 use state_store::{StateLog, StateWrite};
+use window_join::{WindowJoin, plan_window_join};
 
 pub mod aggregate;
 pub mod aggregate_state;
@@ -47,8 +53,10 @@ pub mod deduplicate;
 mod group_table;
 pub mod join;
 pub mod state_store;
+pub mod window_join;
 
-/// The query's stateful operator: one per job for now (the chain of several is the next step).
+/// The query's stateful operators: one per job, or the two aggregates of a window join (the
+/// general chain is the next step).
 #[derive(Debug)]
 pub(crate) enum StatefulOperator {
     /// A windowed or running aggregate.
@@ -57,10 +65,13 @@ pub(crate) enum StatefulOperator {
     Deduplication(Box<Deduplication>),
     /// A join of two streams.
     Join(Box<StreamJoin>),
+    /// Two windowed aggregates joined on their windows.
+    WindowJoin(Box<WindowJoin>),
 }
 
-/// Plans the stateful operator of `plan`, if it needs one: a join of two streams, a
-/// deduplication (`ROW_NUMBER() … = 1`, `SELECT DISTINCT` over the stream) or an aggregate.
+/// Plans the stateful operator of `plan`, if it needs one: a join of two windowed aggregates, a
+/// join of two streams, a deduplication (`ROW_NUMBER() … = 1`, `SELECT DISTINCT` over the
+/// stream) or an aggregate.
 ///
 /// # Errors
 /// If the plan needs state no operator keeps, naming the node and why.
@@ -84,6 +95,11 @@ pub(crate) async fn plan_operator(
                 joins.len(),
                 dedups.len()
             )));
+        }
+        if window_join::joins_aggregates(found, settings.statics) {
+            return Ok(Some(StatefulOperator::WindowJoin(Box::new(
+                plan_window_join(ctx, plan, found, uses, settings).await?,
+            ))));
         }
         let join = JoinSettings {
             event_time: settings.event_time,
@@ -125,30 +141,30 @@ pub(crate) async fn plan_operator(
 }
 
 impl StatefulOperator {
-    /// The operator's id in the manifest (its position in the chain, and its kind).
-    pub(crate) fn id(&self) -> String {
+    /// Each operator that keeps state, in chain order: its id in the manifest (its position
+    /// in the chain, and its kind) and what its state means (see
+    /// [`StatefulAggregate::fingerprint`]), recorded in the manifest.
+    pub(crate) fn fingerprints(&self) -> Vec<(String, String)> {
         match self {
-            StatefulOperator::Aggregate(_) => StatefulAggregate::id(0),
-            StatefulOperator::Deduplication(_) => Deduplication::id(0),
-            StatefulOperator::Join(_) => StreamJoin::id(0),
+            StatefulOperator::Aggregate(a) => vec![(StatefulAggregate::id(0), a.fingerprint())],
+            StatefulOperator::Deduplication(d) => vec![(Deduplication::id(0), d.fingerprint())],
+            StatefulOperator::Join(j) => vec![(StreamJoin::id(0), j.fingerprint())],
+            StatefulOperator::WindowJoin(w) => w
+                .sides()
+                .iter()
+                .enumerate()
+                .map(|(i, a)| (StatefulAggregate::id(i), a.fingerprint()))
+                .collect(),
         }
     }
 
-    /// The operator as `sluice validate` shows it.
-    pub(crate) fn describe(&self) -> OperatorDescription {
+    /// The operators as `sluice validate` shows them, in chain order.
+    pub(crate) fn describe(&self) -> Vec<OperatorDescription> {
         match self {
-            StatefulOperator::Aggregate(a) => a.describe(0),
-            StatefulOperator::Deduplication(d) => d.describe(0),
-            StatefulOperator::Join(j) => j.describe(0),
-        }
-    }
-
-    /// What its state means, recorded in the manifest (see [`StatefulAggregate::fingerprint`]).
-    pub(crate) fn fingerprint(&self) -> String {
-        match self {
-            StatefulOperator::Aggregate(a) => a.fingerprint(),
-            StatefulOperator::Deduplication(d) => d.fingerprint(),
-            StatefulOperator::Join(j) => j.fingerprint(),
+            StatefulOperator::Aggregate(a) => vec![a.describe(0)],
+            StatefulOperator::Deduplication(d) => vec![d.describe(0)],
+            StatefulOperator::Join(j) => vec![j.describe(0)],
+            StatefulOperator::WindowJoin(w) => w.describe(),
         }
     }
 
@@ -156,7 +172,7 @@ impl StatefulOperator {
     pub(crate) fn aggregate(&self) -> Option<&StatefulAggregate> {
         match self {
             StatefulOperator::Aggregate(a) => Some(a),
-            StatefulOperator::Deduplication(_) | StatefulOperator::Join(_) => None,
+            _ => None,
         }
     }
 
@@ -164,7 +180,7 @@ impl StatefulOperator {
     pub(crate) fn deduplication(&self) -> Option<&Deduplication> {
         match self {
             StatefulOperator::Deduplication(d) => Some(d),
-            StatefulOperator::Aggregate(_) | StatefulOperator::Join(_) => None,
+            _ => None,
         }
     }
 
@@ -172,74 +188,133 @@ impl StatefulOperator {
     pub(crate) fn join(&self) -> Option<&StreamJoin> {
         match self {
             StatefulOperator::Join(j) => Some(j),
-            StatefulOperator::Aggregate(_) | StatefulOperator::Deduplication(_) => None,
+            _ => None,
         }
     }
 
-    /// Restores the state from the files a committed manifest lists, minus what `watermark`
-    /// has purged.
+    /// The window join, if the operator is one.
+    pub(crate) fn window_join(&self) -> Option<&WindowJoin> {
+        match self {
+            StatefulOperator::WindowJoin(w) => Some(w),
+            _ => None,
+        }
+    }
+
+    /// Restores the state from the files a committed manifest lists per operator id, minus
+    /// what `watermark` has purged. `log` is the state folder of the first operator; each
+    /// further one keeps its files in a folder of its own under it, named after its id.
     pub(crate) async fn restore(
         &mut self,
         log: StateLog,
-        files: &[String],
+        files: &BTreeMap<String, Vec<String>>,
         watermark: Option<i64>,
     ) -> Result<(), Error> {
+        let files_of = |id: String| files.get(&id).cloned().unwrap_or_default();
         match self {
-            StatefulOperator::Aggregate(a) => a.restore(log, files, watermark).await,
-            StatefulOperator::Deduplication(d) => d.restore(log, files, watermark).await,
-            StatefulOperator::Join(j) => j.restore(log, files, watermark).await,
+            StatefulOperator::Aggregate(a) => {
+                a.restore(log, &files_of(StatefulAggregate::id(0)), watermark)
+                    .await
+            }
+            StatefulOperator::Deduplication(d) => {
+                d.restore(log, &files_of(Deduplication::id(0)), watermark)
+                    .await
+            }
+            StatefulOperator::Join(j) => {
+                j.restore(log, &files_of(StreamJoin::id(0)), watermark)
+                    .await
+            }
+            StatefulOperator::WindowJoin(w) => {
+                let right_log = log.child(&StatefulAggregate::id(1));
+                let [left, right] = w.sides_mut();
+                left.restore(log, &files_of(StatefulAggregate::id(0)), watermark)
+                    .await?;
+                right
+                    .restore(right_log, &files_of(StatefulAggregate::id(1)), watermark)
+                    .await
+            }
         }
     }
 
-    /// Writes the batch's state (a delta or a new base); the live files for the manifest.
-    pub(crate) async fn write_state(&mut self, batch_id: BatchId) -> Result<StateWrite, Error> {
-        match self {
-            StatefulOperator::Aggregate(a) => a.write_state(batch_id).await,
-            StatefulOperator::Deduplication(d) => d.write_state(batch_id).await,
-            StatefulOperator::Join(j) => j.write_state(batch_id).await,
-        }
+    /// Writes the batch's state (a delta or a new base) per operator id: the live files for
+    /// the manifest.
+    pub(crate) async fn write_state(
+        &mut self,
+        batch_id: BatchId,
+    ) -> Result<Vec<(String, StateWrite)>, Error> {
+        Ok(match self {
+            StatefulOperator::Aggregate(a) => {
+                vec![(StatefulAggregate::id(0), a.write_state(batch_id).await?)]
+            }
+            StatefulOperator::Deduplication(d) => {
+                vec![(Deduplication::id(0), d.write_state(batch_id).await?)]
+            }
+            StatefulOperator::Join(j) => vec![(StreamJoin::id(0), j.write_state(batch_id).await?)],
+            StatefulOperator::WindowJoin(w) => {
+                let mut written = Vec::new();
+                for (i, side) in w.sides_mut().into_iter().enumerate() {
+                    written.push((StatefulAggregate::id(i), side.write_state(batch_id).await?));
+                }
+                written
+            }
+        })
     }
 
-    /// The operator's state files, once restored.
-    fn log(&self) -> Option<&StateLog> {
+    /// The operators' state files, once restored.
+    fn logs(&self) -> Vec<&StateLog> {
         match self {
-            StatefulOperator::Aggregate(a) => a.log(),
-            StatefulOperator::Deduplication(d) => d.log(),
-            StatefulOperator::Join(j) => j.log(),
+            StatefulOperator::Aggregate(a) => a.log().into_iter().collect(),
+            StatefulOperator::Deduplication(d) => d.log().into_iter().collect(),
+            StatefulOperator::Join(j) => j.log().into_iter().collect(),
+            StatefulOperator::WindowJoin(w) => w.sides().iter().filter_map(|a| a.log()).collect(),
         }
     }
 
     /// The state folder, once restored (for messages).
     pub(crate) fn state_location(&self) -> Option<String> {
-        self.log().map(StateLog::location)
+        self.logs().first().map(|log| log.location())
     }
 
-    /// Takes `files` as the live state (a manifest another attempt wrote first, recording
-    /// `watermark`). A join of streams reloads its rows from them: another attempt numbered
-    /// the rows it kept (and recorded their matches) in an order of its own.
+    /// Takes `files` (per operator id) as the live state: a manifest another attempt wrote
+    /// first, recording `watermark`. A join of streams reloads its rows from them: another
+    /// attempt numbered the rows it kept (and recorded their matches) in an order of its own.
     pub(crate) async fn adopt_state(
         &mut self,
-        files: &[String],
+        files: &BTreeMap<String, Vec<String>>,
         watermark: Option<i64>,
     ) -> Result<(), Error> {
         let unrestored = || Error::InvalidJob("state adopted before it was restored".into());
-        let log = match self {
-            StatefulOperator::Aggregate(a) => a.log_mut(),
-            StatefulOperator::Deduplication(d) => d.log_mut(),
+        let files_of = |id: String| files.get(&id).cloned().unwrap_or_default();
+        match self {
+            StatefulOperator::Aggregate(a) => {
+                let log = a.log_mut().ok_or_else(unrestored)?;
+                log.adopt(&files_of(StatefulAggregate::id(0))).await
+            }
+            StatefulOperator::Deduplication(d) => {
+                let log = d.log_mut().ok_or_else(unrestored)?;
+                log.adopt(&files_of(Deduplication::id(0))).await
+            }
             StatefulOperator::Join(j) => {
                 let log = j.take_log().ok_or_else(unrestored)?;
-                return j.restore(log, files, watermark).await;
+                j.restore(log, &files_of(StreamJoin::id(0)), watermark)
+                    .await
             }
-        };
-        log.ok_or_else(unrestored)?.adopt(files).await
+            StatefulOperator::WindowJoin(w) => {
+                for (i, side) in w.sides_mut().into_iter().enumerate() {
+                    let log = side.log_mut().ok_or_else(unrestored)?;
+                    log.adopt(&files_of(StatefulAggregate::id(i))).await?;
+                }
+                Ok(())
+            }
+        }
     }
 
     /// Deletes state files of batches up to `committed` no longer live.
     pub(crate) async fn collect_garbage(&self, committed: BatchId) -> Result<usize, Error> {
-        match self.log() {
-            Some(log) => log.collect_garbage(committed).await,
-            None => Ok(0),
+        let mut deleted = 0;
+        for log in self.logs() {
+            deleted += log.collect_garbage(committed).await?;
         }
+        Ok(deleted)
     }
 
     /// Rows and in-memory bytes of the state.
@@ -248,6 +323,15 @@ impl StatefulOperator {
             StatefulOperator::Aggregate(a) => a.state_size(),
             StatefulOperator::Deduplication(d) => d.state_size(),
             StatefulOperator::Join(j) => j.state_size(),
+            StatefulOperator::WindowJoin(w) => {
+                w.sides().iter().fold(StateSize::default(), |sum, a| {
+                    let size = a.state_size();
+                    StateSize {
+                        rows: sum.rows + size.rows,
+                        bytes: sum.bytes + size.bytes,
+                    }
+                })
+            }
         }
     }
 }
@@ -271,6 +355,36 @@ pub(crate) fn replace_node(
         }
     })?;
     Ok(replaced.data)
+}
+
+/// A stand-in for a part of a plan whose rows an operator supplies each batch: an in-memory
+/// table `name` with columns `c0`, `c1`, … of `schema`'s types (nullable), its schema, and a
+/// scan of it renamed to `schema`'s qualified columns, to replace the part in the plan above.
+pub(crate) fn stand_in(
+    name: &str,
+    schema: &DFSchema,
+) -> Result<(Arc<MemTable>, SchemaRef, LogicalPlan), Error> {
+    let stored = Arc::new(Schema::new(
+        schema
+            .fields()
+            .iter()
+            .enumerate()
+            .map(|(i, f)| Field::new(format!("c{i}"), f.data_type().clone(), true))
+            .collect::<Vec<_>>(),
+    ));
+    let table = Arc::new(MemTable::try_new(Arc::clone(&stored), vec![vec![]])?);
+    let renamed = schema
+        .iter()
+        .enumerate()
+        .map(|(i, (qualifier, field))| {
+            Expr::Column(Column::new(Some(name), format!("c{i}")))
+                .alias_qualified(qualifier.cloned(), field.name())
+        })
+        .collect::<Vec<_>>();
+    let scan = LogicalPlanBuilder::scan(name, provider_as_source(Arc::clone(&table) as _), None)?
+        .project(renamed)?
+        .build()?;
+    Ok((table, stored, scan))
 }
 
 /// A stream `upper` reads beside the operator's output table `own` (subqueries included), if
@@ -520,4 +634,24 @@ pub(crate) fn reads_stream(plan: &LogicalPlan, statics: &BTreeSet<String>) -> bo
         Ok(TreeNodeRecursion::Continue)
     });
     found
+}
+
+/// The single stream `plan` reads, or an error naming what it reads.
+pub(crate) fn single_source(
+    plan: &LogicalPlan,
+    statics: &BTreeSet<String>,
+) -> std::result::Result<String, String> {
+    let mut sources = BTreeSet::new();
+    let _ = plan.apply(|node| {
+        if let LogicalPlan::TableScan(scan) = node
+            && !statics.contains(&scan.table_name.table().to_lowercase())
+        {
+            sources.insert(scan.table_name.table().to_string());
+        }
+        Ok(TreeNodeRecursion::Continue)
+    });
+    match sources.iter().collect::<Vec<_>>()[..] {
+        [one] => Ok(one.clone()),
+        _ => Err(sources.into_iter().collect::<Vec<_>>().join(", ")),
+    }
 }

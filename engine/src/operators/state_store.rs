@@ -91,6 +91,17 @@ impl StateLog {
         }
     }
 
+    /// A log with no live files in the folder `name` under this one, for the same run: the
+    /// state of a further operator of the query.
+    pub fn child(&self, name: &str) -> StateLog {
+        StateLog {
+            store: self.store.child(name),
+            epoch: self.epoch,
+            base: None,
+            deltas: Vec::new(),
+        }
+    }
+
     /// The state folder, for messages.
     pub fn location(&self) -> String {
         self.store.url().to_string()
