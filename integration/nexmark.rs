@@ -220,12 +220,18 @@ fn nexmark_joins_reconcile_after_sigkills_and_keep_their_state_flat() {
             "{q} state rows at batch 2, 10, 19: {}, {}, {}",
             state[2], state[10], state[19]
         );
-        // Flat: the second half's largest state no larger than the first half's (a windowed
-        // state swings within each window, half full to full).
-        let (early, late) = (
-            state[2..10].iter().max().unwrap(),
-            state[10..].iter().max().unwrap(),
-        );
-        assert!(*late <= early * 5 / 4, "{q}: state grows: {state:?}");
+        let settled = &state[2..];
+        let (lo, hi) = (settled.iter().min().unwrap(), settled.iter().max().unwrap());
+        if q == "q20" {
+            assert!(*hi <= lo * 5 / 4, "{q}: state grows: {state:?}");
+        } else {
+            // A windowed state swings within each window, half full to full: flat means the
+            // second half's largest state is no larger than the first half's.
+            let (early, late) = (
+                state[2..10].iter().max().unwrap(),
+                state[10..].iter().max().unwrap(),
+            );
+            assert!(*late <= early * 5 / 4, "{q}: state grows: {state:?}");
+        }
     }
 }

@@ -681,6 +681,16 @@ impl StreamingQuery {
             .collect();
         let Some(recorded) = &manifest.operators else {
             // The one aggregate's files, from before operators were recorded.
+            if planned.len() > 1 {
+                return Err(Error::StateOfAnotherQuery {
+                    operator: planned.keys().cloned().collect::<Vec<_>>().join(", "),
+                    checkpoint: checkpoint.to_string(),
+                    recorded: "one aggregate's state (a manifest from before operators were \
+                               recorded)"
+                        .into(),
+                    planned: format!("{} operators", planned.len()),
+                });
+            }
             return Ok(planned
                 .keys()
                 .take(1)
@@ -831,7 +841,15 @@ async fn accumulate_windows(
             .isolate(&plan, inputs, Run::Partial(side.operator()))
             .await?;
         side.accumulate(partials.batches).await?;
-        failed.extend(partials.failed);
+        // In a self-join a row both sides fail on is one dead letter.
+        for row in partials.failed {
+            if !failed
+                .iter()
+                .any(|f: &FailedRow| f.source == row.source && f.row == row.row)
+            {
+                failed.push(row);
+            }
+        }
     }
     Ok(failed)
 }

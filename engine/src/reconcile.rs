@@ -335,16 +335,28 @@ async fn reconcile_windows(
         WINDOW_START => (from, to - 1),
         _ => (from.saturating_sub(size), (to - 1).saturating_sub(size)),
     };
-    let last_start = window.kind.starts(last).last().copied().unwrap_or(last);
     let watermark = committed.manifest.watermark_micros;
-    if !sessions && !watermark.is_some_and(|wm| lateness.is_closed(last_start, wm)) {
-        return Err(Error::InvalidJob(format!(
-            "reconcile: the period is not closed yet: the window starting at {} closes when the \
-             watermark passes its end plus the allowed lateness, and the job's watermark is {}; \
-             pick an earlier --to-time",
-            display_watermark(Some(last_start)),
-            display_watermark(watermark),
-        )));
+    // Each window kind's last window in the period (a window join's sides may differ).
+    for (kind, lateness) in query
+        .windowed_sources()
+        .iter()
+        .map(|(w, l)| (w.kind, *l))
+        .filter(|_| !sessions)
+    {
+        let last = match column {
+            WINDOW_START => to - 1,
+            _ => (to - 1).saturating_sub(kind.size()),
+        };
+        let last_start = kind.starts(last).last().copied().unwrap_or(last);
+        if !watermark.is_some_and(|wm| lateness.is_closed(last_start, wm)) {
+            return Err(Error::InvalidJob(format!(
+                "reconcile: the period is not closed yet: the window starting at {} closes when \
+                 the watermark passes its end plus the allowed lateness, and the job's watermark \
+                 is {}; pick an earlier --to-time",
+                display_watermark(Some(last_start)),
+                display_watermark(watermark),
+            )));
+        }
     }
     // The events of the windows overlapping the period; for sessions, which can span any
     // length, every committed event. A window join's two sources alike: their windows close
@@ -368,7 +380,11 @@ async fn reconcile_windows(
         let raw = committed.read(source, lo, hi).await?;
         let mut late_all = Vec::new();
         for b in &late_table {
-            let b = of_source(b, &source.name)?;
+            let b = if query.joins_windows() {
+                of_source(b, &source.name)?
+            } else {
+                b.clone()
+            };
             let watermarks = b
                 .column_by_name(WATERMARK)
                 .map(|c| cast::cast(c, &DataType::Int64))
@@ -610,12 +626,12 @@ async fn reconcile_join(
     })
 }
 
-/// The rows of a late table batch `late` that `source` read: all of them, unless the late
-/// table is a join's, which names each row's source in [`crate::late::SOURCE`].
+/// The rows of a join's late table batch `late` that `source` read, as its
+/// [`crate::late::SOURCE`] column names them.
 fn of_source(late: &RecordBatch, source: &str) -> Result<RecordBatch> {
-    let Some(names) = late.column_by_name(crate::late::SOURCE) else {
-        return Ok(late.clone());
-    };
+    let names = late.column_by_name(crate::late::SOURCE).ok_or_else(|| {
+        Error::InvalidJob("reconcile: the late table has no _source column".into())
+    })?;
     let names = cast::cast(names, &DataType::Utf8)?;
     let mine: BooleanArray = names
         .as_string::<i32>()

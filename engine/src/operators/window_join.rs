@@ -19,11 +19,16 @@
 //! it can join with close in the same batch. The join therefore runs over the windows the batch
 //! closed and keeps no state of its own: each batch's output is exactly the SQL join of the
 //! windows it closed, and every window is closed once. Outer, semi and anti joins hold for the
-//! same reason (a window's partner, if any, closes with it).
+//! same reason (a window's partner, if any, closes with it). The window columns the join
+//! equates are traced to the `tumble`/`hop` view, so a column the query computes under the
+//! name `window_end` does not pass for one. A group whose output a side fails to compute is
+//! that side's dead letter and takes no part in the join (an outer join then writes its partner
+//! unmatched).
 //!
 //! What runs above the join sees only the windows a batch closes, so it must work per window,
 //! as above an aggregate (an outer aggregate grouped by the window, a window function
-//! partitioned by it). Rows late for a side's window go to the late table with their
+//! partitioned by it; not over an outer join, whose unmatched windows have the other side's
+//! window columns null). Rows late for a side's window go to the late table with their
 //! [`crate::late::SOURCE`] and the windows they missed.
 
 use std::collections::BTreeSet;
@@ -34,7 +39,7 @@ use arrow::datatypes::SchemaRef;
 use datafusion::catalog::MemTable;
 use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::logical_expr::utils::split_conjunction;
-use datafusion::logical_expr::{BinaryExpr, Expr, LogicalPlan, Operator};
+use datafusion::logical_expr::{BinaryExpr, Expr, JoinType, LogicalPlan, Operator};
 use datafusion::prelude::SessionContext;
 
 use super::aggregate::{StatefulAggregate, StatefulSettings, check_upper, plan_stateful};
@@ -115,16 +120,31 @@ pub(crate) async fn plan_window_join(
                 .into(),
         ));
     }
-    let mut sides = Vec::new();
+    let mut sources = Vec::new();
     for (name, side) in [("left", &join.left), ("right", &join.right)] {
-        let source = single_source(side, settings.statics).map_err(|read| {
+        sources.push(single_source(side, settings.statics).map_err(|read| {
             refuse(format!(
                 "each side of a window join aggregates one source; the {name} side reads {read}"
             ))
-        })?;
+        })?);
+    }
+    let of_first: Vec<&WindowUse> = uses.iter().filter(|u| u.source == sources[0]).collect();
+    if sources[0] == sources[1] && of_first.windows(2).any(|pair| pair[0] != pair[1]) {
+        return Err(refuse(format!(
+            "both sides aggregate source '{}' over different windows; a window join of one \
+             source with itself uses one window definition, so that a row late for one side is \
+             late for the other",
+            sources[0]
+        )));
+    }
+    let mut sides = Vec::new();
+    for ((name, side), source) in [("left", &join.left), ("right", &join.right)]
+        .into_iter()
+        .zip(&sources)
+    {
         let own: Vec<WindowUse> = uses
             .iter()
-            .filter(|u| u.source == source)
+            .filter(|u| u.source == *source)
             .cloned()
             .collect();
         let aggregate = plan_stateful(ctx, side, &own, settings)
@@ -154,14 +174,6 @@ pub(crate) async fn plan_window_join(
         (Some((l, _)), Some((r, _))) => (l.clone(), r.clone()),
         _ => return Err(refuse("a side without a window".into())),
     };
-    if left_window.source == right_window.source && left_window != right_window {
-        return Err(refuse(format!(
-            "both sides aggregate source '{}' over different windows; a window join of one \
-             source with itself uses one window definition, so that a row late for one side is \
-             late for the other",
-            left_window.source
-        )));
-    }
 
     // Both sides' windows must close in the same batch: the join equates their ends (or their
     // starts, the windows being of one size).
@@ -206,6 +218,24 @@ pub(crate) async fn plan_window_join(
     over_closed.right = Arc::new(right_scan);
     let upper = super::replace_node(plan, found, &LogicalPlan::Join(over_closed))?;
     check_upper(&upper, OutputMode::Append, &[LEFT_WINDOWS, RIGHT_WINDOWS])?;
+    let outer = matches!(
+        join.join_type,
+        JoinType::Left | JoinType::Right | JoinType::Full
+    );
+    let per_window = upper.exists(|node| {
+        Ok(matches!(
+            node,
+            LogicalPlan::Aggregate(_) | LogicalPlan::Window(_)
+        ))
+    })?;
+    if outer && per_window {
+        return Err(refuse(format!(
+            "an aggregate or window function over an outer window join ({}) is not built: a \
+             window without partner has the other side's window columns null, so grouping by \
+             them would gather windows of different batches",
+            join.join_type
+        )));
+    }
 
     let mut condition: Vec<String> = join.on.iter().map(|(l, r)| format!("{l} = {r}")).collect();
     condition.extend(join.filter.iter().map(ToString::to_string));
@@ -217,8 +247,11 @@ pub(crate) async fn plan_window_join(
     })
 }
 
-/// The window column (`window_start` or `window_end` of the side's aggregate) that `expr`, a
-/// column of `side`'s output, passes on unchanged through projections, aliases and filters.
+/// The window column (`window_start` or `window_end`) that `expr`, a column of `side`'s output,
+/// passes on unchanged through projections, aliases, filters and as a group column of
+/// aggregates, traced down to the `tumble`/`hop` view that computes it (a projection over the
+/// source's scan, or over the unnested list of a hop's windows) — not a column of that name
+/// the query computed itself.
 fn window_column(side: &LogicalPlan, expr: &Expr) -> Option<&'static str> {
     let Expr::Column(column) = expr else {
         return None;
@@ -228,7 +261,17 @@ fn window_column(side: &LogicalPlan, expr: &Expr) -> Option<&'static str> {
     loop {
         match node {
             LogicalPlan::Projection(p) => {
-                let Expr::Column(c) = p.expr.get(index)?.clone().unalias() else {
+                let expr = p.expr.get(index)?;
+                let over_source = matches!(
+                    p.input.as_ref(),
+                    LogicalPlan::TableScan(_) | LogicalPlan::Unnest(_)
+                );
+                if over_source && let Expr::Alias(alias) = expr {
+                    return [WINDOW_START, WINDOW_END]
+                        .into_iter()
+                        .find(|w| alias.name == *w);
+                }
+                let Expr::Column(c) = expr.clone().unalias() else {
                     return None;
                 };
                 index = p.input.schema().index_of_column(&c).ok()?;
@@ -237,11 +280,11 @@ fn window_column(side: &LogicalPlan, expr: &Expr) -> Option<&'static str> {
             LogicalPlan::SubqueryAlias(a) => node = &a.input,
             LogicalPlan::Filter(f) => node = &f.input,
             LogicalPlan::Aggregate(a) => {
-                return match a.group_expr.get(index)? {
-                    Expr::Column(c) if c.name == WINDOW_START => Some(WINDOW_START),
-                    Expr::Column(c) if c.name == WINDOW_END => Some(WINDOW_END),
-                    _ => None,
+                let Expr::Column(c) = a.group_expr.get(index)? else {
+                    return None;
                 };
+                index = a.input.schema().index_of_column(c).ok()?;
+                node = &a.input;
             }
             _ => return None,
         }
@@ -633,6 +676,30 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("must equate the two sides' windows"), "{e}");
+
+        // A column the query computes under the name window_end is not the window's end.
+        let computed = sql("JOIN").replacen(
+            "FROM tumble(l, ts, INTERVAL '10' SECOND)",
+            "FROM (SELECT k, window_start, window_start + INTERVAL '20' SECOND AS window_end \
+             FROM (SELECT k, window_start FROM tumble(l, ts, INTERVAL '10' SECOND)))",
+            1,
+        );
+        let e = StreamingQuery::plan(computed.as_str(), &sources, &settings())
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("must equate the two sides' windows"), "{e}");
+
+        // Over an outer join, a window without partner has null window columns on one side.
+        let outer = format!(
+            "SELECT window_start, count(*) FROM ({}) GROUP BY window_start",
+            sql("LEFT JOIN")
+        );
+        let e = StreamingQuery::plan(outer.as_str(), &sources, &settings())
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("over an outer window join"), "{e}");
 
         let update = QuerySettings {
             output_mode: crate::sink::OutputMode::Update,
