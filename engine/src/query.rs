@@ -834,20 +834,25 @@ async fn accumulate_windows(
     inputs: &BTreeMap<String, RecordBatch>,
     watermark: Option<i64>,
 ) -> Result<Vec<FailedRow>> {
-    let mut failed = Vec::new();
-    for side in join.sides_mut() {
+    // In a self-join a row both sides fail on is one dead letter.
+    let self_join = join.sources().len() == 1;
+    let mut failed: Vec<FailedRow> = Vec::new();
+    for (i, side) in join.sides_mut().into_iter().enumerate() {
         let plan = side.partial_plan(watermark)?;
         let partials = tables
             .isolate(&plan, inputs, Run::Partial(side.operator()))
             .await?;
         side.accumulate(partials.batches).await?;
-        // In a self-join a row both sides fail on is one dead letter.
+        if i == 0 || !self_join {
+            failed.extend(partials.failed);
+            continue;
+        }
+        // Each of the left side's failed rows stands for at most one of the right side's.
+        let mut taken = vec![false; failed.len()];
         for row in partials.failed {
-            if !failed
-                .iter()
-                .any(|f: &FailedRow| f.source == row.source && f.row == row.row)
-            {
-                failed.push(row);
+            match (0..taken.len()).find(|&j| !taken[j] && failed[j].row == row.row) {
+                Some(j) => taken[j] = true,
+                None => failed.push(row),
             }
         }
     }

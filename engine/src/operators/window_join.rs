@@ -11,9 +11,10 @@
 //!   ON P.id = A.seller AND P.window_start = A.window_start AND P.window_end = A.window_end
 //! ```
 //!
-//! Each side is a [`StatefulAggregate`] of its own (`0-aggregate` the left, `1-aggregate` the
-//! right, each with its state files), run in append mode: a window is emitted once, in the
-//! batch whose new watermark passes its end plus the allowed lateness. Both aggregates close
+//! Each side is a `StatefulAggregate` (see [`super::aggregate`]) of its own (`0-aggregate` the
+//! left, `1-aggregate` the right, each with its state files), run in append mode: a window is
+//! emitted once, in the batch whose new watermark passes its end plus the allowed lateness.
+//! Both aggregates close
 //! windows on the **job's** watermark with the same allowed lateness, and the join equates the
 //! sides' window ends (or starts, the windows being of one size), so a window and every window
 //! it can join with close in the same batch. The join therefore runs over the windows the batch
@@ -52,6 +53,9 @@ use crate::window::{WINDOW_END, WINDOW_START, WindowKind, WindowUse};
 /// The tables the part above the join reads each side's closed windows from.
 const LEFT_WINDOWS: &str = "__sluice_left_windows";
 const RIGHT_WINDOWS: &str = "__sluice_right_windows";
+/// What DataFusion calls the plan of a `tumble(…)` or `hop(…)` call (the alias it puts over the
+/// view that computes `window_start` and `window_end`).
+const WINDOW_VIEWS: [&str; 2] = ["tumble()", "hop()"];
 
 /// A join of two windowed aggregates on their windows: both aggregates, and what runs over
 /// the windows each batch closes.
@@ -225,12 +229,12 @@ pub(crate) async fn plan_window_join(
     let per_window = upper.exists(|node| {
         Ok(matches!(
             node,
-            LogicalPlan::Aggregate(_) | LogicalPlan::Window(_)
+            LogicalPlan::Aggregate(_) | LogicalPlan::Window(_) | LogicalPlan::Distinct(_)
         ))
     })?;
     if outer && per_window {
         return Err(refuse(format!(
-            "an aggregate or window function over an outer window join ({}) is not built: a \
+            "an aggregate, DISTINCT or window function over an outer window join ({}) is not built: a \
              window without partner has the other side's window columns null, so grouping by \
              them would gather windows of different batches",
             join.join_type
@@ -250,8 +254,8 @@ pub(crate) async fn plan_window_join(
 /// The window column (`window_start` or `window_end`) that `expr`, a column of `side`'s output,
 /// passes on unchanged through projections, aliases, filters and as a group column of
 /// aggregates, traced down to the `tumble`/`hop` view that computes it (a projection over the
-/// source's scan, or over the unnested list of a hop's windows) — not a column of that name
-/// the query computed itself.
+/// source's scan, or over the unnested list of a hop's windows; see [`WINDOW_VIEWS`]) — not a
+/// column of that name the query computed itself.
 fn window_column(side: &LogicalPlan, expr: &Expr) -> Option<&'static str> {
     let Expr::Column(column) = expr else {
         return None;
@@ -261,23 +265,31 @@ fn window_column(side: &LogicalPlan, expr: &Expr) -> Option<&'static str> {
     loop {
         match node {
             LogicalPlan::Projection(p) => {
-                let expr = p.expr.get(index)?;
-                let over_source = matches!(
-                    p.input.as_ref(),
-                    LogicalPlan::TableScan(_) | LogicalPlan::Unnest(_)
-                );
-                if over_source && let Expr::Alias(alias) = expr {
-                    return [WINDOW_START, WINDOW_END]
-                        .into_iter()
-                        .find(|w| alias.name == *w);
-                }
-                let Expr::Column(c) = expr.clone().unalias() else {
+                let Expr::Column(c) = p.expr.get(index)?.clone().unalias() else {
                     return None;
                 };
                 index = p.input.schema().index_of_column(&c).ok()?;
                 node = &p.input;
             }
+            // DataFusion names a table function's plan after the call: the window's view.
+            LogicalPlan::SubqueryAlias(a) if WINDOW_VIEWS.contains(&a.alias.table()) => {
+                let name = a.schema.field(index).name();
+                return [WINDOW_START, WINDOW_END].into_iter().find(|w| name == w);
+            }
             LogicalPlan::SubqueryAlias(a) => node = &a.input,
+            // A static table joined on the side: the column comes from one of the inputs.
+            LogicalPlan::Join(j) => {
+                let left_width = j.left.schema().fields().len();
+                node = match j.join_type {
+                    JoinType::LeftSemi | JoinType::LeftAnti => &j.left,
+                    JoinType::RightSemi | JoinType::RightAnti => &j.right,
+                    _ if index < left_width => &j.left,
+                    _ => {
+                        index -= left_width;
+                        &j.right
+                    }
+                };
+            }
             LogicalPlan::Filter(f) => node = &f.input,
             LogicalPlan::Aggregate(a) => {
                 let Expr::Column(c) = a.group_expr.get(index)? else {
