@@ -14,10 +14,9 @@
 //! Each side is a `StatefulAggregate` (see [`super::aggregate`]) of its own (`0-aggregate` the
 //! left, `1-aggregate` the right, each with its state files), run in append mode: a window is
 //! emitted once, in the batch whose new watermark passes its end plus the allowed lateness.
-//! Both aggregates close
-//! windows on the **job's** watermark with the same allowed lateness, and the join equates the
-//! sides' window ends (or starts, the windows being of one size), so a window and every window
-//! it can join with close in the same batch. The join therefore runs over the windows the batch
+//! Both aggregates close windows on the **job's** watermark with the same allowed lateness, and
+//! the join equates the sides' window ends (or starts, the windows being of one size), so a
+//! window and every window it can join with close in the same batch. The join therefore runs over the windows the batch
 //! closed and keeps no state of its own: each batch's output is exactly the SQL join of the
 //! windows it closed, and every window is closed once. Outer, semi and anti joins hold for the
 //! same reason (a window's partner, if any, closes with it). The window columns the join
