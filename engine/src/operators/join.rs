@@ -1486,7 +1486,7 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::checkpoint::{BatchManifest, CheckpointStore};
+    use crate::operators::test_support::stream;
     use crate::query::{BatchWatermark, QuerySettings, StreamingQuery};
     use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION};
 
@@ -1668,64 +1668,41 @@ mod tests {
         batches: &[[Vec<Event>; 2]],
         restart_after: usize,
     ) -> (Vec<(i64, i64)>, usize) {
-        let dir = tempfile::tempdir().unwrap();
-        let checkpoint =
-            CheckpointStore::open(&url::Url::from_directory_path(dir.path()).unwrap()).unwrap();
         let sources = [("l".to_string(), schema()), ("r".to_string(), schema())];
-        let settings = settings(ttl);
-        let plan = || StreamingQuery::plan(sql, &sources, &settings);
-        let mut query = plan().await.unwrap();
-        query
-            .restore_state(StateLog::new(&checkpoint, 0), None, None)
-            .await
-            .unwrap();
-        let (mut pairs, mut late) = (Vec::new(), 0);
-        let mut watermark = None;
         let mut offsets = [0i64; 2];
-        for (i, chunks) in batches.iter().enumerate() {
-            let mut inputs = BTreeMap::new();
+        let mut inputs = Vec::new();
+        let mut watermarks = Vec::new();
+        let mut watermark = None;
+        for chunks in batches {
+            let mut rows = BTreeMap::new();
             for (s, name) in ["l", "r"].into_iter().enumerate() {
-                let rows = batch(&chunks[s], offsets[s]);
+                rows.insert(name.to_string(), batch(&chunks[s], offsets[s]));
                 offsets[s] += chunks[s].len() as i64;
-                let late_rows = query
-                    .late_rows(name, &rows, watermark, BatchId(i as i64))
-                    .unwrap();
-                if let Some(l) = late_rows {
-                    assert_eq!(l.schema(), query.late_schema().unwrap());
-                    late += l.num_rows();
-                }
-                inputs.insert(name.to_string(), rows);
             }
-            let after = watermark_after(watermark, [&chunks[0], &chunks[1]]);
-            let step = BatchWatermark {
-                before: watermark,
-                after,
-            };
-            let out = query.execute_isolating(&inputs, step).await.unwrap();
-            assert!(out.failed.is_empty());
-            for b in &out.batches {
-                let lo = b.column(0).as_primitive::<Int64Type>();
-                let ro = b.column(1).as_primitive::<Int64Type>();
-                pairs.extend(
-                    lo.iter()
-                        .zip(ro.iter())
-                        .map(|(l, r)| (l.unwrap_or(-1), r.unwrap_or(-1))),
-                );
-            }
-            watermark = after;
-            let (operators, _) = query.write_state(BatchId(i as i64)).await.unwrap();
-            if i == restart_after {
-                let manifest = BatchManifest {
-                    operators: Some(operators),
-                    ..BatchManifest::default()
-                };
-                query = plan().await.unwrap();
-                query
-                    .restore_state(StateLog::new(&checkpoint, 1), Some(&manifest), watermark)
-                    .await
-                    .unwrap();
-            }
+            inputs.push(rows);
+            watermark = watermark_after(watermark, [&chunks[0], &chunks[1]]);
+            watermarks.push(watermark);
         }
+        let streamed = stream(
+            sql,
+            &sources,
+            &settings(ttl),
+            &inputs,
+            &watermarks,
+            restart_after,
+        )
+        .await;
+        let mut pairs = Vec::new();
+        for b in &streamed.outputs {
+            let lo = b.column(0).as_primitive::<Int64Type>();
+            let ro = b.column(1).as_primitive::<Int64Type>();
+            pairs.extend(
+                lo.iter()
+                    .zip(ro.iter())
+                    .map(|(l, r)| (l.unwrap_or(-1), r.unwrap_or(-1))),
+            );
+        }
+        let late = streamed.late.iter().map(|(_, l)| l.num_rows()).sum();
         pairs.sort_unstable();
         (pairs, late)
     }

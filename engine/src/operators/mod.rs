@@ -655,3 +655,89 @@ pub(crate) fn single_source(
         _ => Err(sources.into_iter().collect::<Vec<_>>().join(", ")),
     }
 }
+
+/// What the operators' tests share: a query streamed batch by batch, as the driver runs it.
+#[cfg(test)]
+pub(crate) mod test_support {
+    use std::collections::BTreeMap;
+
+    use arrow::array::RecordBatch;
+    use arrow::datatypes::SchemaRef;
+
+    use super::state_store::StateLog;
+    use crate::checkpoint::{BatchManifest, CheckpointStore};
+    use crate::offsets::BatchId;
+    use crate::query::{BatchWatermark, QuerySettings, StreamingQuery};
+
+    /// What streaming a query gave.
+    pub(crate) struct Streamed {
+        /// Every output batch, in order.
+        pub(crate) outputs: Vec<RecordBatch>,
+        /// The late-table rows, each with the source whose input they came from.
+        pub(crate) late: Vec<(String, RecordBatch)>,
+        /// The operator ids the last batch's state was written under.
+        pub(crate) operator_ids: Vec<String>,
+    }
+
+    /// Streams `batches` (each: every source's rows) through `sql` planned over `sources`, the
+    /// watermark after batch `i` being `watermarks[i]`, restarting from the state files after
+    /// batch `restart_after` as a restart from its manifest would. Asserts that no row failed
+    /// and that late rows have the late table's schema.
+    pub(crate) async fn stream(
+        sql: &str,
+        sources: &[(String, SchemaRef)],
+        settings: &QuerySettings,
+        batches: &[BTreeMap<String, RecordBatch>],
+        watermarks: &[Option<i64>],
+        restart_after: usize,
+    ) -> Streamed {
+        let dir = tempfile::tempdir().unwrap();
+        let checkpoint =
+            CheckpointStore::open(&url::Url::from_directory_path(dir.path()).unwrap()).unwrap();
+        let plan = || StreamingQuery::plan(sql, sources, settings);
+        let mut query = plan().await.unwrap();
+        query
+            .restore_state(StateLog::new(&checkpoint, 0), None, None)
+            .await
+            .unwrap();
+        let mut streamed = Streamed {
+            outputs: Vec::new(),
+            late: Vec::new(),
+            operator_ids: Vec::new(),
+        };
+        let mut watermark = None;
+        for (i, (inputs, &after)) in batches.iter().zip(watermarks).enumerate() {
+            for (name, rows) in inputs {
+                if let Some(late) = query
+                    .late_rows(name, rows, watermark, BatchId(i as i64))
+                    .unwrap()
+                {
+                    assert_eq!(late.schema(), query.late_schema().unwrap());
+                    streamed.late.push((name.clone(), late));
+                }
+            }
+            let step = BatchWatermark {
+                before: watermark,
+                after,
+            };
+            let out = query.execute_isolating(inputs, step).await.unwrap();
+            assert!(out.failed.is_empty());
+            streamed.outputs.extend(out.batches);
+            watermark = after;
+            let (operators, _) = query.write_state(BatchId(i as i64)).await.unwrap();
+            streamed.operator_ids = operators.keys().cloned().collect();
+            if i == restart_after {
+                let manifest = BatchManifest {
+                    operators: Some(operators),
+                    ..BatchManifest::default()
+                };
+                query = plan().await.unwrap();
+                query
+                    .restore_state(StateLog::new(&checkpoint, 1), Some(&manifest), watermark)
+                    .await
+                    .unwrap();
+            }
+        }
+        streamed
+    }
+}

@@ -436,11 +436,9 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::checkpoint::{BatchManifest, CheckpointStore};
     use crate::event_time::event_time_type;
-    use crate::offsets::BatchId;
-    use crate::operators::state_store::StateLog;
-    use crate::query::{BatchWatermark, QuerySettings, StreamingQuery};
+    use crate::operators::test_support::stream;
+    use crate::query::{QuerySettings, StreamingQuery};
 
     const SECOND: i64 = 1_000_000;
     const SIZE: i64 = 10;
@@ -558,74 +556,55 @@ mod tests {
         batches: &[[Vec<Event>; 2]],
         restart_after: usize,
     ) -> (Vec<Joined>, usize) {
-        let dir = tempfile::tempdir().unwrap();
-        let checkpoint =
-            CheckpointStore::open(&url::Url::from_directory_path(dir.path()).unwrap()).unwrap();
         let sources = [("l".to_string(), schema()), ("r".to_string(), schema())];
-        let settings = settings();
-        let plan = || StreamingQuery::plan(sql, &sources, &settings);
-        let mut query = plan().await.unwrap();
-        query
-            .restore_state(StateLog::new(&checkpoint, 0), None, None)
-            .await
-            .unwrap();
-        let (mut rows, mut late) = (Vec::new(), 0);
+        let mut inputs = Vec::new();
+        let mut watermarks = Vec::new();
         let mut watermark = None;
-        for (i, chunks) in batches.iter().enumerate() {
-            let mut inputs = BTreeMap::new();
-            for (s, name) in ["l", "r"].into_iter().enumerate() {
-                let input = batch(&chunks[s]);
-                if let Some(l) = query
-                    .late_rows(name, &input, watermark, BatchId(i as i64))
-                    .unwrap()
-                {
-                    assert_eq!(l.schema(), query.late_schema().unwrap());
-                    let sources = l.column_by_name(crate::late::SOURCE).unwrap();
-                    assert!(sources.as_string::<i32>().iter().all(|s| s == Some(name)));
-                    late += l.num_rows();
-                }
-                inputs.insert(name.to_string(), input);
-            }
-            let after = watermark_after(watermark, chunks);
-            let step = BatchWatermark {
-                before: watermark,
-                after,
-            };
-            let out = query.execute_isolating(&inputs, step).await.unwrap();
-            assert!(out.failed.is_empty());
-            for b in &out.batches {
-                let keys = b.column(0).as_string::<i32>();
-                let starts = b.column(1).as_primitive::<TimestampMicrosecondType>();
-                let (ln, rn) = (
-                    b.column(2).as_primitive::<Int64Type>(),
-                    b.column(3).as_primitive::<Int64Type>(),
-                );
-                for r in 0..b.num_rows() {
-                    let right = if rn.is_null(r) { -1 } else { rn.value(r) };
-                    rows.push((
-                        keys.value(r).to_string(),
-                        starts.value(r) / SECOND,
-                        ln.value(r),
-                        right,
-                    ));
-                }
-            }
-            watermark = after;
-            let (operators, _) = query.write_state(BatchId(i as i64)).await.unwrap();
-            assert_eq!(
-                operators.keys().collect::<Vec<_>>(),
-                ["0-aggregate", "1-aggregate"]
+        for chunks in batches {
+            inputs.push(BTreeMap::from([
+                ("l".to_string(), batch(&chunks[0])),
+                ("r".to_string(), batch(&chunks[1])),
+            ]));
+            watermark = watermark_after(watermark, chunks);
+            watermarks.push(watermark);
+        }
+        let streamed = stream(
+            sql,
+            &sources,
+            &settings(),
+            &inputs,
+            &watermarks,
+            restart_after,
+        )
+        .await;
+        assert_eq!(streamed.operator_ids, ["0-aggregate", "1-aggregate"]);
+        let mut late = 0;
+        for (name, l) in &streamed.late {
+            let sources = l.column_by_name(crate::late::SOURCE).unwrap();
+            assert!(
+                sources
+                    .as_string::<i32>()
+                    .iter()
+                    .all(|s| s == Some(name.as_str()))
             );
-            if i == restart_after {
-                let manifest = BatchManifest {
-                    operators: Some(operators),
-                    ..BatchManifest::default()
-                };
-                query = plan().await.unwrap();
-                query
-                    .restore_state(StateLog::new(&checkpoint, 1), Some(&manifest), watermark)
-                    .await
-                    .unwrap();
+            late += l.num_rows();
+        }
+        let mut rows = Vec::new();
+        for b in &streamed.outputs {
+            let keys = b.column(0).as_string::<i32>();
+            let starts = b.column(1).as_primitive::<TimestampMicrosecondType>();
+            let (ln, rn) = (
+                b.column(2).as_primitive::<Int64Type>(),
+                b.column(3).as_primitive::<Int64Type>(),
+            );
+            for r in 0..b.num_rows() {
+                let right = if rn.is_null(r) { -1 } else { rn.value(r) };
+                rows.push((
+                    keys.value(r).to_string(),
+                    starts.value(r) / SECOND,
+                    ln.value(r),
+                    right,
+                ));
             }
         }
         rows.sort();
