@@ -14,6 +14,7 @@ use arrow::datatypes::{DataType, Field, Schema};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use sluice::connectors::files::{FileFormat, FilesSource, FilesSourceConfig};
 use sluice::connectors::nexmark::{NexmarkSource, NexmarkSourceConfig, NexmarkTable};
+use sluice::engine::Trigger;
 use sluice::engine::checkpoint::CheckpointStore;
 use sluice::engine::operators::state_store::StateLog;
 use sluice::engine::query::{BatchWatermark, QuerySettings, StreamingQuery};
@@ -29,7 +30,7 @@ fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Runtime::new().unwrap()
 }
 
-/// `ROWS` click events as JSON (or CSV) lines in 10 files under `dir/input`, every
+/// `rows` click events as JSON (or CSV) lines in `files` files under `dir/input`, every
 /// `bad_every`-th line bad (0: none) in one of the ways real feeds go bad: cut off, not a
 /// record, a value of the wrong type, a timestamp that is not one, a fraction in an integer
 /// column.
@@ -37,14 +38,14 @@ fn write_click_files(
     dir: &std::path::Path,
     format: FileFormat,
     bad_every: usize,
+    (rows, files): (usize, usize),
 ) -> std::path::PathBuf {
     let input = dir.join("input");
     std::fs::create_dir_all(&input).unwrap();
-    let files = 10;
     for f in 0..files {
         let mut text = String::new();
-        for i in 0..ROWS / files {
-            let line = f * (ROWS / files) + i;
+        for i in 0..rows / files {
+            let line = f * (rows / files) + i;
             let (user, page, amount, second) = (i % 1000, i % 7, i % 100, i % 60);
             let fields = |user: &str, amount: &str, ts: &str| match format {
                 FileFormat::Csv => format!("{i},{user},/p/{page},{amount},{ts}"),
@@ -113,7 +114,7 @@ fn opened_source(
 fn decode_json_files(c: &mut Criterion) {
     let rt = runtime();
     let dir = tempfile::tempdir().unwrap();
-    let input = write_click_files(dir.path(), FileFormat::Json, 0);
+    let input = write_click_files(dir.path(), FileFormat::Json, 0, (ROWS, 10));
     let source = opened_source(&rt, dir.path(), &input, FileFormat::Json);
     let mut group = c.benchmark_group("files_source");
     group.throughput(Throughput::Elements(ROWS as u64));
@@ -144,7 +145,7 @@ fn decode_bad_lines(c: &mut Criterion) {
                 }
             );
             let dir = tempfile::tempdir().unwrap();
-            let input = write_click_files(dir.path(), format, bad_every);
+            let input = write_click_files(dir.path(), format, bad_every, (ROWS, 10));
             let source = opened_source(&rt, dir.path(), &input, format);
             let read = rt
                 .block_on(source.read(&"0".to_string(), OffsetRange::new(0, 10)))
@@ -249,6 +250,223 @@ fn delta_commit(c: &mut Criterion) {
         })
     });
     group.finish();
+}
+
+/// JSON files into a Delta table, stateless: how close a job comes to the work it cannot avoid.
+/// The same 1 M click rows (20 files, 85 MB of JSON) are decoded by the files source, committed
+/// to Delta by the sink (Parquet encode and one commit), and run end to end as a job (`sluice
+/// run` of `SELECT …` over the files: plan, intent, read, query, manifest, commit) into a
+/// fresh table each time. Prints the three side by side with the job's time against decode +
+/// encode (goal: within 2×) and appends them to `benches/results/hot_paths.jsonl`.
+fn json_to_delta(c: &mut Criterion) {
+    const ROWS_IN_FILES: usize = 1_000_000;
+    const FILES: usize = 20;
+    let rt = runtime();
+    let dir = tempfile::tempdir().unwrap();
+    let input = write_click_files(dir.path(), FileFormat::Json, 0, (ROWS_IN_FILES, FILES));
+    let source = opened_source(&rt, dir.path(), &input, FileFormat::Json);
+    let all_files = OffsetRange::new(0, FILES as i64);
+    let read = rt
+        .block_on(source.read(&"0".to_string(), all_files))
+        .unwrap();
+    // The rows the job writes: the declared columns (no lineage).
+    let columns = ["id", "user_id", "page", "amount", "ts"];
+    let rows: Vec<RecordBatch> = read
+        .batches
+        .iter()
+        .map(|b| {
+            let indices: Vec<usize> = columns
+                .iter()
+                .map(|c| b.schema().index_of(c).unwrap())
+                .collect();
+            b.project(&indices).unwrap()
+        })
+        .collect();
+    assert_eq!(
+        rows.iter().map(RecordBatch::num_rows).sum::<usize>(),
+        ROWS_IN_FILES
+    );
+    let mut sink =
+        DeltaSink::new(DeltaSinkConfig::new(dir.path().join("t").to_string_lossy())).unwrap();
+    rt.block_on(sink.open("bench", OutputTables::append(rows[0].schema())))
+        .unwrap();
+    let mut next = 0;
+    let mut runs = 0;
+    let times: std::cell::RefCell<BTreeMap<&str, Vec<f64>>> = Default::default();
+    let timed = |name: &'static str, iters: u64, mut once: Box<dyn FnMut() + '_>| {
+        let mut total = std::time::Duration::ZERO;
+        for _ in 0..iters {
+            let t = std::time::Instant::now();
+            once();
+            let took = t.elapsed();
+            times
+                .borrow_mut()
+                .entry(name)
+                .or_default()
+                .push(took.as_secs_f64());
+            total += took;
+        }
+        total
+    };
+    let mut group = c.benchmark_group("json_to_delta");
+    group.sample_size(10);
+    group.throughput(Throughput::Elements(ROWS_IN_FILES as u64));
+    group.bench_function("decode_1m_rows", |b| {
+        b.iter_custom(|iters| {
+            timed(
+                "decode",
+                iters,
+                Box::new(|| {
+                    rt.block_on(source.read(&"0".to_string(), all_files))
+                        .unwrap();
+                }),
+            )
+        })
+    });
+    group.bench_function("encode_commit_1m_rows", |b| {
+        b.iter_custom(|iters| {
+            timed(
+                "encode",
+                iters,
+                Box::new(|| {
+                    let commit = BatchCommit {
+                        batch_id: BatchId(next),
+                        output: rows.clone(),
+                        dead_letters: vec![],
+                        late: vec![],
+                        manifest: serde_json::json!({}),
+                    };
+                    next += 1;
+                    rt.block_on(sink.commit(commit)).unwrap();
+                }),
+            )
+        })
+    });
+    group.bench_function("job_1m_rows", |b| {
+        b.iter_custom(|iters| {
+            timed(
+                "job",
+                iters,
+                Box::new(|| {
+                    runs += 1;
+                    let job = files_to_delta_job(dir.path(), &input, runs);
+                    let summary = rt
+                        .block_on(async {
+                            let (job, _) = sluice::job_file::load(
+                                &job,
+                                Some(Trigger::AvailableNow),
+                                &Default::default(),
+                            )
+                            .await?;
+                            Ok::<_, sluice::Error>(job.run().await?)
+                        })
+                        .unwrap();
+                    assert_eq!(summary.rows_out, ROWS_IN_FILES as u64);
+                }),
+            )
+        })
+    });
+    group.finish();
+    let median = |name: &str| {
+        let mut t = times.borrow().get(name).cloned().unwrap_or_default();
+        t.sort_by(f64::total_cmp);
+        t.get(t.len() / 2).copied()
+    };
+    let (Some(decode), Some(encode), Some(job)) =
+        (median("decode"), median("encode"), median("job"))
+    else {
+        return; // a filter left one out
+    };
+    let per_sec = |s: f64| ROWS_IN_FILES as f64 / s / 1e6;
+    let limit = decode + encode;
+    println!(
+        "JSON files → Delta, 1 M rows (median of each run): decode {:.2} s ({:.2} M rows/s), \
+         encode + commit {:.2} s ({:.2} M rows/s), decode + encode {:.2} s ({:.2} M rows/s); \
+         the job {:.2} s ({:.2} M rows/s) = {:.2}× decode + encode (goal ≤ 2)",
+        decode,
+        per_sec(decode),
+        encode,
+        per_sec(encode),
+        limit,
+        per_sec(limit),
+        job,
+        per_sec(job),
+        job / limit
+    );
+    let record = serde_json::json!({
+        "commit": git_commit(),
+        "at": chrono::Utc::now().to_rfc3339(),
+        "suite": "json_to_delta",
+        "rows": ROWS_IN_FILES,
+        "files": FILES,
+        "cores": std::thread::available_parallelism().map_or(1, |n| n.get()),
+        "decode_seconds": decode,
+        "encode_commit_seconds": encode,
+        "job_seconds": job,
+        "job_over_decode_plus_encode": job / limit,
+    });
+    let results = repo_root().join("benches/results/hot_paths.jsonl");
+    use std::io::Write;
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&results)
+        .unwrap();
+    writeln!(file, "{record}").unwrap();
+    println!("appended to {}", results.display());
+}
+
+/// A job file for run `run` of [`json_to_delta`]: the files into a fresh Delta table, in one
+/// batch, the declared columns without lineage.
+fn files_to_delta_job(
+    dir: &std::path::Path,
+    input: &std::path::Path,
+    run: usize,
+) -> std::path::PathBuf {
+    let path = dir.join(format!("job{run}.toml"));
+    std::fs::write(
+        &path,
+        format!(
+            r#"
+[job]
+id = "json_to_delta"
+
+[sources.clicks]
+kind = "files"
+path = "{input}"
+format = "json"
+schema = "id BIGINT, user_id BIGINT, page VARCHAR, amount DOUBLE, ts TIMESTAMP"
+max_files_per_batch = 1000
+
+[sink]
+kind = "delta"
+path = "{out}"
+lineage = false
+
+[query]
+sql = "SELECT id, user_id, page, amount, ts FROM clicks"
+"#,
+            input = input.display(),
+            out = dir.join(format!("out{run}")).display(),
+        ),
+    )
+    .unwrap();
+    path
+}
+
+fn git_commit() -> String {
+    std::process::Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .current_dir(repo_root())
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+fn repo_root() -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
 /// 100 000 Nexmark events of one partition, generated into Arrow (92 % of them bids).
@@ -361,6 +579,7 @@ criterion_group!(
     nexmark_generator,
     decode_json_files,
     decode_bad_lines,
+    json_to_delta,
     execute_query,
     window_aggregation_step,
     delta_commit
