@@ -163,6 +163,11 @@ fn git_commit() -> String {
         .unwrap_or_else(|| "unknown".into())
 }
 
+/// The `sluice` binary's allocator (see `src/main.rs`), so the figures are the binary's.
+#[cfg(not(target_env = "msvc"))]
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 fn main() {
     let args = args();
     let dir = tempfile::tempdir().unwrap();
