@@ -174,11 +174,12 @@ fn main() {
     let path = job_file(&args, dir.path());
     let rt = tokio::runtime::Runtime::new().unwrap();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let (summary, elapsed, opened_rss) = rt.block_on(async {
+    let (summary, elapsed, opened_rss, progress) = rt.block_on(async {
         let (job, _) =
             sluice::job_file::load(&path, Some(Trigger::AvailableNow), &Default::default())
                 .await
                 .unwrap();
+        let progress = std::sync::Arc::clone(&job.progress);
         if args.metrics {
             let addr = sluice::status_server::serve(
                 "127.0.0.1:0".parse().unwrap(),
@@ -198,8 +199,22 @@ fn main() {
         let opened_rss = rss_now();
         let started = Instant::now();
         let summary = job.run().await.unwrap();
-        (summary, started.elapsed(), opened_rss)
+        (summary, started.elapsed(), opened_rss, progress)
     });
+    // Median wall time per phase over the batches the progress keeps (the last 100).
+    let recent = progress.recent();
+    let phase_p50: std::collections::BTreeMap<String, f64> = sluice::engine::progress::PHASES
+        .iter()
+        .map(|phase| {
+            let mut ms: Vec<f64> = recent
+                .iter()
+                .filter_map(|b| b.phase_ms.get(*phase).copied())
+                .collect();
+            ms.sort_by(f64::total_cmp);
+            let p50 = ms.get(ms.len() / 2).copied().unwrap_or(0.0);
+            (phase.to_string(), (p50 * 10.0).round() / 10.0)
+        })
+        .collect();
     let secs = elapsed.as_secs_f64();
     let events_per_sec = args.events as f64 / secs;
     let mut millis: Vec<u64> = summary.batches.iter().map(|b| b.millis).collect();
@@ -250,7 +265,14 @@ fn main() {
         events_per_sec,
         events_per_sec / cores as f64
     );
-    println!("  batch latency p50 {p50} ms, p99 {p99} ms");
+    println!(
+        "  batch latency p50 {p50} ms, p99 {p99} ms; p50 per phase: {}",
+        phase_p50
+            .iter()
+            .map(|(phase, ms)| format!("{phase} {ms} ms"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     println!(
         "  rows out {}, peak RSS {:.0} MiB, bytes written {:.1} MiB",
         summary.rows_out,
@@ -286,6 +308,7 @@ fn main() {
         "cores": cores,
         "batch_ms_p50": p50,
         "batch_ms_p99": p99,
+        "phase_ms_p50": phase_p50,
         "peak_rss_bytes": rss,
         "opened_rss_bytes": opened_rss,
         "largest_batch_arrow_bytes": largest_input,

@@ -1032,7 +1032,20 @@ impl SourceTables {
                 }
             }
         }
-        let batches = match how {
+        let batches = self.execute(plan, how).await;
+        // The tables let go of the rows now, not when the next batch replaces them: held
+        // until then, one batch's input stayed in memory while the next was read.
+        for (_, table) in self.tables.values() {
+            for slot in &table.batches {
+                slot.write().await.clear();
+            }
+        }
+        Ok(batches?.into_iter().filter(|b| b.num_rows() > 0).collect())
+    }
+
+    /// Runs `plan` over the rows the tables hold, as `how` says.
+    async fn execute(&self, plan: &LogicalPlan, how: Run<'_>) -> Result<Vec<RecordBatch>> {
+        Ok(match how {
             Run::Collect => {
                 let df = self.ctx.execute_logical_plan(plan.clone()).await?;
                 df.collect().await?
@@ -1051,8 +1064,7 @@ impl SourceTables {
                 let physical = self.ctx.state().create_physical_plan(plan).await?;
                 operator.partial_of(&physical).await?
             }
-        };
-        Ok(batches.into_iter().filter(|b| b.num_rows() > 0).collect())
+        })
     }
 
     /// Runs `plan`; if it fails on the rows' values, finds the failing rows by splitting the
