@@ -163,12 +163,10 @@ fn git_commit() -> String {
         .unwrap_or_else(|| "unknown".into())
 }
 
-/// The `sluice` binary's allocator (see `src/main.rs`), so the figures are the binary's.
-#[cfg(not(target_env = "msvc"))]
-#[global_allocator]
-static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
-
 fn main() {
+    // The allocator as the `sluice` binary sets it up (before this runner, it measured glibc's
+    // default of eight arenas per core, which the binary does not run with).
+    sluice::cli::limit_malloc_arenas();
     let args = args();
     let dir = tempfile::tempdir().unwrap();
     let path = job_file(&args, dir.path());

@@ -221,10 +221,13 @@ pub fn run(registry: Registry) -> ExitCode {
 /// the live job ran as fast as with either and its peak resident size halved.
 const MALLOC_ARENAS: i32 = 2;
 
-/// Caps glibc's malloc arenas at [`MALLOC_ARENAS`] before any thread starts.
+/// Caps glibc's malloc arenas at [`MALLOC_ARENAS`] (unless `MALLOC_ARENA_MAX` or
+/// `GLIBC_TUNABLES` sets them), as [`run`] does first. Public for programs that measure what
+/// the `sluice` binary does without going through [`run`] (the Nexmark runner); call it before
+/// any thread starts.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[allow(unsafe_code)]
-fn limit_malloc_arenas() {
+pub fn limit_malloc_arenas() {
     let tuned = std::env::var("GLIBC_TUNABLES").is_ok_and(|t| t.contains("arena_max"));
     if std::env::var_os("MALLOC_ARENA_MAX").is_none() && !tuned {
         // SAFETY: `mallopt` only sets an allocator parameter; it is called once, before the
@@ -235,8 +238,9 @@ fn limit_malloc_arenas() {
     }
 }
 
+/// Caps glibc's malloc arenas; nothing elsewhere.
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn limit_malloc_arenas() {}
+pub fn limit_malloc_arenas() {}
 
 async fn cli_main(registry: Registry) -> ExitCode {
     tracing_subscriber::fmt()
