@@ -4,8 +4,9 @@
 //! becomes one logical plan over the sources' tables, with the job's own functions
 //! ([`Functions`]) registered beside DataFusion's, and everything below sees only that plan.
 //!
-//! Each source is registered as an in-memory table whose contents are swapped before every
-//! batch, so the logical plan is built (and validated) once. Execution is vectorised and
+//! Each source is registered as an in-memory table loaded with a batch's rows for its run and
+//! emptied once the plan has run, so the logical plan is built (and validated) once and a
+//! batch's input is not held while the next is read. Execution is vectorised and
 //! parallel: a batch's rows are split across DataFusion's target partitions.
 //!
 //! A query is either **stateless** (expressions, WHERE, UNION ALL, UNNEST, joins with static
