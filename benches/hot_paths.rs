@@ -6,6 +6,9 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
+mod common;
+
+use common::{git_commit, repo_root};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -257,7 +260,9 @@ fn delta_commit(c: &mut Criterion) {
 /// to Delta by the sink (Parquet encode and one commit), and run end to end as a job (`sluice
 /// run` of `SELECT …` over the files: plan, intent, read, query, manifest, commit) into a
 /// fresh table each time. Prints the three side by side with the job's time against decode +
-/// encode (goal: within 2×) and appends them to `benches/results/hot_paths.jsonl`.
+/// encode (goal: within 2×) and, under `cargo bench`, appends them to
+/// `benches/results/hot_paths.jsonl`. The encode runs commit to one table that grows by a batch
+/// each run, as a streaming job's batches do; the job writes its one batch into a fresh table.
 fn json_to_delta(c: &mut Criterion) {
     const ROWS_IN_FILES: usize = 1_000_000;
     const FILES: usize = 20;
@@ -323,7 +328,6 @@ fn json_to_delta(c: &mut Criterion) {
             )
         })
     });
-    // Every run appends one commit to the same table, as a streaming job's batches do.
     group.bench_function("encode_commit_1m_rows", |b| {
         b.iter_custom(|iters| {
             timed(
@@ -399,6 +403,7 @@ fn json_to_delta(c: &mut Criterion) {
     let record = serde_json::json!({
         "commit": git_commit(),
         "at": chrono::Utc::now().to_rfc3339(),
+        "allocator": common::allocator(),
         "suite": "json_to_delta",
         "rows": ROWS_IN_FILES,
         "files": FILES,
@@ -408,9 +413,12 @@ fn json_to_delta(c: &mut Criterion) {
         "job_seconds": job,
         "job_over_decode_plus_encode": job / limit,
     });
-    // `cargo bench` passes `--bench`; `cargo test --benches` runs each routine once, which is
-    // a check that it works, not a measurement to keep.
-    if !std::env::args().any(|a| a == "--bench") {
+    // `cargo bench` passes `--bench`; `cargo test --benches` (or `-- --test`) runs each routine
+    // once and `--profile-time` runs it for a profiler: checks, not measurements to keep.
+    let args: Vec<String> = std::env::args().collect();
+    let measured = args.iter().any(|a| a == "--bench")
+        && !args.iter().any(|a| a == "--test" || a == "--profile-time");
+    if !measured {
         return;
     }
     let results = repo_root().join("benches/results/hot_paths.jsonl");
@@ -460,21 +468,6 @@ sql = "SELECT id, user_id, page, amount, ts FROM clicks"
     )
     .unwrap();
     path
-}
-
-fn git_commit() -> String {
-    std::process::Command::new("git")
-        .args(["rev-parse", "--short", "HEAD"])
-        .current_dir(repo_root())
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_else(|| "unknown".into())
-}
-
-fn repo_root() -> std::path::PathBuf {
-    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
 /// 100 000 Nexmark events of one partition, generated into Arrow (92 % of them bids).

@@ -19,6 +19,9 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
+mod common;
+
+use common::{git_commit, repo_root};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -150,17 +153,6 @@ fn dir_size(path: &Path) -> u64 {
             }
         })
         .sum()
-}
-
-fn git_commit() -> String {
-    std::process::Command::new("git")
-        .args(["rev-parse", "--short", "HEAD"])
-        .current_dir(repo_root())
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_else(|| "unknown".into())
 }
 
 fn main() {
@@ -295,6 +287,7 @@ fn main() {
     let record = serde_json::json!({
         "commit": git_commit(),
         "at": chrono::Utc::now().to_rfc3339(),
+        "allocator": common::allocator(),
         "query": args.query,
         "events": args.events,
         "batch_size": args.batch_size,
@@ -341,12 +334,4 @@ fn scrape(addr: &str, path: &str) {
         );
         let _ = stream.read_to_end(&mut Vec::new());
     }
-}
-
-/// The repository's root folder, looked up at run time: a bench binary cached from a clone at
-/// another path must not write there.
-fn repo_root() -> std::path::PathBuf {
-    std::env::var_os("CARGO_MANIFEST_DIR")
-        .unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into())
-        .into()
 }

@@ -25,6 +25,9 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
+mod common;
+
+use common::{git_commit, repo_root};
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -52,17 +55,6 @@ fn record(line: serde_json::Value) {
         .open(results())
         .unwrap();
     writeln!(f, "{line}").unwrap();
-}
-
-fn git_commit() -> String {
-    std::process::Command::new("git")
-        .args(["rev-parse", "--short", "HEAD"])
-        .current_dir(repo_root())
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_else(|| "unknown".into())
 }
 
 fn mib(bytes: u64) -> f64 {
@@ -577,12 +569,4 @@ fn state_size(sizes: &[usize], batch: usize) {
         }
         println!();
     }
-}
-
-/// The repository's root folder, looked up at run time: a bench binary cached from a clone at
-/// another path must not write there.
-fn repo_root() -> std::path::PathBuf {
-    std::env::var_os("CARGO_MANIFEST_DIR")
-        .unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into())
-        .into()
 }

@@ -37,9 +37,12 @@ mod http;
 #[path = "../integration/s3_server.rs"]
 mod s3_server;
 
+mod common;
+
+use common::{git_commit, repo_root};
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use s3_server::S3Server;
@@ -499,23 +502,4 @@ fn record(line: serde_json::Value) {
         .open(path)
         .unwrap();
     writeln!(f, "{line}").unwrap();
-}
-
-fn git_commit() -> String {
-    std::process::Command::new("git")
-        .args(["describe", "--always", "--dirty"])
-        .current_dir(repo_root())
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_else(|| "unknown".into())
-}
-
-/// The repository's root folder, looked up at run time: a bench binary cached from a clone at
-/// another path must not write there.
-fn repo_root() -> PathBuf {
-    std::env::var_os("CARGO_MANIFEST_DIR")
-        .unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into())
-        .into()
 }

@@ -224,9 +224,9 @@ const MALLOC_ARENAS: i32 = 2;
 /// Caps glibc's malloc arenas at two (unless `MALLOC_ARENA_MAX` or `GLIBC_TUNABLES` sets
 /// them), as [`run`] does first: a batch's memory is mostly freed on another thread than the
 /// one that allocated it, and with glibc's default of eight arenas per core the next batch does
-/// not reuse it. Public for programs that measure what
-/// the `sluice` binary does without going through [`run`] (the Nexmark runner); call it before
-/// any thread starts.
+/// not reuse it. Public for programs that measure what the `sluice` binary does without going
+/// through [`run`] (the Nexmark runner, the `hot_paths` benchmarks); call it before any thread
+/// starts.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[allow(unsafe_code)]
 pub fn limit_malloc_arenas() {
