@@ -66,7 +66,7 @@ use crate::offsets::{
 };
 use crate::operators::state_store::StateLog;
 use crate::progress::{CommittedBatch, Progress};
-use crate::query::{BatchWatermark, Query, QuerySettings, StreamingQuery};
+use crate::query::{BatchWatermark, Query, QuerySettings, SourceInputs, StreamingQuery};
 use crate::sink::{BatchCommit, CommitOutcome, Compaction, Sink};
 use crate::source::DeadLetter;
 use crate::source::SchemaInference;
@@ -663,7 +663,7 @@ impl Pipeline {
     /// a usable event time to dead letters; rows of windows the watermark in force has closed
     /// to the late table (they still count in their open windows; the query leaves the closed
     /// ones out).
-    async fn read(&mut self, batch: &mut Batch) -> Result<BTreeMap<String, RecordBatch>> {
+    async fn read(&mut self, batch: &mut Batch) -> Result<SourceInputs> {
         let t = Instant::now();
         let future = FutureTimes::Clock(batch.clock);
         let mut inputs = BTreeMap::new();
@@ -681,16 +681,18 @@ impl Pipeline {
                 grown.push((index, schema));
             }
             let (rows, letters) = (read.rows, read.dead_letters);
-            if let Some(time) = &s.event_time {
-                let maxima = batch.max_event_time.entry(s.name.clone()).or_default();
-                max_event_time_by_partition(&rows, &time.column, maxima)?;
-            }
-            let late =
-                self.query
-                    .late_rows(&s.name, &rows, self.watermark.current(), batch.id())?;
-            if let Some(late) = late {
-                batch.counters.rows_late += late.num_rows() as u64;
-                batch.late.push(late);
+            for chunk in &rows {
+                if let Some(time) = &s.event_time {
+                    let maxima = batch.max_event_time.entry(s.name.clone()).or_default();
+                    max_event_time_by_partition(chunk, &time.column, maxima)?;
+                }
+                let late =
+                    self.query
+                        .late_rows(&s.name, chunk, self.watermark.current(), batch.id())?;
+                if let Some(late) = late {
+                    batch.counters.rows_late += late.num_rows() as u64;
+                    batch.late.push(late);
+                }
             }
             let mut letters = letters;
             for skip in batch.intent.skipped.iter().filter(|k| k.source == s.name) {
@@ -702,11 +704,15 @@ impl Pipeline {
                     error: skip.reason.clone(),
                 });
             }
-            batch.counters.rows_in += rows.num_rows() as u64;
-            batch.input_bytes += crate::memory::batch_bytes(&rows) as u64;
+            let read_rows: usize = rows.iter().map(RecordBatch::num_rows).sum();
+            batch.counters.rows_in += read_rows as u64;
+            batch.input_bytes += rows
+                .iter()
+                .map(|chunk| crate::memory::batch_bytes(chunk) as u64)
+                .sum::<u64>();
             batch
                 .rows_in_by_source
-                .insert(s.name.clone(), rows.num_rows() as u64);
+                .insert(s.name.clone(), read_rows as u64);
             batch.counters.rows_dead_lettered += letters.len() as u64;
             if !letters.is_empty() {
                 batch
@@ -728,10 +734,11 @@ impl Pipeline {
                 .push(RecordBatch::new_empty(self.query.late_schema_of(&s.schema)));
         }
         for s in &self.sources {
-            if let Some(rows) = inputs.get_mut(&s.name)
-                && rows.schema() != s.planned
-            {
-                *rows = conform(rows, &s.planned).map_err(|e| Error::in_source(&s.name, e))?;
+            for chunk in inputs.get_mut(&s.name).into_iter().flatten() {
+                if chunk.schema() != s.planned {
+                    *chunk =
+                        conform(chunk, &s.planned).map_err(|e| Error::in_source(&s.name, e))?;
+                }
             }
         }
         batch.times.read = t.elapsed();
@@ -841,7 +848,7 @@ impl Pipeline {
     async fn execute(
         &mut self,
         batch: &mut Batch,
-        inputs: BTreeMap<String, RecordBatch>,
+        inputs: SourceInputs,
         watermark: &Watermark,
     ) -> Result<Vec<RecordBatch>> {
         let t = Instant::now();
@@ -849,7 +856,7 @@ impl Pipeline {
             before: self.watermark.current(),
             after: watermark.current(),
         };
-        let output = self.query.execute_isolating(&inputs, step).await?;
+        let output = self.query.execute_read(&inputs, step).await?;
         drop(inputs);
         let mut failed_by_source: BTreeMap<&str, Vec<DeadLetter>> = BTreeMap::new();
         for failed in &output.failed {

@@ -320,8 +320,11 @@ pub(crate) fn table_column(
 
 /// Rows of one source as the query sees them, with what became dead letters.
 pub(crate) struct SourceRows {
-    /// The rows, in the source's query schema (event time parsed).
-    pub(crate) rows: RecordBatch,
+    /// The rows, in the source's query schema (event time parsed), as the read produced them:
+    /// the partitions' batches in partition and offset order, never copied into one batch (that
+    /// copy was a serial pass over the whole input, with the input twice in memory while it
+    /// ran).
+    pub(crate) rows: Vec<RecordBatch>,
     /// What could not be decoded or had no usable event time.
     pub(crate) dead_letters: Vec<DeadLetter>,
     /// The source's query schema, if schema evolution grew it during this read.
@@ -329,7 +332,7 @@ pub(crate) struct SourceRows {
 }
 
 /// Reads every range of one source (partitions concurrently), parses event time, and returns
-/// the rows as one batch plus the dead letters. If schema evolution grew the source's schema
+/// the rows (the reads' batches, in order) plus the dead letters. If schema evolution grew the source's schema
 /// during the read, ranges read before another partition's read grew it are read again, so all
 /// rows come in the grown schema.
 pub(crate) async fn read_source(
@@ -404,7 +407,11 @@ pub(crate) async fn read_source(
             batches.push(filter_record_batch(&parsed, &keep.into())?);
         }
     }
-    let rows = concat_consuming(&query_schema, batches)
+    let rows = batches
+        .into_iter()
+        .filter(|b| b.num_rows() > 0)
+        .map(|b| in_schema(&query_schema, b))
+        .collect::<std::result::Result<Vec<_>, _>>()
         .map_err(|e| Error::in_source(&s.name, format!("its reads disagree on the schema: {e}")))?;
     let grown = (query_schema != s.schema).then_some(query_schema);
     Ok(SourceRows {
@@ -412,6 +419,42 @@ pub(crate) async fn read_source(
         dead_letters: letters,
         grown,
     })
+}
+
+/// `batch` under `schema` (the same fields; the schema's metadata may differ).
+///
+/// # Errors
+/// If the fields differ, naming both.
+fn in_schema(
+    schema: &SchemaRef,
+    batch: RecordBatch,
+) -> std::result::Result<RecordBatch, arrow::error::ArrowError> {
+    if batch.schema() == *schema {
+        return Ok(batch);
+    }
+    if batch.schema().fields() != schema.fields() {
+        return Err(arrow::error::ArrowError::SchemaError(format!(
+            "expected {}, a read gave {}",
+            schema_summary(schema),
+            schema_summary(&batch.schema())
+        )));
+    }
+    let rows = batch.num_rows();
+    RecordBatch::try_new_with_options(
+        Arc::clone(schema),
+        batch.columns().to_vec(),
+        &arrow::array::RecordBatchOptions::new().with_row_count(Some(rows)),
+    )
+}
+
+/// `name type, …` of a schema's columns.
+fn schema_summary(schema: &SchemaRef) -> String {
+    schema
+        .fields()
+        .iter()
+        .map(|f| format!("{} {}", f.name(), f.data_type()))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// `batches` as one batch, built column by column, each column of the inputs released once
@@ -476,7 +519,9 @@ pub(crate) async fn read_source_as_opened(
              (it then opens the source with them)",
         ));
     }
-    Ok((read.rows, read.dead_letters))
+    let rows = concat_consuming(&s.schema, read.rows)
+        .map_err(|e| Error::in_source(&s.name, format!("its reads disagree on the schema: {e}")))?;
+    Ok((rows, read.dead_letters))
 }
 
 /// The key of row `row` of a source batch, as [`dead_letter_from_row`] would record it.

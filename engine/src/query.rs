@@ -764,7 +764,9 @@ impl StreamingQuery {
         &self,
         inputs: &BTreeMap<String, RecordBatch>,
     ) -> Result<Vec<RecordBatch>> {
-        self.tables.run(&self.plan, inputs, Run::Collect).await
+        self.tables
+            .run(&self.plan, &one_batch_each(inputs), Run::Collect)
+            .await
     }
 
     /// Runs one batch: a stateless query over the rows; a stateful one merges the rows of open
@@ -778,6 +780,19 @@ impl StreamingQuery {
     pub async fn execute_isolating(
         &mut self,
         inputs: &BTreeMap<String, RecordBatch>,
+        watermark: BatchWatermark,
+    ) -> Result<QueryOutput> {
+        self.execute_read(&one_batch_each(inputs), watermark).await
+    }
+
+    /// [`StreamingQuery::execute_isolating`] over each source's rows as its read produced them
+    /// (several batches, in order): the live loop's input, never copied into one batch.
+    ///
+    /// # Errors
+    /// As [`StreamingQuery::execute_isolating`].
+    pub async fn execute_read(
+        &mut self,
+        inputs: &SourceInputs,
         watermark: BatchWatermark,
     ) -> Result<QueryOutput> {
         let stateful = match self.stateful.as_mut() {
@@ -815,7 +830,7 @@ impl StreamingQuery {
 async fn deduplicate(
     tables: &SourceTables,
     dedup: &mut Deduplication,
-    inputs: &BTreeMap<String, RecordBatch>,
+    inputs: &SourceInputs,
     watermark: Option<i64>,
 ) -> Result<QueryOutput> {
     let plan = dedup.lower_plan(watermark)?;
@@ -832,7 +847,7 @@ async fn deduplicate(
 async fn accumulate_windows(
     tables: &SourceTables,
     join: &mut WindowJoin,
-    inputs: &BTreeMap<String, RecordBatch>,
+    inputs: &SourceInputs,
     watermark: Option<i64>,
 ) -> Result<Vec<FailedRow>> {
     // In a self-join a row both sides fail on is one dead letter.
@@ -866,7 +881,7 @@ async fn accumulate_windows(
 async fn join_streams(
     tables: &SourceTables,
     join: &mut StreamJoin,
-    inputs: &BTreeMap<String, RecordBatch>,
+    inputs: &SourceInputs,
     watermark: BatchWatermark,
 ) -> Result<QueryOutput> {
     join.run(&tables.ctx, watermark, |plan| async move {
@@ -888,6 +903,7 @@ impl StreamingQuery {
         inputs: &BTreeMap<String, RecordBatch>,
         watermark: Option<i64>,
     ) -> Result<QueryOutput> {
+        let inputs = &one_batch_each(inputs);
         let stateful = match self.stateful.as_mut() {
             None => return self.tables.isolate(&self.plan, inputs, Run::Collect).await,
             Some(StatefulOperator::Deduplication(dedup)) => {
@@ -1012,7 +1028,7 @@ impl SourceTables {
     async fn run(
         &self,
         plan: &LogicalPlan,
-        inputs: &BTreeMap<String, RecordBatch>,
+        inputs: &SourceInputs,
         how: Run<'_>,
     ) -> Result<Vec<RecordBatch>> {
         let partitions = match how {
@@ -1020,16 +1036,16 @@ impl SourceTables {
             Run::Collect | Run::Partial(_) => self.partitions,
         };
         for (name, (_, table)) in &self.tables {
-            let rows = inputs.get(name);
+            let rows = inputs.get(name).map_or(&[][..], Vec::as_slice);
+            let total = total_rows(rows);
+            let share = total.div_ceil(partitions);
             for (i, slot) in table.batches.iter().enumerate() {
                 let mut slot = slot.write().await;
                 slot.clear();
-                if let Some(rows) = rows {
-                    let chunk = rows.num_rows().div_ceil(partitions);
-                    let offset = i * chunk;
-                    if offset < rows.num_rows() {
-                        slot.push(rows.slice(offset, chunk.min(rows.num_rows() - offset)));
-                    }
+                // Partition i holds rows [i × share, (i + 1) × share): contiguous, in order.
+                let offset = i * share;
+                if offset < total {
+                    slot.extend(slice_rows(rows, offset, share.min(total - offset)));
                 }
             }
         }
@@ -1075,7 +1091,7 @@ impl SourceTables {
     async fn isolate(
         &self,
         plan: &LogicalPlan,
-        inputs: &BTreeMap<String, RecordBatch>,
+        inputs: &SourceInputs,
         how: Run<'_>,
     ) -> Result<QueryOutput> {
         match self.run(plan, inputs, how).await {
@@ -1097,18 +1113,18 @@ impl SourceTables {
         // Run each source alone and bisect the failing ranges.
         let mut out = QueryOutput::default();
         for (name, rows) in inputs {
-            let mut pending = vec![(0usize, rows.num_rows())];
+            let mut pending = vec![(0usize, total_rows(rows))];
             while let Some((offset, len)) = pending.pop() {
                 if len == 0 {
                     continue;
                 }
-                let part = BTreeMap::from([(name.clone(), rows.slice(offset, len))]);
+                let part = BTreeMap::from([(name.clone(), slice_rows(rows, offset, len))]);
                 match self.run(plan, &part, how).await {
                     Ok(batches) => out.batches.extend(batches),
                     Err(e) if !is_data_error(&e) => return Err(e),
                     Err(e) if len == 1 => out.failed.push(FailedRow {
                         source: name.clone(),
-                        row: rows.slice(offset, 1),
+                        row: slice_rows(rows, offset, 1).remove(0),
                         error: e.to_string(),
                     }),
                     Err(_) => {
@@ -1121,6 +1137,45 @@ impl SourceTables {
         }
         Ok(out)
     }
+}
+
+/// Each source's rows for one run of the query, by source name: the batches its read
+/// produced, in order. The live loop never copies a source's rows into one batch: that copy
+/// was a serial pass over the whole input, with the input twice in memory while it ran.
+pub type SourceInputs = BTreeMap<String, Vec<RecordBatch>>;
+
+/// `inputs` (one batch per source) as [`SourceInputs`].
+fn one_batch_each(inputs: &BTreeMap<String, RecordBatch>) -> SourceInputs {
+    inputs
+        .iter()
+        .map(|(name, rows)| (name.clone(), vec![rows.clone()]))
+        .collect()
+}
+
+/// The rows of `batches`.
+fn total_rows(batches: &[RecordBatch]) -> usize {
+    batches.iter().map(RecordBatch::num_rows).sum()
+}
+
+/// Rows `[offset, offset + len)` of `batches` taken as one sequence: zero-copy slices of the
+/// batches they fall in, in order.
+fn slice_rows(batches: &[RecordBatch], mut offset: usize, mut len: usize) -> Vec<RecordBatch> {
+    let mut out = Vec::new();
+    for batch in batches {
+        if len == 0 {
+            break;
+        }
+        let n = batch.num_rows();
+        if offset >= n {
+            offset -= n;
+            continue;
+        }
+        let take = len.min(n - offset);
+        out.push(batch.slice(offset, take));
+        len -= take;
+        offset = 0;
+    }
+    out
 }
 
 /// Update mode's upsert key: the configured `key`, else the aggregate's group columns; every key
