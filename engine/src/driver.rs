@@ -659,10 +659,11 @@ impl Pipeline {
         Ok(())
     }
 
-    /// Steps 3 read + 4 time: one batch of rows per source; undecodable rows and rows without
-    /// a usable event time to dead letters; rows of windows the watermark in force has closed
-    /// to the late table (they still count in their open windows; the query leaves the closed
-    /// ones out).
+    /// Steps 3 read + 4 time: each source's rows as its read produced them (several Arrow
+    /// batches, in partition and offset order, never copied into one); undecodable rows and
+    /// rows without a usable event time to dead letters; rows of windows the watermark in force
+    /// has closed to the late table (they still count in their open windows; the query leaves
+    /// the closed ones out).
     async fn read(&mut self, batch: &mut Batch) -> Result<SourceInputs> {
         let t = Instant::now();
         let future = FutureTimes::Clock(batch.clock);

@@ -322,8 +322,8 @@ pub(crate) fn table_column(
 pub(crate) struct SourceRows {
     /// The rows, in the source's query schema (event time parsed), as the read produced them:
     /// the partitions' batches in partition and offset order, never copied into one batch (that
-    /// copy was a serial pass over the whole input, with the input twice in memory while it
-    /// ran).
+    /// copy was a pass over the whole input on one thread, and its memory came on top of what
+    /// the read had allocated).
     pub(crate) rows: Vec<RecordBatch>,
     /// What could not be decoded or had no usable event time.
     pub(crate) dead_letters: Vec<DeadLetter>,
@@ -407,12 +407,12 @@ pub(crate) async fn read_source(
             batches.push(filter_record_batch(&parsed, &keep.into())?);
         }
     }
-    let rows = batches
+    let mut rows = batches
         .into_iter()
-        .filter(|b| b.num_rows() > 0)
         .map(|b| in_schema(&query_schema, b))
         .collect::<std::result::Result<Vec<_>, _>>()
         .map_err(|e| Error::in_source(&s.name, format!("its reads disagree on the schema: {e}")))?;
+    rows.retain(|b| b.num_rows() > 0);
     let grown = (query_schema != s.schema).then_some(query_schema);
     Ok(SourceRows {
         rows,
@@ -421,10 +421,12 @@ pub(crate) async fn read_source(
     })
 }
 
-/// `batch` under `schema` (the same fields; the schema's metadata may differ).
+/// `batch` under `schema`: its columns taken by position, as Arrow's `concat_batches` took
+/// them when a source's batches were still copied into one (names, nullability and metadata
+/// may differ; the number of columns and their types may not).
 ///
 /// # Errors
-/// If the fields differ, naming both.
+/// If the columns differ in number or type, naming both schemas.
 fn in_schema(
     schema: &SchemaRef,
     batch: RecordBatch,
@@ -432,7 +434,13 @@ fn in_schema(
     if batch.schema() == *schema {
         return Ok(batch);
     }
-    if batch.schema().fields() != schema.fields() {
+    let types_match = batch.num_columns() == schema.fields().len()
+        && batch
+            .columns()
+            .iter()
+            .zip(schema.fields())
+            .all(|(c, f)| c.data_type() == f.data_type());
+    if !types_match {
         return Err(arrow::error::ArrowError::SchemaError(format!(
             "expected {}, a read gave {}",
             schema_summary(schema),
@@ -457,8 +465,8 @@ fn schema_summary(schema: &SchemaRef) -> String {
         .join(", ")
 }
 
-/// `batches` as one batch, built column by column, each column of the inputs released once
-/// it is copied: the read's rows are in memory about once during the copy, not twice.
+/// `batches` as one batch (for backfill and reconcile, which take one batch per source),
+/// built column by column, each column of the inputs released once it is copied.
 fn concat_consuming(
     schema: &SchemaRef,
     batches: Vec<RecordBatch>,

@@ -1141,7 +1141,7 @@ impl SourceTables {
 
 /// Each source's rows for one run of the query, by source name: the batches its read
 /// produced, in order. The live loop never copies a source's rows into one batch: that copy
-/// was a serial pass over the whole input, with the input twice in memory while it ran.
+/// was a pass over the whole input on one thread, and its memory came on top of the read's.
 pub type SourceInputs = BTreeMap<String, Vec<RecordBatch>>;
 
 /// `inputs` (one batch per source) as [`SourceInputs`].
@@ -1470,6 +1470,120 @@ mod tests {
 
     /// Only the rows' values may make a row a dead letter: a resource error met while
     /// isolating fails the batch instead of dead-lettering whatever row was being tried.
+    /// The live loop's input — a source's rows as several batches (empty ones too) — gives
+    /// what the same rows as one batch give: the same output rows, and failing rows isolated
+    /// across the batches' boundaries as the same rows with the same errors.
+    #[tokio::test]
+    async fn rows_in_several_batches_run_as_the_same_rows_in_one() {
+        let codes: Vec<String> = (0..40)
+            .map(|i| match i % 7 {
+                3 => format!("bad{i}"),
+                _ => i.to_string(),
+            })
+            .collect();
+        let (schema, batch) = code_batch(codes, (0..40).collect());
+        let sources = [("t".to_string(), schema)];
+        let settings = lineage();
+        let plan =
+            || StreamingQuery::plan("SELECT CAST(code AS INT) AS n FROM t", &sources, &settings);
+        let offsets = |out: &QueryOutput| {
+            let mut ok: Vec<i64> = out
+                .batches
+                .iter()
+                .flat_map(|b| {
+                    b.column_by_name(SOURCE_OFFSET)
+                        .unwrap()
+                        .as_any()
+                        .downcast_ref::<Int64Array>()
+                        .unwrap()
+                        .values()
+                        .to_vec()
+                })
+                .collect();
+            ok.sort_unstable();
+            let failed: Vec<(String, String)> = out
+                .failed
+                .iter()
+                .map(|f| {
+                    let code = f.row.column(0).as_any().downcast_ref::<StringArray>();
+                    (code.unwrap().value(0).to_string(), f.error.clone())
+                })
+                .collect();
+            (ok, failed)
+        };
+        let whole = plan()
+            .await
+            .unwrap()
+            .execute_isolating(
+                &BTreeMap::from([("t".to_string(), batch.clone())]),
+                BatchWatermark::default(),
+            )
+            .await
+            .unwrap();
+        let (ok, failed) = offsets(&whole);
+        assert_eq!(ok.len(), 34);
+        assert_eq!(failed.len(), 6);
+        for cuts in [
+            vec![0, 1, 3, 3, 17, 39, 40],
+            vec![0, 20, 40],
+            vec![0, 1, 40],
+        ] {
+            let chunks: Vec<RecordBatch> = cuts
+                .windows(2)
+                .map(|w| batch.slice(w[0], w[1] - w[0]))
+                .collect();
+            let split = plan()
+                .await
+                .unwrap()
+                .execute_read(
+                    &BTreeMap::from([("t".to_string(), chunks)]),
+                    BatchWatermark::default(),
+                )
+                .await
+                .unwrap();
+            assert_eq!(
+                offsets(&split),
+                (ok.clone(), failed.clone()),
+                "cut at {cuts:?}"
+            );
+        }
+    }
+
+    proptest::proptest! {
+        /// Rows `[offset, offset + len)` of batches taken as one sequence are those rows of
+        /// their concatenation, whatever the batches' sizes (empty ones included).
+        #[test]
+        fn slicing_batches_slices_their_concatenation(
+            sizes in proptest::collection::vec(0usize..6, 0..6),
+            offset in 0usize..30,
+            len in 0usize..30,
+        ) {
+            let mut next = 0i64;
+            let batches: Vec<RecordBatch> = sizes
+                .iter()
+                .map(|&n| {
+                    let offsets: Vec<i64> = (next..next + n as i64).collect();
+                    next += n as i64;
+                    code_batch(vec![String::new(); n], offsets).1
+                })
+                .collect();
+            let total = total_rows(&batches);
+            let (offset, len) = (offset.min(total), len.min(total - offset.min(total)));
+            let values = |batches: &[RecordBatch]| -> Vec<i64> {
+                batches
+                    .iter()
+                    .flat_map(|b| b.column(2).as_any().downcast_ref::<Int64Array>().unwrap().values().to_vec())
+                    .collect()
+            };
+            let sliced = slice_rows(&batches, offset, len);
+            proptest::prop_assert!(sliced.iter().all(|b| b.num_rows() > 0));
+            proptest::prop_assert_eq!(
+                values(&sliced),
+                (offset as i64..(offset + len) as i64).collect::<Vec<_>>()
+            );
+        }
+    }
+
     #[tokio::test]
     async fn only_errors_about_the_values_isolate_rows() {
         let settings = QuerySettings {
