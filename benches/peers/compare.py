@@ -115,7 +115,9 @@ max_out_of_orderness = "0s"
         QUERIES["q0"],
     )
     run([sluice, "run", str(job)])
-    # One data file per commit; number them in commit order, which is event-time order.
+    # One data file per commit; number them in commit order, which is event-time order. A
+    # compaction's commit adds a file of rows already added (`dataChange` false): leave it out,
+    # or its rows would be read twice, and out of event-time order.
     bids = work / "bids"
     bids.mkdir()
     log = sorted((dump / "_delta_log").glob("*.json"))
@@ -123,7 +125,7 @@ max_out_of_orderness = "0s"
     for commit in log:
         for line in commit.read_text().splitlines():
             action = json.loads(line)
-            if "add" in action:
+            if "add" in action and action["add"].get("dataChange", True):
                 shutil.copy(dump / action["add"]["path"], bids / f"bids-{n:05d}.parquet")
                 n += 1
     shutil.rmtree(dump)
