@@ -332,9 +332,9 @@ pub(crate) struct SourceRows {
 }
 
 /// Reads every range of one source (partitions concurrently), parses event time, and returns
-/// the rows (the reads' batches, in order) plus the dead letters. If schema evolution grew the source's schema
-/// during the read, ranges read before another partition's read grew it are read again, so all
-/// rows come in the grown schema.
+/// the rows (the reads' batches, in order) plus the dead letters. If schema evolution grew the
+/// source's schema during the read, ranges read before another partition's read grew it are
+/// read again, so all rows come in the grown schema.
 pub(crate) async fn read_source(
     s: &OpenSource,
     ranges: &BTreeMap<PartitionId, OffsetRange>,
