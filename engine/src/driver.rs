@@ -682,11 +682,13 @@ impl Pipeline {
                 grown.push((index, schema));
             }
             let (rows, letters) = (read.rows, read.dead_letters);
-            for chunk in &rows {
-                if let Some(time) = &s.event_time {
-                    let maxima = batch.max_event_time.entry(s.name.clone()).or_default();
+            if let Some(time) = &s.event_time {
+                let maxima = batch.max_event_time.entry(s.name.clone()).or_default();
+                for chunk in &rows {
                     max_event_time_by_partition(chunk, &time.column, maxima)?;
                 }
+            }
+            for chunk in &rows {
                 let late =
                     self.query
                         .late_rows(&s.name, chunk, self.watermark.current(), batch.id())?;
