@@ -78,6 +78,7 @@ use datafusion::logical_expr::{
 use datafusion::prelude::SessionContext;
 
 use super::aggregate::StateSize;
+use super::closing::{ClosedPairs, HeldPairs, closing_key};
 use super::state_store::{StateLog, StateWrite};
 use super::{FailedRow, QueryOutput, is_data_error, reads_stream, single_source, stateful_node};
 use crate::error::{Error, Result};
@@ -89,8 +90,11 @@ use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_POSITION};
 
 /// The table the upper part reads the joined pairs from.
 const JOINED_TABLE: &str = "__sluice_joined";
-/// The state's column telling the sides apart (0 left, 1 right).
+/// The state's column telling its rows apart: 0 a left row, 1 a right row, 2 and 3 a left or
+/// right row that matched, [`HELD`] a pair held until its key closes.
 const SIDE: &str = "__sluice_side";
+/// The kind of a held pair's state row (see [`super::closing`]).
+const HELD: u8 = 4;
 
 /// How [`plan_stream_join`] plans the operator.
 #[derive(Debug, Clone, Copy)]
@@ -166,6 +170,20 @@ impl Side {
         self.schema.fields().len() - 1
     }
 
+    /// The ids of the kept rows.
+    fn ids(&self) -> HashSet<u64> {
+        let id_index = self.id_index();
+        self.rows
+            .iter()
+            .flat_map(|r| {
+                r.column(id_index)
+                    .as_primitive::<UInt64Type>()
+                    .values()
+                    .to_vec()
+            })
+            .collect()
+    }
+
     /// Drops the rows that can no longer match a row of the other side at or above `limit`,
     /// and returns those of them that never matched.
     fn purge(&mut self, limit: i64) -> Result<Vec<RecordBatch>> {
@@ -175,8 +193,8 @@ impl Side {
         for rows in std::mem::take(&mut self.rows) {
             let mut expiry: Option<Vec<Option<i64>>> = None;
             for &(column, offset) in &self.expiry {
-                let times = rows
-                    .column(column)
+                let times = arrow::compute::cast(rows.column(column), &event_time_type())?;
+                let times = times
                     .as_primitive_opt::<TimestampMicrosecondType>()
                     .ok_or_else(|| {
                         Error::UnsupportedQuery("a join bound is not a timestamp".into())
@@ -279,6 +297,9 @@ pub(crate) struct StreamJoin {
     state_schema: SchemaRef,
     /// This batch's new rows of both sides, as state rows: the delta to write.
     changes: Vec<RecordBatch>,
+    /// Where the SQL above groups or partitions by one side's key: the pairs held until their
+    /// row of that side leaves (see [`super::closing`]).
+    closing: Option<HeldPairs>,
     log: Option<StateLog>,
     /// The whole query as it runs: optimised, with the bounds `state_ttl` added.
     plan: LogicalPlan,
@@ -436,7 +457,12 @@ fn purge_rules(join: &Join, times: &[(String, String); 2]) -> [Vec<(usize, i64)>
             continue;
         };
         let is_event_time = source_column(inputs[x], xi).as_ref() == Some(&times[x]);
-        let is_timestamp = inputs[y].schema().field(yi).data_type() == &event_time_type();
+        // Any timestamp: the purge reads it as the event time's type (µs, UTC; a time zone
+        // never moves an instant, a time without one is read as UTC, as SQL compares them).
+        let is_timestamp = matches!(
+            inputs[y].schema().field(yi).data_type(),
+            DataType::Timestamp(_, _)
+        );
         if x != y && is_event_time && is_timestamp {
             rules[y].push((yi, big_offset - small_offset));
         }
@@ -784,13 +810,21 @@ pub(crate) fn plan_stream_join(
              it)"
         )));
     }
-    if let Some((node, _)) = stateful_node(&upper, settings.statics) {
-        return Err(Error::UnsupportedQuery(format!(
-            "`{node}` over the joined rows needs state of its own; a job runs one stateful \
-             operator for now (a join of two streams, a deduplication or one aggregate) — \
-             chains of them are not built yet"
-        )));
-    }
+    let closing = match closing_key(&upper, join, JOINED_TABLE, settings.statics) {
+        Ok(None) => None,
+        Ok(Some(key)) => Some(HeldPairs::new(key, &joined_schema)?),
+        Err(node) => {
+            return Err(Error::UnsupportedQuery(format!(
+                "{node} over the joined rows needs state of its own. Above a join of two \
+                 streams, aggregates and window functions run once per key when each groups \
+                 (GROUP BY) or partitions (PARTITION BY) by every join key column of one side, \
+                 as the ON clause names them (e.g. `GROUP BY A.id` for `ON A.id = B.auction`): \
+                 a key's pairs are final once that side's row has left the state. Anything \
+                 else over the joined rows (an aggregate over those per-key results, a sort or \
+                 limit over all keys) is a chain of stateful operators, not built yet"
+            )));
+        }
+    };
 
     let mut state_fields = vec![Field::new(SIDE, DataType::UInt8, false)];
     for (prefix, side) in [("l", &left), ("r", &right)] {
@@ -821,6 +855,7 @@ pub(crate) fn plan_stream_join(
         allowed_lateness: settings.allowed_lateness,
         state_schema: Arc::new(Schema::new(state_fields)),
         changes: Vec::new(),
+        closing,
         log: None,
         plan: optimized,
     })
@@ -888,12 +923,32 @@ impl StreamJoin {
                 .sides
                 .iter()
                 .map(|s| format!("{} rows", s.source))
+                .chain(
+                    self.closing_side()
+                        .map(|(side, _)| format!("pairs held per {} row", side.source)),
+                )
                 .collect(),
-            purge: format!("{}; {}", rule(&self.sides[0]), rule(&self.sides[1])),
+            purge: match self.closing_side() {
+                None => format!("{}; {}", rule(&self.sides[0]), rule(&self.sides[1])),
+                Some((side, _)) => format!(
+                    "{}; {}; a held pair leaves with its {} row",
+                    rule(&self.sides[0]),
+                    rule(&self.sides[1]),
+                    side.source
+                ),
+            },
             emits: {
-                let mut emits = "each matching pair once, in the batch its second row arrives \
-                                 (append)"
-                    .to_string();
+                let mut emits = match self.closing_side() {
+                    None => "each matching pair once, in the batch its second row arrives \
+                             (append)"
+                        .to_string(),
+                    Some((side, key)) => format!(
+                        "the SQL above the join once per key ({key}) of {}, over the pairs of \
+                         its rows that left the state in the batch — final for a key unique \
+                         in {} (append)",
+                        side.source, side.source
+                    ),
+                };
                 for side in self.sides.iter().filter(|s| s.preserved) {
                     emits.push_str(&format!(
                         "; an unmatched row of {} once it can no longer match, the other side \
@@ -905,6 +960,25 @@ impl StreamJoin {
                 emits
             },
         }
+    }
+
+    /// With per-key closing: the closing side and its key columns, as text.
+    fn closing_side(&self) -> Option<(&Side, String)> {
+        let key = self.closing.as_ref()?.key();
+        let side = &self.sides[key.side];
+        let schema = side.lower.schema();
+        let columns: Vec<String> = key
+            .in_side
+            .iter()
+            .map(|&i| {
+                let (qualifier, field) = schema.qualified_field(i);
+                match qualifier {
+                    Some(q) => format!("{q}.{}", field.name()),
+                    None => field.name().clone(),
+                }
+            })
+            .collect();
+        Some((side, columns.join(", ")))
     }
 
     /// What the state means: each side's source, its columns (qualified names and types) and
@@ -944,8 +1018,15 @@ impl StreamJoin {
             .filter(|s| s.preserved)
             .map(|s| s.name)
             .collect();
+        let closing = match self.closing_side() {
+            Some((side, key)) => format!(
+                "; holding pairs until their {} row leaves, by {key}",
+                side.name
+            ),
+            None => String::new(),
+        };
         format!(
-            "join {} with {} on {}; preserving [{}]; lateness {}",
+            "join {} with {} on {}; preserving [{}]; lateness {}{closing}",
             side(&self.sides[0]),
             side(&self.sides[1]),
             self.condition,
@@ -1038,16 +1119,21 @@ impl StreamJoin {
         }
         // Each pair's columns, and the ids of the preserved sides' rows that matched.
         let width = self.joined_schema.fields().len();
-        let mut joined = Vec::new();
+        let closing_side = self.closing.as_ref().map(|h| h.key().side);
+        // Each joined batch, with the ids of its rows of the closing side, if any.
+        let mut joined: Vec<(RecordBatch, Option<ArrayRef>)> = Vec::new();
         let mut matched_now: [Vec<u64>; 2] = [Vec::new(), Vec::new()];
         for pair in pairs {
             if pair.num_rows() == 0 {
                 continue;
             }
-            joined.push(RecordBatch::try_new(
-                Arc::clone(&self.joined_schema),
-                pair.columns()[..width].to_vec(),
-            )?);
+            joined.push((
+                RecordBatch::try_new(
+                    Arc::clone(&self.joined_schema),
+                    pair.columns()[..width].to_vec(),
+                )?,
+                closing_side.map(|c| Arc::clone(pair.column(width + c))),
+            ));
             for (s, side) in self.sides.iter_mut().enumerate() {
                 if side.preserved {
                     let ids = pair.column(width + s).as_primitive::<UInt64Type>();
@@ -1076,17 +1162,80 @@ impl StreamJoin {
         if let Some(limit) = self.on_time_limit(watermark.after) {
             for s in 0..2 {
                 for rows in self.sides[s].purge(limit)? {
-                    joined.push(self.unmatched(s, &rows)?);
+                    let ids = closing_side.map(|c| -> ArrayRef {
+                        if c == s {
+                            Arc::clone(rows.column(self.sides[s].id_index()))
+                        } else {
+                            arrow::array::new_null_array(&DataType::UInt64, rows.num_rows())
+                        }
+                    });
+                    joined.push((self.unmatched(s, &rows)?, ids));
                 }
             }
         }
-        if !joined.is_empty() {
+        if let Some(held) = &mut self.closing {
+            // Held until their row of the closing side leaves; those whose row left, run.
+            // (Written to the delta whether or not they close in this batch: a restart drops
+            // those whose row the restored watermark let go.)
+            let c = held.key().side;
+            for (batch, ids) in joined {
+                let ids = ids.ok_or_else(|| Error::InvalidJob("a pair without its row".into()))?;
+                self.changes.push(held_state_rows(
+                    &self.sides,
+                    &self.state_schema,
+                    c,
+                    &batch,
+                    &ids,
+                )?);
+                held.hold(&batch, ids)?;
+            }
+            let closed = held.take_closed(&self.sides[c].ids())?;
+            if let Some(closed) = closed {
+                let (batches, failed) = self.upper_by_key(ctx, closed).await?;
+                out.batches.extend(batches);
+                out.failed.extend(failed);
+            }
+        } else if !joined.is_empty() {
+            let joined: Vec<RecordBatch> = joined.into_iter().map(|(b, _)| b).collect();
             let all = arrow::compute::concat_batches(&self.joined_schema, &joined)?;
             let (batches, failed) = self.upper_isolating(ctx, all).await?;
             out.batches.extend(batches);
             out.failed.extend(failed);
         }
         Ok(out)
+    }
+
+    /// The upper part over closed pairs, one run for all keys; the keys whose pairs it fails on
+    /// (by their values) are found by halving over whole keys, and their pairs dead-lettered.
+    async fn upper_by_key(
+        &self,
+        ctx: &SessionContext,
+        closed: ClosedPairs,
+    ) -> Result<(Vec<RecordBatch>, Vec<FailedRow>)> {
+        let ClosedPairs { rows, starts } = closed;
+        let (mut batches, mut failed) = (Vec::new(), Vec::new());
+        let mut pending = vec![(0, starts.len() - 1)];
+        while let Some((first, end)) = pending.pop() {
+            if first == end {
+                continue;
+            }
+            let (offset, len) = (starts[first], starts[end] - starts[first]);
+            match self.run_upper(ctx, rows.slice(offset, len)).await {
+                Ok(out) => batches.extend(out),
+                Err(e) if !is_data_error(&e) => return Err(e),
+                Err(e) if end - first == 1 => {
+                    for i in offset..offset + len {
+                        failed.push(self.failed_pair(&rows.slice(i, 1), &e)?);
+                    }
+                }
+                Err(_) => {
+                    let half = first + (end - first) / 2;
+                    pending.push((half, end));
+                    pending.push((first, half));
+                }
+            }
+        }
+        Ok((batches, failed))
     }
 
     /// The upper part over `joined` rows (pairs, and unmatched rows null-padded); rows it fails
@@ -1210,11 +1359,14 @@ impl StreamJoin {
 
     /// Rows and in-memory bytes of the state (both sides' kept rows).
     pub(crate) fn state_size(&self) -> StateSize {
-        let rows: usize = self.sides.iter().map(Side::num_rows).sum();
+        let held = self.closing.as_ref().map_or(&[][..], HeldPairs::rows);
+        let rows: usize = self.sides.iter().map(Side::num_rows).sum::<usize>()
+            + held.iter().map(RecordBatch::num_rows).sum::<usize>();
         let bytes: usize = self
             .sides
             .iter()
             .flat_map(|s| &s.rows)
+            .chain(held)
             .map(RecordBatch::get_array_memory_size)
             .sum();
         StateSize {
@@ -1239,6 +1391,9 @@ impl StreamJoin {
             side.rows.clear();
             side.matched.clear();
             side.next_id = 0;
+        }
+        if let Some(held) = &mut self.closing {
+            held.clear();
         }
         for batch in log.restore(files).await? {
             if batch.num_columns() != self.state_schema.fields().len() {
@@ -1280,6 +1435,27 @@ impl StreamJoin {
                 }
                 first += width;
             }
+            if let Some(held) = &mut self.closing {
+                let mine: BooleanArray = kinds.iter().map(|v| Some(v == Some(HELD))).collect();
+                let rows = filter_record_batch(&batch, &mine)?;
+                if rows.num_rows() > 0 {
+                    let c = held.key().side;
+                    let mut columns = Vec::new();
+                    let mut first = 1;
+                    let mut closing_rows = None;
+                    for (t, side) in self.sides.iter().enumerate() {
+                        let id_index = side.id_index();
+                        columns.extend_from_slice(&rows.columns()[first..first + id_index]);
+                        if t == c {
+                            closing_rows = Some(Arc::clone(rows.column(first + id_index)));
+                        }
+                        first += id_index + 1;
+                    }
+                    let joined = RecordBatch::try_new(Arc::clone(&self.joined_schema), columns)?;
+                    let ids = closing_rows.ok_or_else(|| Error::InvalidJob("no side".into()))?;
+                    held.hold(&joined, ids)?;
+                }
+            }
         }
         for (side, matched) in self.sides.iter_mut().zip(matched) {
             let live: HashSet<u64> = side
@@ -1300,6 +1476,10 @@ impl StreamJoin {
                 side.purge(limit)?;
             }
         }
+        // The held pairs whose row that watermark let go were run by the committed batch.
+        if let Some(held) = &mut self.closing {
+            held.take_closed(&self.sides[held.key().side].ids())?;
+        }
         self.changes.clear();
         self.log = Some(log);
         Ok(())
@@ -1312,14 +1492,29 @@ impl StreamJoin {
             sides,
             state_schema,
             changes,
+            closing,
             ..
         } = self;
         let log = log
             .as_mut()
             .ok_or_else(|| Error::InvalidJob("state written before it was restored".into()))?;
-        let live = sides.iter().map(Side::num_rows).sum::<usize>() as u64;
+        let held = closing.as_ref().map_or(0, HeldPairs::num_rows);
+        let live = (sides.iter().map(Side::num_rows).sum::<usize>() + held) as u64;
         log.write(batch_id, state_schema, changes, live, || {
             let mut full = Vec::new();
+            if let Some(held) = closing {
+                for rows in held.rows() {
+                    let last = rows.num_columns() - 1;
+                    let joined = rows.project(&(0..last).collect::<Vec<_>>())?;
+                    full.push(held_state_rows(
+                        sides,
+                        state_schema,
+                        held.key().side,
+                        &joined,
+                        rows.column(last),
+                    )?);
+                }
+            }
             for (s, side) in sides.iter().enumerate() {
                 for rows in &side.rows {
                     full.push(state_rows(sides, state_schema, s, rows)?);
@@ -1445,6 +1640,32 @@ fn matched_rows(
                 arrow::array::new_null_array(f.data_type(), n)
             });
         }
+    }
+    Ok(RecordBatch::try_new(Arc::clone(schema), columns)?)
+}
+
+/// Held pairs (`joined` columns, `closing_rows` the ids of their rows of side `closing`) as
+/// state rows of kind 4: each side's columns, the id column set on the closing side only.
+fn held_state_rows(
+    sides: &[Side; 2],
+    schema: &SchemaRef,
+    closing: usize,
+    joined: &RecordBatch,
+    closing_rows: &ArrayRef,
+) -> Result<RecordBatch> {
+    let n = joined.num_rows();
+    let mut columns: Vec<ArrayRef> = vec![Arc::new(UInt8Array::from(vec![HELD; n]))];
+    let mut first = 0;
+    for (t, side) in sides.iter().enumerate() {
+        for i in 0..side.id_index() {
+            columns.push(Arc::clone(joined.column(first + i)));
+        }
+        columns.push(if t == closing {
+            Arc::clone(closing_rows)
+        } else {
+            arrow::array::new_null_array(&DataType::UInt64, n)
+        });
+        first += side.id_index();
     }
     Ok(RecordBatch::try_new(Arc::clone(schema), columns)?)
 }
@@ -1885,7 +2106,7 @@ mod tests {
         assert_ne!(upper, lower);
         let counted = "SELECT count(*) FROM l JOIN r ON l.k = r.k";
         let error = refused(counted, settings(true)).await;
-        assert!(error.contains("chains"), "{error}");
+        assert!(error.contains("chain of stateful operators"), "{error}");
         let update = QuerySettings {
             output_mode: OutputMode::Update,
             key: Some(vec!["lo".into()]),
@@ -1893,5 +2114,227 @@ mod tests {
         };
         let error = refused(CASES[0].sql, update).await;
         assert!(error.contains("append"), "{error}");
+    }
+
+    /// Per-key closing: an event of `l` (event time, how long it stays open, both in
+    /// seconds) has the unique key `k<offset>`; an event of `r` (event time, the `l` offset
+    /// whose key it bids on).
+    type Keyed = (Vec<(i64, i64)>, Vec<(i64, u8)>);
+
+    fn keyed_batch(events: &[(i64, String, i64)], first: i64) -> RecordBatch {
+        let times = |f: fn(&(i64, String, i64)) -> i64| {
+            Arc::new(
+                TimestampMicrosecondArray::from_iter_values(events.iter().map(|e| f(e) * SECOND))
+                    .with_timezone("UTC"),
+            )
+        };
+        RecordBatch::try_new(
+            schema(),
+            vec![
+                times(|e| e.0),
+                Arc::new(StringArray::from_iter_values(events.iter().map(|e| &e.1))),
+                times(|e| e.2),
+                Arc::new(StringArray::from(vec!["0"; events.len()])),
+                Arc::new(Int64Array::from_iter_values(
+                    first..first + events.len() as i64,
+                )),
+            ],
+        )
+        .unwrap()
+    }
+
+    /// Per key of `l` (its offset): the number of `r` rows joined and the largest `r` offset
+    /// among them — from `sql`'s output streamed over `batches` with a restart after batch
+    /// `restart_after`, and from the model: every `l` row that was on time and has left the
+    /// state under the last watermark (its `until` below it), with the on-time `r` rows
+    /// within `[ts, until]`. `inner`: `l` rows that joined nothing are left out.
+    async fn closed_per_key(
+        sql: &str,
+        batches: &[Keyed],
+        restart_after: usize,
+        inner: bool,
+    ) -> (Vec<(i64, i64, i64)>, Vec<(i64, i64, i64)>) {
+        let sources = [("l".to_string(), schema()), ("r".to_string(), schema())];
+        let (mut inputs, mut watermarks) = (Vec::new(), Vec::new());
+        let mut on_time_l: Vec<(i64, i64, i64)> = Vec::new();
+        let mut on_time_r: Vec<(i64, i64, i64)> = Vec::new();
+        let (mut watermark, mut offsets) = (None::<i64>, [0i64; 2]);
+        for (b, (l, r)) in batches.iter().enumerate() {
+            // Each batch's events are 10 s later than the last's (some still late).
+            let at = |ts: i64| ts + 10 * b as i64;
+            let l: Vec<(i64, String, i64)> = l
+                .iter()
+                .enumerate()
+                .map(|(i, &(ts, open))| {
+                    let key = format!("k{}", offsets[0] + i as i64);
+                    (at(ts), key, at(ts) + open)
+                })
+                .collect();
+            let keys = r;
+            let r: Vec<(i64, String, i64)> = r
+                .iter()
+                .map(|&(ts, k)| (at(ts), format!("k{k}"), at(ts)))
+                .collect();
+            let late = |ts: i64| watermark.is_some_and(|w| ts * SECOND < w);
+            for (i, e) in l.iter().enumerate() {
+                if !late(e.0) {
+                    on_time_l.push((offsets[0] + i as i64, e.0, e.2));
+                }
+            }
+            for (i, (e, &(_, k))) in r.iter().zip(keys).enumerate() {
+                if !late(e.0) {
+                    on_time_r.push((offsets[1] + i as i64, e.0, i64::from(k)));
+                }
+            }
+            inputs.push(BTreeMap::from([
+                ("l".to_string(), keyed_batch(&l, offsets[0])),
+                ("r".to_string(), keyed_batch(&r, offsets[1])),
+            ]));
+            offsets[0] += l.len() as i64;
+            offsets[1] += r.len() as i64;
+            watermark = l
+                .iter()
+                .chain(&r)
+                .map(|e| (e.0 - OUT_OF_ORDERNESS) * SECOND)
+                .chain(watermark)
+                .max();
+            watermarks.push(watermark);
+        }
+        let mut expected = Vec::new();
+        for &(lo, ts, until) in &on_time_l {
+            if watermark.is_none_or(|w| until * SECOND >= w) {
+                continue;
+            }
+            let joined: Vec<i64> = on_time_r
+                .iter()
+                .filter(|&&(_, rts, k)| k == lo && ts <= rts && rts <= until)
+                .map(|r| r.0)
+                .collect();
+            if inner && joined.is_empty() {
+                continue;
+            }
+            let last = joined.iter().copied().max().unwrap_or(-1);
+            expected.push((lo, joined.len() as i64, last));
+        }
+        expected.sort_unstable();
+        let settings = QuerySettings {
+            lineage: true,
+            event_time: BTreeMap::from([
+                ("l".to_string(), "ts".to_string()),
+                ("r".to_string(), "ts".to_string()),
+            ]),
+            ..QuerySettings::default()
+        };
+        let streamed = stream(
+            sql,
+            &sources,
+            &settings,
+            &inputs,
+            &watermarks,
+            restart_after,
+        )
+        .await;
+        let mut out = Vec::new();
+        for b in &streamed.outputs {
+            let keys = b.column(0).as_string::<i32>();
+            let n = b.column(1).as_primitive::<Int64Type>();
+            let last = b.column(2).as_primitive::<Int64Type>();
+            for i in 0..b.num_rows() {
+                let lo: i64 = keys.value(i)[1..].parse().unwrap();
+                let last = if arrow::array::Array::is_null(last, i) {
+                    -1
+                } else {
+                    last.value(i)
+                };
+                out.push((lo, n.value(i), last));
+            }
+        }
+        out.sort_unstable();
+        (out, expected)
+    }
+
+    fn keyed_events() -> impl Strategy<Value = Vec<Keyed>> {
+        let l = prop::collection::vec((0i64..20, 0i64..40), 0..4);
+        let r = prop::collection::vec((0i64..25, 0u8..10), 0..12);
+        prop::collection::vec((l, r), 1..8)
+    }
+
+    /// Above a join, an aggregate grouped by (and a window function partitioned by) the
+    /// closing side's key runs once per key, over all of that key's pairs, once its row left
+    /// the state — straight through and across a restart from the state files at any batch;
+    /// an outer join's unmatched row closes alone.
+    const PER_KEY: [(&str, bool); 3] = [
+        (
+            "SELECT l.k, count(*) AS n, max(r._source_offset) AS last FROM l JOIN r \
+             ON l.k = r.k AND r.ts BETWEEN l.ts AND l.until GROUP BY l.k",
+            true,
+        ),
+        (
+            "SELECT l.k, count(r._source_offset) AS n, max(r._source_offset) AS last \
+             FROM l LEFT JOIN r ON l.k = r.k AND r.ts >= l.ts AND r.ts <= l.until GROUP BY l.k",
+            false,
+        ),
+        (
+            "SELECT k, n, ro FROM (SELECT l.k, CAST(count(*) OVER (PARTITION BY l.k) AS BIGINT) \
+             AS n, r._source_offset AS ro, ROW_NUMBER() OVER (PARTITION BY l.k \
+             ORDER BY r._source_offset DESC) AS rn FROM r JOIN l \
+             ON l.k = r.k AND r.ts BETWEEN l.ts AND l.until) WHERE rn <= 1",
+            true,
+        ),
+    ];
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+
+        #[test]
+        fn the_sql_above_runs_once_per_closed_key(
+            batches in keyed_events(),
+            restart in 0usize..8,
+        ) {
+            let runtime = tokio::runtime::Runtime::new().unwrap();
+            for (sql, inner) in PER_KEY {
+                let (out, expected) =
+                    runtime.block_on(closed_per_key(sql, &batches, restart, inner));
+                prop_assert_eq!(&out, &expected, "{}", sql);
+            }
+        }
+    }
+
+    /// What per-key closing says it does, and what it refuses.
+    #[tokio::test]
+    async fn per_key_closing_is_described_and_refused_off_key() {
+        let sources = [("l".to_string(), schema()), ("r".to_string(), schema())];
+        let query = StreamingQuery::plan(PER_KEY[0].0, &sources, &settings(false))
+            .await
+            .unwrap();
+        let operator = &query.operators()[0];
+        assert!(
+            operator.emits.contains("once per key (l.k) of l"),
+            "{}",
+            operator.emits
+        );
+        assert!(
+            operator.purge.contains("leaves with its l row"),
+            "{}",
+            operator.purge
+        );
+        for sql in [
+            // Grouped by the other side's non-key column, by nothing, or a second aggregate.
+            "SELECT r.until, count(*) FROM l JOIN r ON l.k = r.k \
+             AND r.ts BETWEEN l.ts AND l.until GROUP BY r.until",
+            "SELECT n, count(*) FROM (SELECT l.k, count(*) AS n FROM l JOIN r ON l.k = r.k \
+             AND r.ts BETWEEN l.ts AND l.until GROUP BY l.k) GROUP BY n",
+            "SELECT l.k FROM l JOIN r ON l.k = r.k AND r.ts BETWEEN l.ts AND l.until \
+             ORDER BY l.k LIMIT 3",
+        ] {
+            let error = StreamingQuery::plan(sql, &sources, &settings(false))
+                .await
+                .unwrap_err()
+                .to_string();
+            assert!(
+                error.contains("chain of stateful operators"),
+                "{sql}: {error}"
+            );
+        }
     }
 }

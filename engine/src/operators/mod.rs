@@ -15,6 +15,8 @@
 //!   `SELECT DISTINCT`), each key remembered for `state_ttl` of event time.
 //! - [`join`] — `StreamJoin`: two streams joined on a key within a bound of event time, both
 //!   sides buffered until the watermark shows no match can come.
+//! - `closing` — `HeldPairs`: the SQL above a join that groups or partitions by one side's key,
+//!   run over a key's pairs once no row of that side with the key is kept (Nexmark q9).
 //! - [`window_join`] — `WindowJoin`: two windowed aggregates joined on their windows, each
 //!   window pair joined in the batch that closes both (no state of its own).
 //! - `group_table` — `GroupTable`: the aggregate's state in memory, one row per live group.
@@ -49,6 +51,7 @@ use window_join::{WindowJoin, plan_window_join};
 
 pub mod aggregate;
 pub mod aggregate_state;
+mod closing;
 pub mod deduplicate;
 mod group_table;
 pub mod join;
