@@ -330,8 +330,8 @@ impl HeldPairs {
     }
 
     /// Takes out the held pairs whose closing-side row is not among `open` (the ids of that
-    /// side's kept rows), sorted by key; `None` if there are none.
-    pub(crate) fn take_closed(&mut self, open: &HashSet<u64>) -> Result<Option<ClosedPairs>> {
+    /// side's kept rows), in the joined rows' schema (empty if there are none).
+    pub(crate) fn take_closed(&mut self, open: &HashSet<u64>) -> Result<Vec<RecordBatch>> {
         let id_index = self.schema.fields().len() - 1;
         let mut closed = Vec::new();
         let mut held = Vec::new();
@@ -356,11 +356,23 @@ impl HeldPairs {
         } else {
             held
         };
-        if closed.is_empty() {
-            return Ok(None);
-        }
-        let closed = concat_batches(&self.schema, &closed)?;
-        let closed = closed.project(&(0..id_index).collect::<Vec<_>>())?;
+        let joined: Vec<usize> = (0..id_index).collect();
+        closed.iter().map(|b| Ok(b.project(&joined)?)).collect()
+    }
+
+    /// `closed` pairs (in the joined rows' schema) in one batch sorted by key, with where each
+    /// key's pairs start: to find the keys the SQL above fails on.
+    pub(crate) fn by_key(&self, closed: &[RecordBatch]) -> Result<ClosedPairs> {
+        let Some(first) = closed.first() else {
+            let empty = RecordBatch::new_empty(Arc::new(Schema::new(
+                self.schema.fields()[..self.schema.fields().len() - 1].to_vec(),
+            )));
+            return Ok(ClosedPairs {
+                rows: empty,
+                starts: vec![0],
+            });
+        };
+        let closed = concat_batches(&first.schema(), closed)?;
         let sort: Vec<SortColumn> = self
             .key_columns(&closed)
             .into_iter()
@@ -379,7 +391,7 @@ impl HeldPairs {
             }
         }
         starts.push(rows.num_rows());
-        Ok(Some(ClosedPairs { rows, starts }))
+        Ok(ClosedPairs { rows, starts })
     }
 
     fn key_columns(&self, batch: &RecordBatch) -> Vec<ArrayRef> {

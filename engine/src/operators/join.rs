@@ -3,7 +3,9 @@
 //!
 //! Attribution (a click within an hour of its impression), enrichment by another stream (a bid
 //! with its auction) and Nexmark q3/q20 are joins of two streams. The output of such a join is
-//! every matching pair, and a pair's two rows may arrive batches apart, so both sides are kept:
+//! every matching pair, and a pair's two rows may arrive batches apart, so both sides are kept.
+//! (An aggregate or window function above the join keyed by one side's join key runs per key
+//! instead, once that side's row has left: Nexmark q9, see [`super::closing`].)
 //!
 //! ```sql
 //! SELECT … FROM impressions i JOIN clicks c
@@ -39,6 +41,7 @@
 //!
 //! ```text
 //!  upper   Projection / Filter / join with a static table   runs over the joined pairs
+//!          (or an aggregate / window keyed by one side's key: over the pairs of closed keys)
 //!  ──────────────────────────────────────────────────────────────────────────────────────
 //!  join    new left ⋈ (right state + new right)  ∪  left state ⋈ new right     (DataFusion)
 //!  ──────────────────────────────────────────────────────────────────────────────────────
@@ -54,7 +57,8 @@
 //! both sides that fails on values fails the batch, saying to move it into one side.
 //!
 //! **State** is the buffered rows of both sides (the columns the join and the SQL above it need,
-//! the lineage, a row id) and, for a side an outer join preserves, which rows have matched.
+//! the lineage, a row id), for a side an outer join preserves, which rows have matched, and
+//! with per-key closing the pairs held until their key closes.
 //! Each batch writes its new rows and new matches as a delta (one file, a kind column telling
 //! them apart); a purge needs no write, since a restart drops what the restored watermark has
 //! let go.
@@ -812,6 +816,16 @@ pub(crate) fn plan_stream_join(
     }
     let closing = match closing_key(&upper, join, JOINED_TABLE, settings.statics) {
         Ok(None) => None,
+        Ok(Some(key)) if [&left, &right][1 - key.side].preserved => {
+            let (closing, other) = ([&left, &right][key.side], [&left, &right][1 - key.side]);
+            return Err(Error::UnsupportedQuery(format!(
+                "the SQL over the joined rows runs once per key of {} ({} side), but the join \
+                 also writes the unmatched rows of {}: they have no {} row to close with, so \
+                 their NULL key would make a group of its own in every batch. Join with an \
+                 inner join, or an outer join keeping only {}'s unmatched rows",
+                closing.source, closing.name, other.source, closing.source, closing.source
+            )));
+        }
         Ok(Some(key)) => Some(HeldPairs::new(key, &joined_schema)?),
         Err(node) => {
             return Err(Error::UnsupportedQuery(format!(
@@ -1190,29 +1204,49 @@ impl StreamJoin {
                 held.hold(&batch, ids)?;
             }
             let closed = held.take_closed(&self.sides[c].ids())?;
-            if let Some(closed) = closed {
+            if !closed.is_empty() {
                 let (batches, failed) = self.upper_by_key(ctx, closed).await?;
                 out.batches.extend(batches);
                 out.failed.extend(failed);
             }
         } else if !joined.is_empty() {
+            // One run over the pairs as they are; only if it fails on values, the pairs in one
+            // batch, halved down to those it fails on.
             let joined: Vec<RecordBatch> = joined.into_iter().map(|(b, _)| b).collect();
-            let all = arrow::compute::concat_batches(&self.joined_schema, &joined)?;
-            let (batches, failed) = self.upper_isolating(ctx, all).await?;
-            out.batches.extend(batches);
-            out.failed.extend(failed);
+            match self.run_upper(ctx, joined.clone()).await {
+                Ok(batches) => out.batches.extend(batches),
+                Err(e) if !is_data_error(&e) => return Err(e),
+                Err(_) => {
+                    let all = arrow::compute::concat_batches(&self.joined_schema, &joined)?;
+                    drop(joined);
+                    let (batches, failed) = self.upper_isolating(ctx, all).await?;
+                    out.batches.extend(batches);
+                    out.failed.extend(failed);
+                }
+            }
         }
         Ok(out)
     }
 
-    /// The upper part over closed pairs, one run for all keys; the keys whose pairs it fails on
-    /// (by their values) are found by halving over whole keys, and their pairs dead-lettered.
+    /// The upper part over closed pairs, one run for all keys; if it fails on values, the keys
+    /// whose pairs it fails on are found by halving over whole keys (sorted by key), and their
+    /// pairs dead-lettered.
     async fn upper_by_key(
         &self,
         ctx: &SessionContext,
-        closed: ClosedPairs,
+        closed: Vec<RecordBatch>,
     ) -> Result<(Vec<RecordBatch>, Vec<FailedRow>)> {
-        let ClosedPairs { rows, starts } = closed;
+        match self.run_upper(ctx, closed.clone()).await {
+            Ok(out) => return Ok((out, Vec::new())),
+            Err(e) if !is_data_error(&e) => return Err(e),
+            Err(_) => {}
+        }
+        let held = self
+            .closing
+            .as_ref()
+            .ok_or_else(|| Error::InvalidJob("per-key closing without its held pairs".into()))?;
+        let ClosedPairs { rows, starts } = held.by_key(&closed)?;
+        drop(closed);
         let (mut batches, mut failed) = (Vec::new(), Vec::new());
         let mut pending = vec![(0, starts.len() - 1)];
         while let Some((first, end)) = pending.pop() {
@@ -1220,7 +1254,7 @@ impl StreamJoin {
                 continue;
             }
             let (offset, len) = (starts[first], starts[end] - starts[first]);
-            match self.run_upper(ctx, rows.slice(offset, len)).await {
+            match self.run_upper(ctx, vec![rows.slice(offset, len)]).await {
                 Ok(out) => batches.extend(out),
                 Err(e) if !is_data_error(&e) => return Err(e),
                 Err(e) if end - first == 1 => {
@@ -1251,7 +1285,7 @@ impl StreamJoin {
             if len == 0 {
                 continue;
             }
-            match self.run_upper(ctx, joined.slice(offset, len)).await {
+            match self.run_upper(ctx, vec![joined.slice(offset, len)]).await {
                 Ok(out) => batches.extend(out),
                 Err(e) if !is_data_error(&e) => return Err(e),
                 Err(e) if len == 1 => failed.push(self.failed_pair(&joined.slice(offset, 1), &e)?),
@@ -1269,9 +1303,9 @@ impl StreamJoin {
     async fn run_upper(
         &self,
         ctx: &SessionContext,
-        joined: RecordBatch,
+        joined: Vec<RecordBatch>,
     ) -> Result<Vec<RecordBatch>> {
-        *self.joined.batches[0].write().await = vec![joined];
+        *self.joined.batches[0].write().await = joined;
         let result = match ctx.execute_logical_plan(self.upper.clone()).await {
             Ok(df) => df.collect().await,
             Err(e) => Err(e),
@@ -2300,6 +2334,61 @@ mod tests {
         }
     }
 
+    /// A key whose pairs the SQL above fails on (by their values) is found by halving over
+    /// whole keys: its pairs are dead letters, every other key is written, whole.
+    #[tokio::test]
+    async fn a_key_the_per_key_sql_fails_on_is_dead_lettered_whole() {
+        let sql = "SELECT l.k, count(*) AS n, sum(10 / (r._source_offset - 3)) AS x FROM l JOIN r \
+                   ON l.k = r.k AND r.ts BETWEEN l.ts AND l.until GROUP BY l.k";
+        let sources = [("l".to_string(), schema()), ("r".to_string(), schema())];
+        let mut query = StreamingQuery::plan(sql, &sources, &settings(false))
+            .await
+            .unwrap();
+        // Keys k0..k3 open from 10 s to 40 s; right rows 0..7 two per key (row 3: key k1).
+        let l: Vec<(i64, String, i64)> = (0..4).map(|i| (10, format!("k{i}"), 40)).collect();
+        let r: Vec<(i64, String, i64)> = (0..8).map(|i| (20, format!("k{}", i / 2), 20)).collect();
+        let inputs = BTreeMap::from([
+            ("l".to_string(), keyed_batch(&l, 0)),
+            ("r".to_string(), keyed_batch(&r, 0)),
+        ]);
+        // Nothing closes while the keys are open; all close under a watermark past 40 s.
+        let open = BatchWatermark {
+            before: None,
+            after: Some(30 * SECOND),
+        };
+        let out = query.execute_isolating(&inputs, open).await.unwrap();
+        assert!(out.batches.iter().all(|b| b.num_rows() == 0) && out.failed.is_empty());
+        let closing = BatchWatermark {
+            before: Some(30 * SECOND),
+            after: Some(50 * SECOND),
+        };
+        let out = query
+            .execute_isolating(&BTreeMap::new(), closing)
+            .await
+            .unwrap();
+        let mut keys: Vec<(String, i64)> = out
+            .batches
+            .iter()
+            .flat_map(|b| {
+                let k = b.column(0).as_string::<i32>();
+                let n = b.column(1).as_primitive::<Int64Type>();
+                (0..b.num_rows()).map(move |i| (k.value(i).to_string(), n.value(i)))
+            })
+            .collect();
+        keys.sort();
+        let expected: Vec<(String, i64)> = ["k0", "k2", "k3"].map(|k| (k.into(), 2)).into();
+        assert_eq!(keys, expected);
+        // Both of k1's pairs are dead letters, each at its left row, the right row named.
+        let mut failed: Vec<String> = out.failed.iter().map(|f| f.error.clone()).collect();
+        failed.sort();
+        assert_eq!(failed.len(), 2, "{failed:?}");
+        assert!(
+            failed.iter().all(|e| e.contains("Divide by zero")),
+            "{failed:?}"
+        );
+        assert!(failed[0].contains("r row 0@2") && failed[1].contains("r row 0@3"));
+    }
+
     /// What per-key closing says it does, and what it refuses.
     #[tokio::test]
     async fn per_key_closing_is_described_and_refused_off_key() {
@@ -2318,6 +2407,14 @@ mod tests {
             "{}",
             operator.purge
         );
+        // A join that writes the other side's unmatched rows: they have no row to close with.
+        let full = "SELECT l.k, count(*) FROM l FULL JOIN r ON l.k = r.k \
+                    AND r.ts BETWEEN l.ts AND l.until GROUP BY l.k";
+        let error = StreamingQuery::plan(full, &sources, &settings(false))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("no l row to close with"), "{error}");
         for sql in [
             // Grouped by the other side's non-key column, by nothing, or a second aggregate.
             "SELECT r.until, count(*) FROM l JOIN r ON l.k = r.k \

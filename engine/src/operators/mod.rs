@@ -16,7 +16,7 @@
 //! - [`join`] — `StreamJoin`: two streams joined on a key within a bound of event time, both
 //!   sides buffered until the watermark shows no match can come.
 //! - `closing` — `HeldPairs`: the SQL above a join that groups or partitions by one side's key,
-//!   run over a key's pairs once no row of that side with the key is kept (Nexmark q9).
+//!   run over the pairs of that side's rows once they have left the join's state (Nexmark q9).
 //! - [`window_join`] — `WindowJoin`: two windowed aggregates joined on their windows, each
 //!   window pair joined in the batch that closes both (no state of its own).
 //! - `group_table` — `GroupTable`: the aggregate's state in memory, one row per live group.
