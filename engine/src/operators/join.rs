@@ -5,7 +5,7 @@
 //! with its auction) and Nexmark q3/q20 are joins of two streams. The output of such a join is
 //! every matching pair, and a pair's two rows may arrive batches apart, so both sides are kept.
 //! (An aggregate or window function above the join keyed by one side's join key runs per key
-//! instead, once that side's row has left: Nexmark q9, see [`super::closing`].)
+//! instead, once that side's row has left: Nexmark q9, see `operators/closing.rs`.)
 //!
 //! ```sql
 //! SELECT … FROM impressions i JOIN clicks c
@@ -97,7 +97,7 @@ const JOINED_TABLE: &str = "__sluice_joined";
 /// The state's column telling its rows apart: 0 a left row, 1 a right row, 2 and 3 a left or
 /// right row that matched, [`HELD`] a pair held until its key closes.
 const SIDE: &str = "__sluice_side";
-/// The kind of a held pair's state row (see [`super::closing`]).
+/// The kind of a held pair's state row (see `operators/closing.rs`).
 const HELD: u8 = 4;
 
 /// How [`plan_stream_join`] plans the operator.
@@ -302,7 +302,7 @@ pub(crate) struct StreamJoin {
     /// This batch's new rows of both sides, as state rows: the delta to write.
     changes: Vec<RecordBatch>,
     /// Where the SQL above groups or partitions by one side's key: the pairs held until their
-    /// row of that side leaves (see [`super::closing`]).
+    /// row of that side leaves (see `operators/closing.rs`).
     closing: Option<HeldPairs>,
     log: Option<StateLog>,
     /// The whole query as it runs: optimised, with the bounds `state_ttl` added.
