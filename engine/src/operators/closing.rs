@@ -210,8 +210,8 @@ fn per_key_nodes(
 }
 
 /// The joined column (`c<i>` of `joined_table`) the `index`-th column of `plan` is, unchanged
-/// (through aliases, projections of a bare column, filters, window nodes and joins with
-/// tables).
+/// (through aliases, projections of a bare column, filters, window nodes, an aggregate's group
+/// columns and joins with tables).
 fn joined_column(plan: &LogicalPlan, index: usize, joined_table: &str) -> Option<usize> {
     match plan {
         LogicalPlan::TableScan(scan) if scan.table_name.table() == joined_table => scan
@@ -234,6 +234,17 @@ fn joined_column(plan: &LogicalPlan, index: usize, joined_table: &str) -> Option
         // A window node's input columns come first, unchanged.
         LogicalPlan::Window(w) if index < w.input.schema().fields().len() => {
             joined_column(&w.input, index, joined_table)
+        }
+        // An aggregate's group columns come first: one that groups by a bare column is it.
+        LogicalPlan::Aggregate(a) if index < a.group_expr.len() => {
+            match a.group_expr[index].clone().unalias() {
+                Expr::Column(c) => joined_column(
+                    &a.input,
+                    a.input.schema().index_of_column(&c).ok()?,
+                    joined_table,
+                ),
+                _ => None,
+            }
         }
         LogicalPlan::Join(j)
             if matches!(

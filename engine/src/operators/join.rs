@@ -2296,8 +2296,9 @@ mod tests {
     /// Above a join, an aggregate grouped by (and a window function partitioned by) the
     /// closing side's key runs once per key, over all of that key's pairs, once its row left
     /// the state — straight through and across a restart from the state files at any batch;
-    /// an outer join's unmatched row closes alone.
-    const PER_KEY: [(&str, bool); 3] = [
+    /// an outer join's unmatched row closes alone; the closing side on either side; nested
+    /// aggregates keyed by the key.
+    const PER_KEY: [(&str, bool); 5] = [
         (
             "SELECT l.k, count(*) AS n, max(r._source_offset) AS last FROM l JOIN r \
              ON l.k = r.k AND r.ts BETWEEN l.ts AND l.until GROUP BY l.k",
@@ -2314,6 +2315,17 @@ mod tests {
              ORDER BY r._source_offset DESC) AS rn FROM r JOIN l \
              ON l.k = r.k AND r.ts BETWEEN l.ts AND l.until) WHERE rn <= 1",
             true,
+        ),
+        (
+            "SELECT k, count(*) AS n, max(ro) AS last FROM (SELECT l.k, r._source_offset AS ro \
+             FROM l JOIN r ON l.k = r.k AND r.ts BETWEEN l.ts AND l.until \
+             GROUP BY l.k, r._source_offset) GROUP BY k",
+            true,
+        ),
+        (
+            "SELECT l.k, count(r._source_offset) AS n, max(r._source_offset) AS last \
+             FROM r RIGHT JOIN l ON l.k = r.k AND r.ts BETWEEN l.ts AND l.until GROUP BY l.k",
+            false,
         ),
     ];
 
