@@ -210,57 +210,13 @@ fn per_key_nodes(
 }
 
 /// The joined column (`c<i>` of `joined_table`) the `index`-th column of `plan` is, unchanged
-/// (through aliases, projections of a bare column, filters, window nodes, an aggregate's group
-/// columns and joins with tables).
+/// (see [`super::join::source_column`]).
 fn joined_column(plan: &LogicalPlan, index: usize, joined_table: &str) -> Option<usize> {
-    match plan {
-        LogicalPlan::TableScan(scan) if scan.table_name.table() == joined_table => scan
-            .projected_schema
-            .field(index)
-            .name()
-            .strip_prefix('c')?
-            .parse()
-            .ok(),
-        LogicalPlan::Projection(p) => match p.expr.get(index)?.clone().unalias() {
-            Expr::Column(c) => joined_column(
-                &p.input,
-                p.input.schema().index_of_column(&c).ok()?,
-                joined_table,
-            ),
-            _ => None,
-        },
-        LogicalPlan::SubqueryAlias(a) => joined_column(&a.input, index, joined_table),
-        LogicalPlan::Filter(f) => joined_column(&f.input, index, joined_table),
-        // A window node's input columns come first, unchanged.
-        LogicalPlan::Window(w) if index < w.input.schema().fields().len() => {
-            joined_column(&w.input, index, joined_table)
-        }
-        // An aggregate's group columns come first: one that groups by a bare column is it.
-        LogicalPlan::Aggregate(a) if index < a.group_expr.len() => {
-            match a.group_expr[index].clone().unalias() {
-                Expr::Column(c) => joined_column(
-                    &a.input,
-                    a.input.schema().index_of_column(&c).ok()?,
-                    joined_table,
-                ),
-                _ => None,
-            }
-        }
-        LogicalPlan::Join(j)
-            if matches!(
-                j.join_type,
-                JoinType::Inner | JoinType::Left | JoinType::Right | JoinType::Full
-            ) =>
-        {
-            let left = j.left.schema().fields().len();
-            if index < left {
-                joined_column(&j.left, index, joined_table)
-            } else {
-                joined_column(&j.right, index - left, joined_table)
-            }
-        }
-        _ => None,
+    let (table, column) = super::join::source_column(plan, index)?;
+    if table != joined_table {
+        return None;
     }
+    column.strip_prefix('c')?.parse().ok()
 }
 
 /// The pairs held until their closing-side row leaves.

@@ -319,9 +319,10 @@ impl std::fmt::Debug for StreamJoin {
 }
 
 /// The table and column of the source `index`-th column of `plan`'s output is, unchanged
-/// (through aliases, projections of a bare column, filters and joins with tables); `None` if
-/// it is computed.
-fn source_column(plan: &LogicalPlan, index: usize) -> Option<(String, String)> {
+/// (through aliases, projections of a bare column, filters, a window node's input columns, an
+/// aggregate's group columns that are bare columns, and joins with tables); `None` if it is
+/// computed.
+pub(super) fn source_column(plan: &LogicalPlan, index: usize) -> Option<(String, String)> {
     match plan {
         LogicalPlan::TableScan(scan) => Some((
             scan.table_name.table().to_string(),
@@ -333,6 +334,17 @@ fn source_column(plan: &LogicalPlan, index: usize) -> Option<(String, String)> {
         },
         LogicalPlan::SubqueryAlias(a) => source_column(&a.input, index),
         LogicalPlan::Filter(f) => source_column(&f.input, index),
+        LogicalPlan::Window(w) if index < w.input.schema().fields().len() => {
+            source_column(&w.input, index)
+        }
+        LogicalPlan::Aggregate(a) if index < a.group_expr.len() => {
+            match a.group_expr[index].clone().unalias() {
+                Expr::Column(c) => {
+                    source_column(&a.input, a.input.schema().index_of_column(&c).ok()?)
+                }
+                _ => None,
+            }
+        }
         LogicalPlan::Join(j)
             if matches!(
                 j.join_type,
