@@ -23,21 +23,24 @@
 //! second row of that side with the same key closes its own pairs when it leaves: a second
 //! result for the key, unless both left in one batch. ARCHITECTURE.md states this.
 //!
-//! **Execution.** Each batch's pairs (and an outer join's unmatched rows) are held, with the id
-//! of their closing-side row, in the join's state; after the batch's purge, the held pairs
-//! whose row is no longer kept are taken out, sorted by key and run through the SQL above in
-//! one DataFusion plan (a key whose pairs it fails on by their values is found by halving over
-//! whole keys, and its pairs are dead letters). The other side's unmatched row (an outer join)
-//! has no closing-side row and closes at once.
+//! **Execution.** Each batch's pairs (and the closing side's unmatched rows, in an outer join
+//! that keeps them) are held, with the id of their closing-side row, in the join's state; after
+//! the batch's purge, the held pairs whose row is no longer kept are taken out and run through
+//! the SQL above in one DataFusion plan. Only if it fails on their values are they sorted by key
+//! and halved over whole keys, down to the keys it fails on, whose pairs are dead letters. A
+//! join that keeps the *other* side's unmatched rows is refused: they have no closing-side row,
+//! so their NULL key would make a group of its own in every batch. Ties in a window function's
+//! ORDER BY are broken as DataFusion meets the rows, which may differ between runs, as in batch
+//! SQL: a unique last sort key makes the result replay identically.
 //!
 //! **Restart.** The held pairs are state rows of the join (written with the batch's delta); a
 //! restart drops the pairs whose closing-side row the restored watermark let go: the committed
 //! batch ran them. Nothing is written when pairs close: the purge decides it again.
 //!
 //! Refused (with the node named): a stateful node above the join that does not group or
-//! partition by every key column of one side — another aggregate over the per-key results (the
-//! average per category of Nexmark q4), a sort or limit over all keys — which is a chain of
-//! stateful operators, not built yet.
+//! partition by every key column of one side — an aggregate over the per-key results not keyed
+//! by the key (the average per category of Nexmark q4), a sort or limit over all keys — which
+//! is a chain of stateful operators, not built yet.
 
 use std::collections::{BTreeSet, HashSet};
 use std::sync::Arc;
@@ -65,12 +68,15 @@ pub(crate) struct ClosingKey {
 /// Finds how the stateful SQL over a join's pairs (`upper`, reading them from the table
 /// `joined_table` whose column `c<i>` is the join's `i`-th column) closes per key: every
 /// aggregate groups by, and every window function partitions by, all the join key columns of
-/// one side. `Ok(None)` if `upper` needs no state; `Err` names the node that cannot run per key.
+/// one side. Where both sides' keys are covered, the first side whose other side the join does
+/// not preserve (`preserved`) is taken. `Ok(None)` if `upper` needs no state; `Err` names the
+/// node that cannot run per key.
 pub(crate) fn closing_key(
     upper: &LogicalPlan,
     join: &Join,
     joined_table: &str,
     statics: &BTreeSet<String>,
+    preserved: [bool; 2],
 ) -> std::result::Result<Option<ClosingKey>, String> {
     if super::stateful_node(upper, statics).is_none() {
         return Ok(None);
@@ -118,7 +124,9 @@ pub(crate) fn closing_key(
             .map(|(node, _)| format!("`{node}`"))
             .unwrap_or_default());
     }
-    let side = if covered[0] { 0 } else { 1 };
+    let side = (0..2)
+        .find(|&s| covered[s] && !preserved[1 - s])
+        .unwrap_or(if covered[0] { 0 } else { 1 });
     let (joined, in_side) = keys[side].clone().unwrap_or_default();
     Ok(Some(ClosingKey {
         side,
@@ -223,8 +231,9 @@ fn joined_column(plan: &LogicalPlan, index: usize, joined_table: &str) -> Option
 pub(crate) struct HeldPairs {
     key: ClosingKey,
     converter: RowConverter,
-    /// The held pairs: the joined columns, then the id of the pair's closing-side row (null
-    /// for the other side's unmatched row).
+    /// The held pairs: the joined columns, then the id of the pair's closing-side row (a null
+    /// id closes at once; none is null, as a join keeping the other side's unmatched rows is
+    /// refused).
     schema: SchemaRef,
     rows: Vec<RecordBatch>,
 }

@@ -826,7 +826,8 @@ pub(crate) fn plan_stream_join(
              it)"
         )));
     }
-    let closing = match closing_key(&upper, join, JOINED_TABLE, settings.statics) {
+    let preserved = [left.preserved, right.preserved];
+    let closing = match closing_key(&upper, join, JOINED_TABLE, settings.statics, preserved) {
         Ok(None) => None,
         Ok(Some(key)) if [&left, &right][1 - key.side].preserved => {
             let (closing, other) = ([&left, &right][key.side], [&left, &right][1 - key.side]);
@@ -846,8 +847,9 @@ pub(crate) fn plan_stream_join(
                  (GROUP BY) or partitions (PARTITION BY) by every join key column of one side, \
                  as the ON clause names them (e.g. `GROUP BY A.id` for `ON A.id = B.auction`): \
                  a key's pairs are final once that side's row has left the state. Anything \
-                 else over the joined rows (an aggregate over those per-key results, a sort or \
-                 limit over all keys) is a chain of stateful operators, not built yet"
+                 else over the joined rows (an aggregate over those per-key results not keyed \
+                 by the key, a sort or limit over all keys) is a chain of stateful operators, \
+                 not built yet"
             )));
         }
     };
@@ -2439,6 +2441,14 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(error.contains("no l row to close with"), "{error}");
+        // Keyed by both sides' keys: the side whose other side the join does not keep closes.
+        let right = "SELECT l.k, r.k, count(*) FROM l RIGHT JOIN r ON l.k = r.k \
+                     AND l.ts BETWEEN r.ts AND r.until GROUP BY l.k, r.k";
+        let query = StreamingQuery::plan(right, &sources, &settings(false))
+            .await
+            .unwrap();
+        let emits = &query.operators()[0].emits;
+        assert!(emits.contains("once per key (r.k) of r"), "{emits}");
         for sql in [
             // Grouped by the other side's non-key column, by nothing, or a second aggregate.
             "SELECT r.until, count(*) FROM l JOIN r ON l.k = r.k \
