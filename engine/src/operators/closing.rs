@@ -33,7 +33,8 @@
 //! ORDER BY are broken as DataFusion meets the rows, which may differ between runs, as in batch
 //! SQL: a unique last sort key makes the result replay identically.
 //!
-//! **Restart.** The held pairs are state rows of the join (written with the batch's delta); a
+//! **Restart.** The held pairs are state rows of the join (a batch's delta holds its new pairs
+//! still held at its end: those whose row already left run at once and are never written); a
 //! restart drops the pairs whose closing-side row the restored watermark let go: the committed
 //! batch ran them. Nothing is written when pairs close: the purge decides it again.
 //!
@@ -305,35 +306,76 @@ impl HeldPairs {
         Ok(())
     }
 
+    /// This batch's `joined` pairs, `closing_rows` the ids of their closing-side rows: those
+    /// whose row is not among `open` (the ids of that side's kept rows) are returned closed, in
+    /// the joined rows' schema; the rest are held, and returned as held (joined columns, then
+    /// the id) — the new state rows.
+    pub(crate) fn hold_new(
+        &mut self,
+        joined: &RecordBatch,
+        closing_rows: ArrayRef,
+        open: &HashSet<u64>,
+    ) -> Result<(Option<RecordBatch>, Option<RecordBatch>)> {
+        let mut columns = joined.columns().to_vec();
+        columns.push(closing_rows);
+        let pairs = RecordBatch::try_new(Arc::clone(&self.schema), columns)?;
+        let (closed, held) = self.split(pairs, open)?;
+        if let Some(held) = &held {
+            self.rows.push(held.clone());
+        }
+        Ok((closed.map(|c| self.joined_part(&c)).transpose()?, held))
+    }
+
     /// Takes out the held pairs whose closing-side row is not among `open` (the ids of that
     /// side's kept rows), in the joined rows' schema (empty if there are none).
     pub(crate) fn take_closed(&mut self, open: &HashSet<u64>) -> Result<Vec<RecordBatch>> {
-        let id_index = self.schema.fields().len() - 1;
         let mut closed = Vec::new();
         let mut held = Vec::new();
         for batch in std::mem::take(&mut self.rows) {
-            let ids = batch.column(id_index).as_primitive::<UInt64Type>();
-            let is_closed: BooleanArray = ids
-                .iter()
-                .map(|id| Some(id.is_none_or(|id| !open.contains(&id))))
-                .collect();
-            match is_closed.true_count() {
-                0 => held.push(batch),
-                n if n == batch.num_rows() => closed.push(batch),
-                _ => {
-                    closed.push(filter_record_batch(&batch, &is_closed)?);
-                    let still = arrow::compute::not(&is_closed)?;
-                    held.push(filter_record_batch(&batch, &still)?);
-                }
-            }
+            let (c, h) = self.split(batch, open)?;
+            closed.extend(c);
+            held.extend(h);
         }
         self.rows = if held.len() > 64 {
             vec![concat_batches(&self.schema, &held)?]
         } else {
             held
         };
-        let joined: Vec<usize> = (0..id_index).collect();
-        closed.iter().map(|b| Ok(b.project(&joined)?)).collect()
+        closed.iter().map(|b| self.joined_part(b)).collect()
+    }
+
+    /// Held pairs split into those whose closing-side row is not among `open` (or null) and
+    /// the rest; `None` for an empty part.
+    fn split(
+        &self,
+        pairs: RecordBatch,
+        open: &HashSet<u64>,
+    ) -> Result<(Option<RecordBatch>, Option<RecordBatch>)> {
+        let ids = pairs
+            .column(self.schema.fields().len() - 1)
+            .as_primitive::<UInt64Type>();
+        let is_closed: BooleanArray = ids
+            .iter()
+            .map(|id| Some(id.is_none_or(|id| !open.contains(&id))))
+            .collect();
+        Ok(match is_closed.true_count() {
+            _ if pairs.num_rows() == 0 => (None, None),
+            0 => (None, Some(pairs)),
+            n if n == pairs.num_rows() => (Some(pairs), None),
+            _ => {
+                let still = arrow::compute::not(&is_closed)?;
+                (
+                    Some(filter_record_batch(&pairs, &is_closed)?),
+                    Some(filter_record_batch(&pairs, &still)?),
+                )
+            }
+        })
+    }
+
+    /// Held pairs in the joined rows' schema (the closing-side id left out).
+    fn joined_part(&self, held: &RecordBatch) -> Result<RecordBatch> {
+        let joined: Vec<usize> = (0..self.schema.fields().len() - 1).collect();
+        Ok(held.project(&joined)?)
     }
 
     /// `closed` pairs (in the joined rows' schema) in one batch sorted by key, with where each

@@ -1202,22 +1202,20 @@ impl StreamJoin {
             }
         }
         if let Some(held) = &mut self.closing {
-            // Held until their row of the closing side leaves; those whose row left, run.
-            // (Written to the delta whether or not they close in this batch: a restart drops
-            // those whose row the restored watermark let go.)
+            // Held until their row of the closing side leaves; those whose row left (held
+            // before, or new), run. Only the new pairs still held go to the delta.
             let c = held.key().side;
+            let open = self.sides[c].ids();
+            let mut closed = held.take_closed(&open)?;
             for (batch, ids) in joined {
                 let ids = ids.ok_or_else(|| Error::InvalidJob("a pair without its row".into()))?;
-                self.changes.push(held_state_rows(
-                    &self.sides,
-                    &self.state_schema,
-                    c,
-                    &batch,
-                    &ids,
-                )?);
-                held.hold(&batch, ids)?;
+                let (now_closed, kept) = held.hold_new(&batch, ids, &open)?;
+                closed.extend(now_closed);
+                if let Some(kept) = kept {
+                    self.changes
+                        .push(held_state_rows(&self.sides, &self.state_schema, c, &kept)?);
+                }
             }
-            let closed = held.take_closed(&self.sides[c].ids())?;
             if !closed.is_empty() {
                 let (batches, failed) = self.upper_by_key(ctx, closed).await?;
                 out.batches.extend(batches);
@@ -1506,16 +1504,7 @@ impl StreamJoin {
             }
         }
         for (side, matched) in self.sides.iter_mut().zip(matched) {
-            let live: HashSet<u64> = side
-                .rows
-                .iter()
-                .flat_map(|r| {
-                    r.column(side.schema.fields().len() - 1)
-                        .as_primitive::<UInt64Type>()
-                        .values()
-                        .to_vec()
-                })
-                .collect();
+            let live = side.ids();
             side.matched = matched.intersection(&live).copied().collect();
         }
         // What the restored watermark let go was let go (and emitted) by the committed batch.
@@ -1552,15 +1541,7 @@ impl StreamJoin {
             let mut full = Vec::new();
             if let Some(held) = closing {
                 for rows in held.rows() {
-                    let last = rows.num_columns() - 1;
-                    let joined = rows.project(&(0..last).collect::<Vec<_>>())?;
-                    full.push(held_state_rows(
-                        sides,
-                        state_schema,
-                        held.key().side,
-                        &joined,
-                        rows.column(last),
-                    )?);
+                    full.push(held_state_rows(sides, state_schema, held.key().side, rows)?);
                 }
             }
             for (s, side) in sides.iter().enumerate() {
@@ -1692,21 +1673,21 @@ fn matched_rows(
     Ok(RecordBatch::try_new(Arc::clone(schema), columns)?)
 }
 
-/// Held pairs (`joined` columns, `closing_rows` the ids of their rows of side `closing`) as
-/// state rows of kind 4: each side's columns, the id column set on the closing side only.
+/// Held pairs (the joined columns, then the ids of their rows of side `closing`) as state rows
+/// of kind 4: each side's columns, the id column set on the closing side only.
 fn held_state_rows(
     sides: &[Side; 2],
     schema: &SchemaRef,
     closing: usize,
-    joined: &RecordBatch,
-    closing_rows: &ArrayRef,
+    held: &RecordBatch,
 ) -> Result<RecordBatch> {
-    let n = joined.num_rows();
+    let n = held.num_rows();
+    let closing_rows = held.column(held.num_columns() - 1);
     let mut columns: Vec<ArrayRef> = vec![Arc::new(UInt8Array::from(vec![HELD; n]))];
     let mut first = 0;
     for (t, side) in sides.iter().enumerate() {
         for i in 0..side.id_index() {
-            columns.push(Arc::clone(joined.column(first + i)));
+            columns.push(Arc::clone(held.column(first + i)));
         }
         columns.push(if t == closing {
             Arc::clone(closing_rows)
@@ -1782,27 +1763,11 @@ mod tests {
     }
 
     fn batch(events: &[Event], first: i64) -> RecordBatch {
-        let times = |f: fn(Event) -> i64| {
-            Arc::new(
-                TimestampMicrosecondArray::from_iter_values(events.iter().map(|e| f(*e) * SECOND))
-                    .with_timezone("UTC"),
-            )
-        };
-        RecordBatch::try_new(
-            schema(),
-            vec![
-                times(|e| e.0),
-                Arc::new(StringArray::from_iter_values(
-                    events.iter().map(|e| format!("k{}", e.1)),
-                )),
-                times(until),
-                Arc::new(StringArray::from(vec!["0"; events.len()])),
-                Arc::new(Int64Array::from_iter_values(
-                    first..first + events.len() as i64,
-                )),
-            ],
-        )
-        .unwrap()
+        let events: Vec<(i64, String, i64)> = events
+            .iter()
+            .map(|&e| (e.0, format!("k{}", e.1), until(e)))
+            .collect();
+        keyed_batch(&events, first)
     }
 
     fn settings(ttl: bool) -> QuerySettings {
@@ -2169,6 +2134,7 @@ mod tests {
     /// whose key it bids on).
     type Keyed = (Vec<(i64, i64)>, Vec<(i64, u8)>);
 
+    /// Rows of the sources' schema from `(event time s, key, until s)`, offsets from `first`.
     fn keyed_batch(events: &[(i64, String, i64)], first: i64) -> RecordBatch {
         let times = |f: fn(&(i64, String, i64)) -> i64| {
             Arc::new(
@@ -2265,18 +2231,10 @@ mod tests {
             expected.push((lo, joined.len() as i64, last));
         }
         expected.sort_unstable();
-        let settings = QuerySettings {
-            lineage: true,
-            event_time: BTreeMap::from([
-                ("l".to_string(), "ts".to_string()),
-                ("r".to_string(), "ts".to_string()),
-            ]),
-            ..QuerySettings::default()
-        };
         let streamed = stream(
             sql,
             &sources,
-            &settings,
+            &settings(false),
             &inputs,
             &watermarks,
             restart_after,
