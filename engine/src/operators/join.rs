@@ -467,23 +467,57 @@ fn side_of(join: &Join, column: &Column) -> Option<(usize, usize)> {
 /// such that the other side's event time is at most `column + offset` in every match.
 fn purge_rules(join: &Join, times: &[(String, String); 2]) -> [Vec<(usize, i64)>; 2] {
     let mut rules: [Vec<(usize, i64)>; 2] = [Vec::new(), Vec::new()];
+    for (y, yi, offset) in bounds(join, times) {
+        // Any timestamp: the purge reads it as the event time's type (µs, UTC; a time zone
+        // never moves an instant, a time without one is read as UTC, as SQL compares them).
+        if matches!(bound_type(join, y, yi), DataType::Timestamp(_, _)) {
+            rules[y].push((yi, offset));
+        }
+    }
+    rules
+}
+
+/// Every `(side y, its column, offset)` such that the other side's event time is at most
+/// `column + offset` in every match, whatever the column's type (see [`purge_rules`]).
+fn bounds(join: &Join, times: &[(String, String); 2]) -> Vec<(usize, usize, i64)> {
     let inputs = [join.left.as_ref(), join.right.as_ref()];
+    let mut found = Vec::new();
     for ((small, small_offset), (big, big_offset)) in ordered_pairs(join) {
         let (Some((x, xi)), Some((y, yi))) = (side_of(join, &small), side_of(join, &big)) else {
             continue;
         };
-        let is_event_time = source_column(inputs[x], xi).as_ref() == Some(&times[x]);
-        // Any timestamp: the purge reads it as the event time's type (µs, UTC; a time zone
-        // never moves an instant, a time without one is read as UTC, as SQL compares them).
-        let is_timestamp = matches!(
-            inputs[y].schema().field(yi).data_type(),
-            DataType::Timestamp(_, _)
-        );
-        if x != y && is_event_time && is_timestamp {
-            rules[y].push((yi, big_offset - small_offset));
+        if x != y && source_column(inputs[x], xi).as_ref() == Some(&times[x]) {
+            found.push((y, yi, big_offset - small_offset));
         }
     }
-    rules
+    found
+}
+
+/// The type of column `index` of side `side` of `join`.
+fn bound_type(join: &Join, side: usize, index: usize) -> &DataType {
+    [&join.left, &join.right][side]
+        .schema()
+        .field(index)
+        .data_type()
+}
+
+/// Side `side`'s columns that bound the other side's event time in `join` but are not
+/// timestamps (text holding times, say), as `name (type)`: why that side has no purge rule.
+fn untyped_bounds(join: &Join, times: &[(String, String); 2], side: usize) -> Vec<String> {
+    bounds(join, times)
+        .into_iter()
+        .filter(|&(y, yi, _)| {
+            y == side && !matches!(bound_type(join, y, yi), DataType::Timestamp(_, _))
+        })
+        .map(|(y, yi, _)| {
+            let (qualifier, field) = [&join.left, &join.right][y].schema().qualified_field(yi);
+            let name = match qualifier {
+                Some(q) => format!("{q}.{}", field.name()),
+                None => field.name().clone(),
+            };
+            format!("{name} ({})", field.data_type())
+        })
+        .collect()
 }
 
 /// The index of the column of `plan`'s output that is the source's event time `time`.
@@ -560,12 +594,18 @@ pub(crate) fn plan_stream_join(
 
     // Bound every side: a side no conjunct bounds — in the optimised plan, where conditions
     // written in WHERE have joined the ON clause — waits state_ttl, as an added conjunct.
-    let bounded: [bool; 2] = match &find(&ctx.state().optimize(plan)?, settings.statics)[..] {
+    let optimized_joins = find(&ctx.state().optimize(plan)?, settings.statics);
+    let bounded: [bool; 2] = match &optimized_joins[..] {
         [LogicalPlan::Join(optimized)] => {
             let rules = purge_rules(optimized, &times);
             [!rules[0].is_empty(), !rules[1].is_empty()]
         }
         _ => [false, false],
+    };
+    // A side bounded only by columns that are not timestamps: named in the refusal.
+    let untyped = |s: usize| match &optimized_joins[..] {
+        [LogicalPlan::Join(optimized)] => untyped_bounds(optimized, &times, s),
+        _ => Vec::new(),
     };
     let mut added = Vec::new();
     let mut uses_ttl = false;
@@ -575,11 +615,22 @@ pub(crate) fn plan_stream_join(
         }
         let inputs = [&join.left, &join.right];
         let Some(ttl) = settings.state_ttl else {
+            let untyped = untyped(s);
+            let not_times = if untyped.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    " ({} bounds it but is not a timestamp: declare it as TIMESTAMP in the \
+                     source's schema, or CAST it in a subquery of that side)",
+                    untyped.join(", ")
+                )
+            };
             return Err(refuse(format!(
                 "nothing in the join's condition bounds how long a row of the {} side ({}) \
-                 waits for its match, so the state would grow without bound: bound the other \
-                 side's event time by it (e.g. `{}.{} BETWEEN … AND … + INTERVAL '1' HOUR`) or \
-                 set state_ttl in [query] to join rows at most that far apart in event time",
+                 waits for its match{not_times}, so the state would grow without bound: bound \
+                 the other side's event time by it (e.g. `{}.{} BETWEEN … AND … + INTERVAL '1' \
+                 HOUR`) or set state_ttl in [query] to join rows at most that far apart in \
+                 event time",
                 ["left", "right"][s],
                 times[s].0,
                 times[1 - s].0,
@@ -2098,6 +2149,14 @@ mod tests {
         let one_bound = "SELECT * FROM l JOIN r ON l.k = r.k AND r.ts >= l.ts";
         let error = refused(one_bound, settings(false)).await;
         assert!(error.contains("left side (l)"), "{error}");
+        // A bound by a column that is not a timestamp (text, as inferred) is named.
+        let text_bound = "SELECT * FROM l JOIN r ON l.k = r.k \
+                          AND r.ts BETWEEN l.ts AND CAST(l.k AS TIMESTAMP)";
+        let error = refused(text_bound, settings(false)).await;
+        assert!(
+            error.contains("l.k (Utf8) bounds it but is not a timestamp"),
+            "{error}"
+        );
         // An equality of times (with an offset) bounds both sides: no state_ttl needed.
         let equal = "SELECT * FROM l JOIN r ON l.k = r.k AND l.ts = r.ts + INTERVAL '1' SECOND";
         StreamingQuery::plan(equal, &sources, &settings(false))
