@@ -545,14 +545,22 @@ async fn reconcile(path: PathBuf, from: i64, to: i64, registry: &Registry) -> Re
     let (job, info) = job_file::load(&path, None, registry).await?;
     let r = job.reconcile(from, to).await?;
     let d = &r.diff;
-    println!(
-        "job {}: {} in [{}, {}), committed batches up to {}",
-        info.job_id,
-        r.column,
-        display_watermark(Some(from)),
-        display_watermark(Some(to)),
-        r.last_batch
-    );
+    if r.column.is_empty() {
+        println!(
+            "job {}: the whole table (its rows carry no event time, so the period is not \
+             used), committed batches up to {}",
+            info.job_id, r.last_batch
+        );
+    } else {
+        println!(
+            "job {}: {} in [{}, {}), committed batches up to {}",
+            info.job_id,
+            r.column,
+            display_watermark(Some(from)),
+            display_watermark(Some(to)),
+            r.last_batch
+        );
+    }
     println!(
         "  batch recomputation: {} rows; output table: {} rows",
         r.expected_rows, r.table_rows

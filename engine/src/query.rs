@@ -45,7 +45,9 @@ use crate::operators::join::StreamJoin;
 use crate::operators::state_store::StateLog;
 use crate::operators::window_join::WindowJoin;
 pub use crate::operators::{FailedRow, QueryOutput};
-use crate::operators::{StatefulOperator, carry_columns, plan_operator};
+use crate::operators::{
+    JOINED_TABLE, JoinAggregate, StatefulOperator, carry_columns, plan_operator,
+};
 use crate::sink::{OutputMode, OutputTables};
 use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION};
 
@@ -327,6 +329,10 @@ impl StreamingQuery {
         };
         let stateful =
             plan_operator(&ctx, &plan, &uses, stateful_settings, settings.lineage).await?;
+        // A chain's aggregate reads the join's output from a table filled like a source's.
+        if let Some(StatefulOperator::JoinAggregate(chain)) = &stateful {
+            tables.insert(JOINED_TABLE.to_string(), chain.joined_table());
+        }
         // A join of streams runs the plan with its bounds (state_ttl's included): shown as such.
         let plan = match stateful.as_ref().and_then(StatefulOperator::join) {
             Some(join) => join.plan().clone(),
@@ -359,7 +365,7 @@ impl StreamingQuery {
             Some(StatefulOperator::Aggregate(a)) => a.window().is_none(),
             Some(StatefulOperator::Deduplication(_)) => true,
             // Planning refused state_ttl where neither side needs it.
-            Some(StatefulOperator::Join(_)) => true,
+            Some(StatefulOperator::Join(_) | StatefulOperator::JoinAggregate(_)) => true,
             Some(StatefulOperator::WindowJoin(_)) | None => false,
         };
         if settings.state_ttl.is_some() && !keyed_by_ttl {
@@ -445,9 +451,16 @@ impl StreamingQuery {
             .is_some_and(|s| s.deduplication().is_some())
     }
 
-    /// Whether the query's stateful operator is a join of two streams.
+    /// Whether the query joins two streams (alone, or feeding an aggregate).
     pub fn joins_streams(&self) -> bool {
-        self.stateful.as_ref().is_some_and(|s| s.join().is_some())
+        self.stateful
+            .as_ref()
+            .is_some_and(|s| s.stream_join().is_some())
+    }
+
+    /// Whether the query joins two streams and aggregates the join's output.
+    pub fn aggregates_a_join(&self) -> bool {
+        matches!(self.stateful, Some(StatefulOperator::JoinAggregate(_)))
     }
 
     /// Whether the query joins two windowed aggregates on their windows.
@@ -459,19 +472,17 @@ impl StreamingQuery {
 
     /// The sources a join (of streams, or of windows) reads, which share the late table.
     fn joined_sources(&self) -> Option<Vec<&str>> {
-        match self.stateful.as_ref()? {
-            StatefulOperator::Join(j) => {
-                let mut sources: Vec<&str> = Vec::new();
-                for (source, _) in j.sources() {
-                    if !sources.contains(&source) {
-                        sources.push(source);
-                    }
-                }
-                Some(sources)
-            }
-            StatefulOperator::WindowJoin(w) => Some(w.sources()),
-            _ => None,
+        let stateful = self.stateful.as_ref()?;
+        if let Some(w) = stateful.window_join() {
+            return Some(w.sources());
         }
+        let mut sources: Vec<&str> = Vec::new();
+        for (source, _) in stateful.stream_join()?.sources() {
+            if !sources.contains(&source) {
+                sources.push(source);
+            }
+        }
+        Some(sources)
     }
 
     /// Rows the last batch left out as duplicates (0 unless the query deduplicates).
@@ -515,7 +526,9 @@ impl StreamingQuery {
         match self.stateful.as_ref()? {
             StatefulOperator::Aggregate(a) => a.window().map(|(w, _)| w.source.as_str()),
             StatefulOperator::Deduplication(d) => Some(d.source().0),
-            StatefulOperator::Join(_) | StatefulOperator::WindowJoin(_) => None,
+            StatefulOperator::Join(_)
+            | StatefulOperator::WindowJoin(_)
+            | StatefulOperator::JoinAggregate(_) => None,
         }
     }
 
@@ -556,7 +569,10 @@ impl StreamingQuery {
             Some(StatefulOperator::Deduplication(d)) if d.source().0 == source => {
                 crate::late::expired_rows(rows, d.source().1, watermark, d.ttl(), batch_id)
             }
-            Some(StatefulOperator::Join(j)) => {
+            Some(stateful @ (StatefulOperator::Join(_) | StatefulOperator::JoinAggregate(_))) => {
+                let Some(j) = stateful.stream_join() else {
+                    return Ok(None);
+                };
                 let (Some(watermark), Some(limit)) = (watermark, j.on_time_limit(watermark)) else {
                     return Ok(None);
                 };
@@ -803,6 +819,12 @@ impl StreamingQuery {
             Some(StatefulOperator::Join(join)) => {
                 return join_streams(&self.tables, join, inputs, watermark).await;
             }
+            Some(StatefulOperator::JoinAggregate(chain)) => {
+                let joined = join_then_aggregate(&self.tables, chain, inputs, watermark).await?;
+                let mut out = chain.emit(&self.tables.ctx, watermark.after).await?;
+                out.failed.splice(0..0, joined.failed);
+                return Ok(out);
+            }
             Some(StatefulOperator::WindowJoin(join)) => {
                 let failed =
                     accumulate_windows(&self.tables, join, inputs, watermark.before).await?;
@@ -840,6 +862,33 @@ async fn deduplicate(
         .await?;
     out.failed.splice(0..0, rows.failed);
     Ok(out)
+}
+
+/// One batch of a join feeding an aggregate: the join (see [`join_streams`]), then its output,
+/// timed with the watermark it was emitted under, merged into the aggregate (rows it fails on
+/// isolated). Returns the dead letters; the caller emits the aggregate's groups.
+async fn join_then_aggregate(
+    tables: &SourceTables,
+    chain: &mut JoinAggregate,
+    inputs: &SourceInputs,
+    watermark: BatchWatermark,
+) -> Result<QueryOutput> {
+    let joined = join_streams(tables, &mut chain.join, inputs, watermark).await?;
+    let rows = chain.joined_rows(joined.batches, watermark.after)?;
+    let input = BTreeMap::from([(JOINED_TABLE.to_string(), rows)]);
+    let plan = chain.aggregate.partial_plan(watermark.before)?;
+    let partials = tables
+        .isolate(&plan, &input, Run::Partial(chain.aggregate.operator()))
+        .await?;
+    chain.aggregate.accumulate(partials.batches).await?;
+    let mut failed = joined.failed;
+    for row in partials.failed {
+        failed.push(chain.named_failure(row)?);
+    }
+    Ok(QueryOutput {
+        batches: Vec::new(),
+        failed,
+    })
 }
 
 /// Merges a batch's rows into both aggregates of a window join: each side's aggregate over the
@@ -916,6 +965,13 @@ impl StreamingQuery {
                 };
                 return join_streams(&self.tables, join, inputs, watermark).await;
             }
+            Some(StatefulOperator::JoinAggregate(chain)) => {
+                let watermark = BatchWatermark {
+                    before: watermark,
+                    after: watermark,
+                };
+                return join_then_aggregate(&self.tables, chain, inputs, watermark).await;
+            }
             Some(StatefulOperator::WindowJoin(join)) => {
                 let failed = accumulate_windows(&self.tables, join, inputs, watermark).await?;
                 return Ok(QueryOutput {
@@ -947,6 +1003,7 @@ impl StreamingQuery {
                 stateful.emit_all(&self.tables.ctx).await
             }
             Some(StatefulOperator::WindowJoin(join)) => join.emit_all(&self.tables.ctx).await,
+            Some(StatefulOperator::JoinAggregate(chain)) => chain.emit_all(&self.tables.ctx).await,
             Some(StatefulOperator::Deduplication(_) | StatefulOperator::Join(_)) | None => {
                 Ok(QueryOutput::default())
             }

@@ -60,7 +60,8 @@ pub const APPROX_TOLERANCE: f64 = 0.02;
 /// What [`Job::reconcile`] found.
 #[derive(Debug, Clone)]
 pub struct Reconciliation {
-    /// The event-time column the period applies to.
+    /// The event-time column the period applies to (empty: the whole table was compared, as
+    /// its rows carry no event time).
     pub column: String,
     /// The last batch the job committed; the recomputation reads what batches up to it read.
     pub last_batch: BatchId,
@@ -165,6 +166,17 @@ impl Job {
                 &expectations,
                 from,
                 to,
+            )
+            .await;
+        }
+        if query.aggregates_a_join() {
+            return reconcile_join_aggregate(
+                self.sink.as_ref(),
+                committed,
+                query,
+                &tables,
+                &expectations,
+                settings.state_ttl,
             )
             .await;
         }
@@ -579,30 +591,7 @@ async fn reconcile_join(
                 columns.into_iter().collect::<Vec<_>>().join(" or ")
             ))
         })?;
-    let late_table = sink.read_late(&TableScan::all()).await?;
-    let mut inputs = BTreeMap::new();
-    let mut late_rows = 0;
-    for s in committed.sources {
-        let raw = committed.read(s, i64::MIN, i64::MAX).await?;
-        let mut late = Vec::new();
-        for b in &late_table {
-            let names = b
-                .column_by_name(crate::late::SOURCE)
-                .map(|c| cast::cast(c, &DataType::Utf8))
-                .transpose()?
-                .ok_or_else(|| {
-                    Error::InvalidJob("reconcile: the late table has no _source column".into())
-                })?;
-            let names = names.as_string::<i32>();
-            let mine: BooleanArray = names.iter().map(|n| Some(n == Some(&s.name))).collect();
-            let rows = filter_record_batch(b, &mine)?;
-            if rows.num_rows() > 0 {
-                late_rows += rows.num_rows();
-                late.push(conform(&s.schema, &[rows])?);
-            }
-        }
-        inputs.insert(s.name.clone(), multiset_minus(&raw, &late)?);
-    }
+    let (inputs, late_rows, _) = join_inputs(sink, committed).await?;
     // Every row at once, then the job's watermark: a preserved side's rows it let go unmatched
     // are emitted, as the stream emitted them; those it still holds are not yet.
     let parts = vec![
@@ -624,6 +613,104 @@ async fn reconcile_join(
         late_treatment: JOIN_LATE,
         diff: compare(&expected, &actual, &[], &BTreeSet::new())?,
     })
+}
+
+/// Reconciles a join of two streams feeding a running aggregate (Nexmark q4). Its rows carry
+/// no event time (the aggregate's time is when the join emitted to it), so the whole table —
+/// one row per group, upserted — is compared with the query run once over every committed row
+/// of both sources minus the late rows, then the job's watermark (as [`reconcile_join`]), every
+/// group finished. That holds while no group has expired: a group is forgotten once the
+/// watermark is `state_ttl` past the batch that last fed it, and no batch emits under a
+/// watermark below the earliest event read minus the largest `max_out_of_orderness`; so a
+/// run whose watermark went further than `state_ttl` past that is refused.
+async fn reconcile_join_aggregate(
+    sink: &dyn Sink,
+    committed: Committed<'_>,
+    mut query: StreamingQuery,
+    tables: &TablesAtVersions,
+    expectations: &Expectations,
+    state_ttl: Option<std::time::Duration>,
+) -> Result<Reconciliation> {
+    let output_schema = query.output_schema();
+    let (inputs, late_rows, earliest) = join_inputs(sink, committed).await?;
+    let micros = |d: std::time::Duration| i64::try_from(d.as_micros()).unwrap_or(i64::MAX);
+    let out_of_orderness = committed
+        .sources
+        .iter()
+        .filter_map(|s| s.event_time.as_ref())
+        .map(|t| micros(t.max_out_of_orderness))
+        .max()
+        .unwrap_or(0);
+    if let (Some(watermark), Some(earliest), Some(ttl)) = (
+        committed.manifest.watermark_micros,
+        earliest,
+        state_ttl.map(micros),
+    ) && watermark.saturating_sub(ttl) >= earliest.saturating_sub(out_of_orderness)
+    {
+        return Err(Error::InvalidJob(format!(
+            "reconcile: the job aggregates a join's output, and its watermark ({}) is more than              state_ttl past the earliest event read ({}, minus max_out_of_orderness): groups              may have expired and started over, so the table need not equal a recomputation              over every row; reconcile such a job while the run spans less than state_ttl",
+            display_watermark(Some(watermark)),
+            display_watermark(Some(earliest)),
+        )));
+    }
+    let parts = vec![
+        (inputs, None),
+        (BTreeMap::new(), committed.manifest.watermark_micros),
+    ];
+    let recomputed = tables.execute_bounded(&mut query, parts).await?;
+    let recomputed = expectations.apply(recomputed.batches)?.kept;
+    let expected = concat_batches(&output_schema, &recomputed)?;
+    let actual = conform(&output_schema, &sink.read_output().await?)?;
+    Ok(Reconciliation {
+        column: String::new(),
+        last_batch: committed.manifest.batch_id,
+        expected_rows: expected.num_rows(),
+        table_rows: actual.num_rows(),
+        late_rows,
+        late_treatment: JOIN_LATE,
+        diff: compare(&expected, &actual, &[], &query.approximate_columns())?,
+    })
+}
+
+/// What a join's recomputation reads: every committed row of each source minus its late rows
+/// (in the late table, under `_source`), how many late rows there were, and the earliest event
+/// time read (late rows included).
+async fn join_inputs(
+    sink: &dyn Sink,
+    committed: Committed<'_>,
+) -> Result<(BTreeMap<String, RecordBatch>, usize, Option<i64>)> {
+    let late_table = sink.read_late(&TableScan::all()).await?;
+    let mut inputs = BTreeMap::new();
+    let mut late_rows = 0;
+    let mut earliest: Option<i64> = None;
+    for s in committed.sources {
+        let raw = committed.read(s, i64::MIN, i64::MAX).await?;
+        if let Some(time) = &s.event_time {
+            earliest = earliest_time(&raw, &time.column)?
+                .into_iter()
+                .chain(earliest)
+                .min();
+        }
+        let mut late = Vec::new();
+        for b in &late_table {
+            let rows = of_source(b, &s.name)?;
+            if rows.num_rows() > 0 {
+                late_rows += rows.num_rows();
+                late.push(conform(&s.schema, &[rows])?);
+            }
+        }
+        inputs.insert(s.name.clone(), multiset_minus(&raw, &late)?);
+    }
+    Ok((inputs, late_rows, earliest))
+}
+
+/// The earliest value of the timestamp column `column` of `rows` (`None` if there is none).
+fn earliest_time(rows: &RecordBatch, column: &str) -> Result<Option<i64>> {
+    let Some(values) = rows.column_by_name(column) else {
+        return Ok(None);
+    };
+    let values = cast::cast(values, &DataType::Int64)?;
+    Ok(arrow::compute::min(values.as_primitive::<Int64Type>()))
 }
 
 /// The rows of a join's late table batch `late` that `source` read, as its

@@ -309,6 +309,17 @@ fn take_rows(batch: &RecordBatch, rows: &[u32]) -> Result<RecordBatch> {
     )?)
 }
 
+impl std::ops::Add for StateSize {
+    type Output = StateSize;
+
+    fn add(self, other: StateSize) -> StateSize {
+        StateSize {
+            rows: self.rows + other.rows,
+            bytes: self.bytes + other.bytes,
+        }
+    }
+}
+
 /// Finds the query's stateful aggregate; `None` if the query needs no state.
 pub(crate) async fn plan_stateful(
     ctx: &SessionContext,

@@ -38,10 +38,10 @@
 //! restart drops the pairs whose closing-side row the restored watermark let go: the committed
 //! batch ran them. Nothing is written when pairs close: the purge decides it again.
 //!
-//! Refused (with the node named): a stateful node above the join that does not group or
-//! partition by every key column of one side — an aggregate over the per-key results not keyed
-//! by the key (the average per category of Nexmark q4), a sort or limit over all keys — which
-//! is a chain of stateful operators, not built yet.
+//! A stateful node above the join that does not group or partition by every key column of one
+//! side is not run here: an aggregate over the per-key results not keyed by the key (the
+//! average per category of Nexmark q4) is a second operator, a running aggregate over the
+//! join's output ([`super::chain`]); a sort or limit over all keys is refused, naming it.
 
 use std::collections::{BTreeSet, HashSet};
 use std::sync::Arc;

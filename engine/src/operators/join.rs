@@ -897,10 +897,10 @@ pub(crate) fn plan_stream_join(
                  streams, aggregates and window functions run once per key when each groups \
                  (GROUP BY) or partitions (PARTITION BY) by every join key column of one side, \
                  as the ON clause names them (e.g. `GROUP BY A.id` for `ON A.id = B.auction`): \
-                 a key's pairs are final once that side's row has left the state. Anything \
-                 else over the joined rows (an aggregate over those per-key results not keyed \
-                 by the key, a sort or limit over all keys) is a chain of stateful operators, \
-                 not built yet"
+                 a key's pairs are final once that side's row has left the state. One \
+                 aggregate over the join's output (or over those per-key results), not keyed \
+                 so, runs as a running aggregate in update mode (with state_ttl); a sort or \
+                 limit over all keys is a chain of stateful operators not built yet"
             )));
         }
     };
@@ -2176,9 +2176,13 @@ mod tests {
         let lower = fingerprint("SELECT * FROM l JOIN r ON lower(l.k) = r.k").await;
         assert!(upper.contains("upper(l.k)"), "{upper}");
         assert_ne!(upper, lower);
+        // An aggregate over the join's output is a second operator: a running aggregate.
         let counted = "SELECT count(*) FROM l JOIN r ON l.k = r.k";
         let error = refused(counted, settings(true)).await;
-        assert!(error.contains("chain of stateful operators"), "{error}");
+        assert!(
+            error.contains("aggregates the join's output") && error.contains("mode = \"update\""),
+            "{error}"
+        );
         let update = QuerySettings {
             output_mode: OutputMode::Update,
             key: Some(vec!["lo".into()]),
@@ -2228,6 +2232,47 @@ mod tests {
         inner: bool,
     ) -> (Vec<(i64, i64, i64)>, Vec<(i64, i64, i64)>) {
         let sources = [("l".to_string(), schema()), ("r".to_string(), schema())];
+        let (inputs, watermarks, expected) = per_key_model(batches, inner);
+        let streamed = stream(
+            sql,
+            &sources,
+            &settings(false),
+            &inputs,
+            &watermarks,
+            restart_after,
+        )
+        .await;
+        let mut out = Vec::new();
+        for b in &streamed.outputs {
+            let keys = b.column(0).as_string::<i32>();
+            let n = b.column(1).as_primitive::<Int64Type>();
+            let last = b.column(2).as_primitive::<Int64Type>();
+            for i in 0..b.num_rows() {
+                let lo: i64 = keys.value(i)[1..].parse().unwrap();
+                let last = if arrow::array::Array::is_null(last, i) {
+                    -1
+                } else {
+                    last.value(i)
+                };
+                out.push((lo, n.value(i), last));
+            }
+        }
+        out.sort_unstable();
+        (out, expected)
+    }
+
+    /// The sources' batches of `batches`, the watermark after each, and what per-key closing
+    /// gives: `(l offset, pairs, last r offset or -1)` for each on-time `l` row the last
+    /// watermark let go, with its on-time matches (`inner`: only those with a match), sorted.
+    #[allow(clippy::type_complexity)]
+    fn per_key_model(
+        batches: &[Keyed],
+        inner: bool,
+    ) -> (
+        Vec<BTreeMap<String, RecordBatch>>,
+        Vec<Option<i64>>,
+        Vec<(i64, i64, i64)>,
+    ) {
         let (mut inputs, mut watermarks) = (Vec::new(), Vec::new());
         let mut on_time_l: Vec<(i64, i64, i64)> = Vec::new();
         let mut on_time_r: Vec<(i64, i64, i64)> = Vec::new();
@@ -2290,32 +2335,42 @@ mod tests {
             expected.push((lo, joined.len() as i64, last));
         }
         expected.sort_unstable();
-        let streamed = stream(
-            sql,
-            &sources,
-            &settings(false),
-            &inputs,
-            &watermarks,
-            restart_after,
-        )
-        .await;
-        let mut out = Vec::new();
+        (inputs, watermarks, expected)
+    }
+
+    /// Per-key closing feeding a running aggregate (Nexmark q4's shape): each key's pair count
+    /// `n` and last match, once closed, then per `n` the number of keys and the sum of their
+    /// last matches, upserted. Returns the table the upserts leave, and the model's.
+    async fn aggregated_per_key(
+        batches: &[Keyed],
+        restart_after: usize,
+    ) -> (BTreeMap<i64, (i64, i64)>, BTreeMap<i64, (i64, i64)>) {
+        let sql = "SELECT n, count(*) AS keys, sum(last) AS total FROM (SELECT l.k, count(*) AS n, \
+                   max(r._source_offset) AS last FROM l JOIN r ON l.k = r.k \
+                   AND r.ts BETWEEN l.ts AND l.until GROUP BY l.k) AS q GROUP BY n";
+        let sources = [("l".to_string(), schema()), ("r".to_string(), schema())];
+        let (inputs, watermarks, closed) = per_key_model(batches, true);
+        let mut expected: BTreeMap<i64, (i64, i64)> = BTreeMap::new();
+        for (_, n, last) in closed {
+            let group = expected.entry(n).or_default();
+            *group = (group.0 + 1, group.1 + last);
+        }
+        // A day of state_ttl: no group expires within the test's minutes.
+        let running = QuerySettings {
+            output_mode: OutputMode::Update,
+            state_ttl: Some(Duration::from_secs(86_400)),
+            ..settings(false)
+        };
+        let streamed = stream(sql, &sources, &running, &inputs, &watermarks, restart_after).await;
+        let mut table = BTreeMap::new();
         for b in &streamed.outputs {
-            let keys = b.column(0).as_string::<i32>();
-            let n = b.column(1).as_primitive::<Int64Type>();
-            let last = b.column(2).as_primitive::<Int64Type>();
+            let column = |i: usize| b.column(i).as_primitive::<Int64Type>();
             for i in 0..b.num_rows() {
-                let lo: i64 = keys.value(i)[1..].parse().unwrap();
-                let last = if arrow::array::Array::is_null(last, i) {
-                    -1
-                } else {
-                    last.value(i)
-                };
-                out.push((lo, n.value(i), last));
+                table.insert(column(0).value(i), (column(1).value(i), column(2).value(i)));
             }
         }
-        out.sort_unstable();
-        (out, expected)
+        assert_eq!(streamed.operator_ids, ["0-join", "1-aggregate"]);
+        (table, expected)
     }
 
     fn keyed_events() -> impl Strategy<Value = Vec<Keyed>> {
@@ -2374,6 +2429,19 @@ mod tests {
                     runtime.block_on(closed_per_key(sql, &batches, restart, inner));
                 prop_assert_eq!(&out, &expected, "{}", sql);
             }
+        }
+
+        /// A running aggregate over per-key closing's results (a chain of the join and an
+        /// aggregate) upserts what the model gives, straight through and across a restart
+        /// from both operators' state files at any batch.
+        #[test]
+        fn an_aggregate_over_closed_keys_upserts_the_model(
+            batches in keyed_events(),
+            restart in 0usize..8,
+        ) {
+            let runtime = tokio::runtime::Runtime::new().unwrap();
+            let (table, expected) = runtime.block_on(aggregated_per_key(&batches, restart));
+            prop_assert_eq!(table, expected);
         }
     }
 
@@ -2466,23 +2534,53 @@ mod tests {
             .unwrap();
         let emits = &query.operators()[0].emits;
         assert!(emits.contains("once per key (r.k) of r"), "{emits}");
-        for sql in [
-            // Grouped by the other side's non-key column, by nothing, or a second aggregate.
-            "SELECT r.until, count(*) FROM l JOIN r ON l.k = r.k \
-             AND r.ts BETWEEN l.ts AND l.until GROUP BY r.until",
-            "SELECT n, count(*) FROM (SELECT l.k, count(*) AS n FROM l JOIN r ON l.k = r.k \
-             AND r.ts BETWEEN l.ts AND l.until GROUP BY l.k) GROUP BY n",
-            "SELECT l.k FROM l JOIN r ON l.k = r.k AND r.ts BETWEEN l.ts AND l.until \
-             ORDER BY l.k LIMIT 3",
+        // Grouped by the other side's non-key column, or a second aggregate over the per-key
+        // results: a running aggregate over the join's output, in update mode only.
+        let running = QuerySettings {
+            output_mode: OutputMode::Update,
+            state_ttl: Some(Duration::from_secs(3600)),
+            ..settings(false)
+        };
+        for (sql, joined) in [
+            (
+                "SELECT r.until, count(*) AS n FROM l JOIN r ON l.k = r.k \
+                 AND r.ts BETWEEN l.ts AND l.until GROUP BY r.until",
+                "each matching pair once",
+            ),
+            (
+                "SELECT n, count(*) AS keys FROM (SELECT l.k, count(*) AS n FROM l JOIN r \
+                 ON l.k = r.k AND r.ts BETWEEN l.ts AND l.until GROUP BY l.k) GROUP BY n",
+                "once per key (l.k) of l",
+            ),
         ] {
             let error = StreamingQuery::plan(sql, &sources, &settings(false))
                 .await
                 .unwrap_err()
                 .to_string();
             assert!(
-                error.contains("chain of stateful operators"),
+                error.contains("aggregates the join's output")
+                    && error.contains("mode = \"update\""),
                 "{sql}: {error}"
             );
+            let query = StreamingQuery::plan(sql, &sources, &running).await.unwrap();
+            let [join, aggregate] = query.operators().try_into().unwrap();
+            assert_eq!(
+                (join.id.as_str(), aggregate.id.as_str()),
+                ("0-join", "1-aggregate")
+            );
+            assert!(join.emits.contains(joined), "{sql}: {}", join.emits);
+            assert!(
+                aggregate.what == "running aggregate of the join's output (0-join)"
+                    && aggregate.purge.contains("past the batch that last fed it"),
+                "{sql}: {aggregate:?}"
+            );
         }
+        let sorted = "SELECT l.k FROM l JOIN r ON l.k = r.k AND r.ts BETWEEN l.ts AND l.until \
+                      ORDER BY l.k LIMIT 3";
+        let error = StreamingQuery::plan(sorted, &sources, &settings(false))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("chain of stateful operators"), "{error}");
     }
 }

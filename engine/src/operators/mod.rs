@@ -15,6 +15,8 @@
 //!   `SELECT DISTINCT`), each key remembered for `state_ttl` of event time.
 //! - [`join`] — `StreamJoin`: two streams joined on a key within a bound of event time, both
 //!   sides buffered until the watermark shows no match can come.
+//! - `chain` — `JoinAggregate`: a join of two streams whose output feeds a running aggregate
+//!   (Nexmark q4), two operators in one job.
 //! - `closing` — `HeldPairs`: the SQL above a join that groups or partitions by one side's key,
 //!   run over the pairs of that side's rows once they have left the join's state (Nexmark q9).
 //! - [`window_join`] — `WindowJoin`: two windowed aggregates joined on their windows, each
@@ -44,6 +46,7 @@ use crate::error::Error;
 use crate::offsets::BatchId;
 use crate::window::WindowUse;
 use aggregate::{StateSize, StatefulAggregate, StatefulSettings, plan_stateful};
+pub(crate) use chain::{JOINED_TABLE, JoinAggregate};
 use deduplicate::{DedupSettings, Deduplication, plan_deduplication};
 use join::{JoinSettings, StreamJoin, plan_stream_join};
 use state_store::{StateLog, StateWrite};
@@ -51,6 +54,7 @@ use window_join::{WindowJoin, plan_window_join};
 
 pub mod aggregate;
 pub mod aggregate_state;
+mod chain;
 mod closing;
 pub mod deduplicate;
 mod group_table;
@@ -58,8 +62,8 @@ pub mod join;
 pub mod state_store;
 pub mod window_join;
 
-/// The query's stateful operators: one per job, or the two aggregates of a window join (the
-/// general chain is the next step).
+/// The query's stateful operators: one per job, the two aggregates of a window join, or a join
+/// of two streams feeding an aggregate.
 #[derive(Debug)]
 pub(crate) enum StatefulOperator {
     /// A windowed or running aggregate.
@@ -70,6 +74,8 @@ pub(crate) enum StatefulOperator {
     Join(Box<StreamJoin>),
     /// Two windowed aggregates joined on their windows.
     WindowJoin(Box<WindowJoin>),
+    /// A join of two streams, then an aggregate over its output.
+    JoinAggregate(Box<JoinAggregate>),
 }
 
 /// Plans the stateful operator of `plan`, if it needs one: a join of two windowed aggregates, a
@@ -111,9 +117,19 @@ pub(crate) async fn plan_operator(
             allowed_lateness: settings.allowed_lateness,
             statics: settings.statics,
         };
-        return Ok(Some(StatefulOperator::Join(Box::new(plan_stream_join(
-            ctx, plan, found, join,
-        )?))));
+        // A join the SQL above cannot run over may feed an aggregate: a chain of the two.
+        return match plan_stream_join(ctx, plan, found, join) {
+            Ok(join) => Ok(Some(StatefulOperator::Join(Box::new(join)))),
+            Err(alone) => {
+                let partitions = ctx.state().config().target_partitions();
+                let chain =
+                    chain::plan_join_aggregate(ctx, plan, found, settings, partitions, &alone);
+                match chain.await? {
+                    Some(chain) => Ok(Some(StatefulOperator::JoinAggregate(Box::new(chain)))),
+                    None => Err(alone),
+                }
+            }
+        };
     }
     match deduplicate::find(plan, settings.statics).as_slice() {
         [] => Ok(plan_stateful(ctx, plan, uses, settings)
@@ -152,6 +168,10 @@ impl StatefulOperator {
             StatefulOperator::Aggregate(a) => vec![(StatefulAggregate::id(0), a.fingerprint())],
             StatefulOperator::Deduplication(d) => vec![(Deduplication::id(0), d.fingerprint())],
             StatefulOperator::Join(j) => vec![(StreamJoin::id(0), j.fingerprint())],
+            StatefulOperator::JoinAggregate(c) => vec![
+                (StreamJoin::id(0), c.join.fingerprint()),
+                (StatefulAggregate::id(1), c.aggregate.fingerprint()),
+            ],
             StatefulOperator::WindowJoin(w) => w
                 .sides()
                 .iter()
@@ -168,13 +188,15 @@ impl StatefulOperator {
             StatefulOperator::Deduplication(d) => vec![d.describe(0)],
             StatefulOperator::Join(j) => vec![j.describe(0)],
             StatefulOperator::WindowJoin(w) => w.describe(),
+            StatefulOperator::JoinAggregate(c) => c.describe(),
         }
     }
 
-    /// The aggregate, if the operator is one.
+    /// The aggregate, if the operator is one or ends in one.
     pub(crate) fn aggregate(&self) -> Option<&StatefulAggregate> {
         match self {
             StatefulOperator::Aggregate(a) => Some(a),
+            StatefulOperator::JoinAggregate(c) => Some(&c.aggregate),
             _ => None,
         }
     }
@@ -187,10 +209,19 @@ impl StatefulOperator {
         }
     }
 
-    /// The join of two streams, if the operator is one.
+    /// The join of two streams, if the operator is one (alone: its plan is the query's).
     pub(crate) fn join(&self) -> Option<&StreamJoin> {
         match self {
             StatefulOperator::Join(j) => Some(j),
+            _ => None,
+        }
+    }
+
+    /// The join of two streams, alone or feeding an aggregate.
+    pub(crate) fn stream_join(&self) -> Option<&StreamJoin> {
+        match self {
+            StatefulOperator::Join(j) => Some(j),
+            StatefulOperator::JoinAggregate(c) => Some(&c.join),
             _ => None,
         }
     }
@@ -235,6 +266,19 @@ impl StatefulOperator {
                     .restore(right_log, &files_of(StatefulAggregate::id(1)), watermark)
                     .await
             }
+            StatefulOperator::JoinAggregate(c) => {
+                let aggregate_log = log.child(&StatefulAggregate::id(1));
+                c.join
+                    .restore(log, &files_of(StreamJoin::id(0)), watermark)
+                    .await?;
+                c.aggregate
+                    .restore(
+                        aggregate_log,
+                        &files_of(StatefulAggregate::id(1)),
+                        watermark,
+                    )
+                    .await
+            }
         }
     }
 
@@ -259,6 +303,13 @@ impl StatefulOperator {
                 }
                 written
             }
+            StatefulOperator::JoinAggregate(c) => vec![
+                (StreamJoin::id(0), c.join.write_state(batch_id).await?),
+                (
+                    StatefulAggregate::id(1),
+                    c.aggregate.write_state(batch_id).await?,
+                ),
+            ],
         })
     }
 
@@ -269,6 +320,9 @@ impl StatefulOperator {
             StatefulOperator::Deduplication(d) => d.log().into_iter().collect(),
             StatefulOperator::Join(j) => j.log().into_iter().collect(),
             StatefulOperator::WindowJoin(w) => w.sides().iter().filter_map(|a| a.log()).collect(),
+            StatefulOperator::JoinAggregate(c) => {
+                c.join.log().into_iter().chain(c.aggregate.log()).collect()
+            }
         }
     }
 
@@ -308,6 +362,14 @@ impl StatefulOperator {
                 }
                 Ok(())
             }
+            StatefulOperator::JoinAggregate(c) => {
+                let log = c.join.take_log().ok_or_else(unrestored)?;
+                c.join
+                    .restore(log, &files_of(StreamJoin::id(0)), watermark)
+                    .await?;
+                let log = c.aggregate.log_mut().ok_or_else(unrestored)?;
+                log.adopt(&files_of(StatefulAggregate::id(1))).await
+            }
         }
     }
 
@@ -327,14 +389,10 @@ impl StatefulOperator {
             StatefulOperator::Deduplication(d) => d.state_size(),
             StatefulOperator::Join(j) => j.state_size(),
             StatefulOperator::WindowJoin(w) => {
-                w.sides().iter().fold(StateSize::default(), |sum, a| {
-                    let size = a.state_size();
-                    StateSize {
-                        rows: sum.rows + size.rows,
-                        bytes: sum.bytes + size.bytes,
-                    }
-                })
+                let [left, right] = w.sides();
+                left.state_size() + right.state_size()
             }
+            StatefulOperator::JoinAggregate(c) => c.join.state_size() + c.aggregate.state_size(),
         }
     }
 }
