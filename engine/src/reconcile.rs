@@ -648,9 +648,14 @@ async fn reconcile_join_aggregate(
     ) && watermark.saturating_sub(ttl) >= earliest.saturating_sub(out_of_orderness)
     {
         return Err(Error::InvalidJob(format!(
-            "reconcile: the job aggregates a join's output, and its watermark ({}) is more than              state_ttl past the earliest event read ({}, minus max_out_of_orderness): groups              may have expired and started over, so the table need not equal a recomputation              over every row; reconcile such a job while the run spans less than state_ttl",
+            "reconcile: the job aggregates a join's output, and its watermark ({}) is \
+             state_ttl or more past the earliest event read ({}) minus the largest \
+             max_out_of_orderness ({} s): a group may have expired and started over, so the \
+             table need not equal a recomputation over every row; such a job reconciles \
+             while its watermark is less than state_ttl past its start",
             display_watermark(Some(watermark)),
             display_watermark(Some(earliest)),
+            out_of_orderness / 1_000_000,
         )));
     }
     let parts = vec![

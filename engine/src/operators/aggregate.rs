@@ -1238,6 +1238,11 @@ impl StatefulAggregate {
     pub(crate) fn log_mut(&mut self) -> Option<&mut StateLog> {
         self.log.as_mut()
     }
+
+    /// The state files, once restored, to restore the state again from another attempt's.
+    pub(crate) fn take_log(&mut self) -> Option<StateLog> {
+        self.log.take()
+    }
 }
 
 #[cfg(test)]

@@ -28,12 +28,17 @@
 //! watermark under which the join emitted the row (a hidden column of the table it reads), so
 //! a group is forgotten once the watermark is `state_ttl` past the last batch that fed it.
 //! Rows the join emits before the job has a watermark (a partition has not delivered yet)
-//! carry no such time: their groups are kept until the job ends, never forgotten early.
+//! carry no such time: they count as the end of time, so their groups are kept for good —
+//! never forgotten early, at the cost of state for those groups.
+//!
+//! A group's expiry thus depends on the watermarks of the batches that fed it, the one place
+//! where a job's output depends on how its input was split into batches; reconcile compares
+//! such a job only while no group can have expired.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use arrow::array::{ArrayRef, RecordBatch, TimestampMicrosecondArray};
+use arrow::array::{ArrayRef, Int64Array, RecordBatch, StringArray, TimestampMicrosecondArray};
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef, TimeUnit};
 use datafusion::catalog::MemTable;
 use datafusion::common::Column;
@@ -47,6 +52,7 @@ use super::join::{JoinSettings, StreamJoin, plan_stream_join};
 use super::{FailedRow, OperatorDescription, QueryOutput};
 use crate::error::{Error, Result};
 use crate::sink::OutputMode;
+use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_POSITION};
 
 /// The table the aggregate reads the join's output from.
 pub(crate) const JOINED_TABLE: &str = "__sluice_joined";
@@ -160,30 +166,28 @@ pub(crate) async fn plan_join_aggregate(
         event_time: &event_time,
         ..settings
     };
-    if settings.mode != OutputMode::Update {
-        return Err(Error::UnsupportedQuery(format!(
-            "the query joins two streams, then aggregates the join's output: that aggregate \
-             runs as a running aggregate, which upserts each group as the join feeds it: set \
-             mode = \"update\" in [sink] (and state_ttl in [query]). (Run by the join alone, \
-             the query is refused: {alone})"
-        )));
-    }
-    let refuse = |why: String| {
+    let refuse = |why: &str| {
         Error::UnsupportedQuery(format!(
-            "the query joins two streams, then aggregates the join's output: {why}"
+            "the query joins two streams, then aggregates the join's output: {why} (run by the \
+             join alone, the query is refused: {alone})"
         ))
     };
+    if settings.mode != OutputMode::Update {
+        return Err(refuse(
+            "that aggregate runs as a running aggregate, which upserts each group as the join \
+             feeds it: set mode = \"update\" in [sink] (and state_ttl in [query])",
+        ));
+    }
     let aggregate = match plan_stateful(ctx, &upper, &[], aggregate_settings).await {
         Ok(Some(aggregate)) if aggregate.window().is_none() => aggregate,
         Ok(_) => {
             return Err(refuse(
                 "the aggregate over the join's output runs as a running aggregate (GROUP BY \
                  without a window; update mode and state_ttl); windows over a join's output \
-                 are not built"
-                    .into(),
+                 are not built",
             ));
         }
-        Err(Error::UnsupportedQuery(why)) => return Err(refuse(why)),
+        Err(Error::UnsupportedQuery(why)) => return Err(refuse(&why)),
         Err(e) => return Err(e),
     };
     Ok(Some(JoinAggregate {
@@ -245,11 +249,27 @@ impl JoinAggregate {
                 ..failed
             });
         }
+        // No source row: an empty partition, offset -1, the operator as the position.
         let width = self.join_output.fields().len();
-        let columns = failed.row.columns()[..width].to_vec();
+        let mut fields: Vec<Field> = self
+            .join_output
+            .fields()
+            .iter()
+            .map(|f| f.as_ref().clone())
+            .collect();
+        let mut columns = failed.row.columns()[..width].to_vec();
+        fields.push(Field::new(SOURCE_PARTITION, DataType::Utf8, false));
+        columns.push(Arc::new(StringArray::from(vec![""])));
+        fields.push(Field::new(SOURCE_OFFSET, DataType::Int64, false));
+        columns.push(Arc::new(Int64Array::from(vec![-1])));
+        fields.push(Field::new(SOURCE_POSITION, DataType::Utf8, false));
+        columns.push(Arc::new(StringArray::from(vec![format!(
+            "output of {}",
+            StreamJoin::id(0)
+        )])));
         Ok(FailedRow {
             source: StreamJoin::id(0),
-            row: RecordBatch::try_new(Arc::clone(&self.join_output), columns)?,
+            row: RecordBatch::try_new(Arc::new(Schema::new(fields)), columns)?,
             error: failed.error,
         })
     }
@@ -293,9 +313,11 @@ impl JoinAggregate {
             aggregate.what.replace(&format!(" over {JOINED_TABLE}"), ""),
             StreamJoin::id(0)
         );
-        aggregate.purge = aggregate
-            .purge
-            .replace("its newest event", "the batch that last fed it");
+        aggregate.purge = aggregate.purge.replace(
+            "past its newest event",
+            "past the watermark of the batch that last fed it (never if that batch had no \
+                 watermark yet)",
+        );
         vec![self.join.describe(0), aggregate]
     }
 }

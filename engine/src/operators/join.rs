@@ -2232,7 +2232,8 @@ mod tests {
         inner: bool,
     ) -> (Vec<(i64, i64, i64)>, Vec<(i64, i64, i64)>) {
         let sources = [("l".to_string(), schema()), ("r".to_string(), schema())];
-        let (inputs, watermarks, expected) = per_key_model(batches, inner);
+        let (inputs, watermarks, closed) = per_key_model(batches, inner);
+        let expected = closed.into_iter().map(|(key, _)| key).collect();
         let streamed = stream(
             sql,
             &sources,
@@ -2263,7 +2264,9 @@ mod tests {
 
     /// The sources' batches of `batches`, the watermark after each, and what per-key closing
     /// gives: `(l offset, pairs, last r offset or -1)` for each on-time `l` row the last
-    /// watermark let go, with its on-time matches (`inner`: only those with a match), sorted.
+    /// watermark let go, with its on-time matches (`inner`: only those with a match), and the
+    /// batch that closes it (the first, from its own, whose watermark passes its bound);
+    /// sorted.
     #[allow(clippy::type_complexity)]
     fn per_key_model(
         batches: &[Keyed],
@@ -2271,10 +2274,10 @@ mod tests {
     ) -> (
         Vec<BTreeMap<String, RecordBatch>>,
         Vec<Option<i64>>,
-        Vec<(i64, i64, i64)>,
+        Vec<((i64, i64, i64), usize)>,
     ) {
         let (mut inputs, mut watermarks) = (Vec::new(), Vec::new());
-        let mut on_time_l: Vec<(i64, i64, i64)> = Vec::new();
+        let mut on_time_l: Vec<(i64, i64, i64, usize)> = Vec::new();
         let mut on_time_r: Vec<(i64, i64, i64)> = Vec::new();
         let (mut watermark, mut offsets) = (None::<i64>, [0i64; 2]);
         for (b, (l, r)) in batches.iter().enumerate() {
@@ -2296,7 +2299,7 @@ mod tests {
             let late = |ts: i64| watermark.is_some_and(|w| ts * SECOND < w);
             for (i, e) in l.iter().enumerate() {
                 if !late(e.0) {
-                    on_time_l.push((offsets[0] + i as i64, e.0, e.2));
+                    on_time_l.push((offsets[0] + i as i64, e.0, e.2, b));
                 }
             }
             for (i, (e, &(_, k))) in r.iter().zip(keys).enumerate() {
@@ -2319,10 +2322,12 @@ mod tests {
             watermarks.push(watermark);
         }
         let mut expected = Vec::new();
-        for &(lo, ts, until) in &on_time_l {
-            if watermark.is_none_or(|w| until * SECOND >= w) {
+        for &(lo, ts, until, arrived) in &on_time_l {
+            let Some(closing) = (arrived..watermarks.len())
+                .find(|&c| watermarks[c].is_some_and(|w| until * SECOND < w))
+            else {
                 continue;
-            }
+            };
             let joined: Vec<i64> = on_time_r
                 .iter()
                 .filter(|&&(_, rts, k)| k == lo && ts <= rts && rts <= until)
@@ -2332,7 +2337,7 @@ mod tests {
                 continue;
             }
             let last = joined.iter().copied().max().unwrap_or(-1);
-            expected.push((lo, joined.len() as i64, last));
+            expected.push(((lo, joined.len() as i64, last), closing));
         }
         expected.sort_unstable();
         (inputs, watermarks, expected)
@@ -2340,25 +2345,37 @@ mod tests {
 
     /// Per-key closing feeding a running aggregate (Nexmark q4's shape): each key's pair count
     /// `n` and last match, once closed, then per `n` the number of keys and the sum of their
-    /// last matches, upserted. Returns the table the upserts leave, and the model's.
+    /// last matches, upserted; a group not fed for `ttl` seconds of watermark is forgotten.
+    /// Returns the table the upserts leave, and the model's.
     async fn aggregated_per_key(
         batches: &[Keyed],
         restart_after: usize,
+        ttl: i64,
     ) -> (BTreeMap<i64, (i64, i64)>, BTreeMap<i64, (i64, i64)>) {
         let sql = "SELECT n, count(*) AS keys, sum(last) AS total FROM (SELECT l.k, count(*) AS n, \
                    max(r._source_offset) AS last FROM l JOIN r ON l.k = r.k \
                    AND r.ts BETWEEN l.ts AND l.until GROUP BY l.k) AS q GROUP BY n";
         let sources = [("l".to_string(), schema()), ("r".to_string(), schema())];
         let (inputs, watermarks, closed) = per_key_model(batches, true);
+        // Batch by batch: the keys it closes fed to their groups (timed with its watermark,
+        // the end of time without one), the groups it changed upserted, then the groups
+        // `ttl` behind its watermark forgotten.
+        let mut groups: BTreeMap<i64, (i64, i64, i64)> = BTreeMap::new();
         let mut expected: BTreeMap<i64, (i64, i64)> = BTreeMap::new();
-        for (_, n, last) in closed {
-            let group = expected.entry(n).or_default();
-            *group = (group.0 + 1, group.1 + last);
+        for (batch, watermark) in watermarks.iter().enumerate() {
+            let time = watermark.unwrap_or(i64::MAX);
+            for &((_, n, last), _) in closed.iter().filter(|(_, c)| *c == batch) {
+                let group = groups.entry(n).or_insert((0, 0, i64::MIN));
+                *group = (group.0 + 1, group.1 + last, group.2.max(time));
+                expected.insert(n, (group.0, group.1));
+            }
+            if let Some(watermark) = watermark {
+                groups.retain(|_, g| g.2 > watermark - ttl * SECOND);
+            }
         }
-        // A day of state_ttl: no group expires within the test's minutes.
         let running = QuerySettings {
             output_mode: OutputMode::Update,
-            state_ttl: Some(Duration::from_secs(86_400)),
+            state_ttl: Some(Duration::from_secs(ttl as u64)),
             ..settings(false)
         };
         let streamed = stream(sql, &sources, &running, &inputs, &watermarks, restart_after).await;
@@ -2432,16 +2449,20 @@ mod tests {
         }
 
         /// A running aggregate over per-key closing's results (a chain of the join and an
-        /// aggregate) upserts what the model gives, straight through and across a restart
-        /// from both operators' state files at any batch.
+        /// aggregate) upserts what the model gives, groups expiring by state_ttl, straight
+        /// through and across a restart from both operators' state files at any batch.
         #[test]
         fn an_aggregate_over_closed_keys_upserts_the_model(
             batches in keyed_events(),
             restart in 0usize..8,
         ) {
             let runtime = tokio::runtime::Runtime::new().unwrap();
-            let (table, expected) = runtime.block_on(aggregated_per_key(&batches, restart));
-            prop_assert_eq!(table, expected);
+            // A day (nothing expires), and 15 s (a group not fed for two batches expires).
+            for ttl in [86_400, 15] {
+                let (table, expected) =
+                    runtime.block_on(aggregated_per_key(&batches, restart, ttl));
+                prop_assert_eq!(table, expected, "state_ttl {} s", ttl);
+            }
         }
     }
 
@@ -2571,7 +2592,9 @@ mod tests {
             assert!(join.emits.contains(joined), "{sql}: {}", join.emits);
             assert!(
                 aggregate.what == "running aggregate of the join's output (0-join)"
-                    && aggregate.purge.contains("past the batch that last fed it"),
+                    && aggregate
+                        .purge
+                        .contains("past the watermark of the batch that last fed it"),
                 "{sql}: {aggregate:?}"
             );
         }

@@ -100,7 +100,8 @@ pub(crate) async fn plan_operator(
         if joins.len() > 1 || !dedups.is_empty() {
             return Err(Error::UnsupportedQuery(format!(
                 "the query joins streams {} times and deduplicates {} times; a job runs one \
-                 stateful operator for now — chains of them are not built yet",
+                 stateful operator (or a join of two streams feeding an aggregate) for now — \
+                 longer chains are not built yet",
                 joins.len(),
                 dedups.len()
             )));
@@ -362,13 +363,18 @@ impl StatefulOperator {
                 }
                 Ok(())
             }
+            // The aggregate is reloaded too: its groups are what the join fed it, and the
+            // other attempt's join may have emitted other rows (ties broken otherwise, floats
+            // summed in another order).
             StatefulOperator::JoinAggregate(c) => {
                 let log = c.join.take_log().ok_or_else(unrestored)?;
                 c.join
                     .restore(log, &files_of(StreamJoin::id(0)), watermark)
                     .await?;
-                let log = c.aggregate.log_mut().ok_or_else(unrestored)?;
-                log.adopt(&files_of(StatefulAggregate::id(1))).await
+                let log = c.aggregate.take_log().ok_or_else(unrestored)?;
+                c.aggregate
+                    .restore(log, &files_of(StatefulAggregate::id(1)), watermark)
+                    .await
             }
         }
     }
