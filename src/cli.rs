@@ -131,9 +131,10 @@ enum Command {
     ///
     /// Reads the raw events the job's committed batches read, keeps those with event time in
     /// [FROM, TO), runs the job's SQL over them as one batch, and compares the result with the
-    /// output table's rows of that period (the output must carry the event-time column). Prints
-    /// matching, missing, extra and different rows; exits non-zero on any difference. Writes
-    /// nothing.
+    /// output table's rows of that period (the output must carry the event-time column). A job
+    /// whose join of two streams feeds a running aggregate has rows without event time: its
+    /// whole table is compared with the query over every committed row. Prints matching,
+    /// missing, extra and different rows; exits non-zero on any difference. Writes nothing.
     Reconcile {
         /// The job file (TOML).
         job: PathBuf,

@@ -592,15 +592,7 @@ async fn reconcile_join(
             ))
         })?;
     let (inputs, late_rows, _) = join_inputs(sink, committed).await?;
-    // Every row at once, then the job's watermark: a preserved side's rows it let go unmatched
-    // are emitted, as the stream emitted them; those it still holds are not yet.
-    let parts = vec![
-        (inputs, None),
-        (BTreeMap::new(), committed.manifest.watermark_micros),
-    ];
-    let recomputed = tables.execute_bounded(&mut query, parts).await?;
-    let recomputed = expectations.apply(recomputed.batches)?.kept;
-    let expected = concat_batches(&output_schema, &recomputed)?;
+    let expected = recompute_join(&mut query, tables, expectations, inputs, committed).await?;
     let expected = rows_in_period(&expected, &column, from, to)?;
     let table = conform(&output_schema, &sink.read_output().await?)?;
     let actual = rows_in_period(&table, &column, from, to)?;
@@ -658,13 +650,7 @@ async fn reconcile_join_aggregate(
             out_of_orderness / 1_000_000,
         )));
     }
-    let parts = vec![
-        (inputs, None),
-        (BTreeMap::new(), committed.manifest.watermark_micros),
-    ];
-    let recomputed = tables.execute_bounded(&mut query, parts).await?;
-    let recomputed = expectations.apply(recomputed.batches)?.kept;
-    let expected = concat_batches(&output_schema, &recomputed)?;
+    let expected = recompute_join(&mut query, tables, expectations, inputs, committed).await?;
     let actual = conform(&output_schema, &sink.read_output().await?)?;
     Ok(Reconciliation {
         column: String::new(),
@@ -675,6 +661,25 @@ async fn reconcile_join_aggregate(
         late_treatment: JOIN_LATE,
         diff: compare(&expected, &actual, &[], &query.approximate_columns())?,
     })
+}
+
+/// A join's recomputation: `inputs` (see [`join_inputs`]) at once, then the job's watermark —
+/// a preserved side's rows it let go unmatched are emitted, as the stream emitted them, and the
+/// keys it closed; those it still holds are not yet — then, for a chain, every group finished.
+async fn recompute_join(
+    query: &mut StreamingQuery,
+    tables: &TablesAtVersions,
+    expectations: &Expectations,
+    inputs: BTreeMap<String, RecordBatch>,
+    committed: Committed<'_>,
+) -> Result<RecordBatch> {
+    let parts = vec![
+        (inputs, None),
+        (BTreeMap::new(), committed.manifest.watermark_micros),
+    ];
+    let recomputed = tables.execute_bounded(query, parts).await?;
+    let recomputed = expectations.apply(recomputed.batches)?.kept;
+    Ok(concat_batches(&query.output_schema(), &recomputed)?)
 }
 
 /// What a join's recomputation reads: every committed row of each source minus its late rows

@@ -41,13 +41,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use arrow::array::{
-    AsArray, BooleanArray, Int64Array, RecordBatch, StringArray, TimestampMicrosecondArray,
-    UInt32Array,
-};
+use arrow::array::{AsArray, BooleanArray, RecordBatch, TimestampMicrosecondArray, UInt32Array};
 use arrow::compute::filter_record_batch;
 use arrow::compute::kernels::cmp;
-use arrow::datatypes::{DataType, Field, Schema, SchemaRef, TimestampMicrosecondType};
+use arrow::datatypes::{SchemaRef, TimestampMicrosecondType};
 use arrow::row::{RowConverter, SortField};
 use datafusion::catalog::MemTable;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
@@ -64,7 +61,6 @@ use crate::error::{Error, Result};
 use crate::late::Lateness;
 use crate::offsets::BatchId;
 use crate::sink::OutputMode;
-use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_POSITION};
 use crate::window::{WINDOW_END, WINDOW_START, WindowKind, WindowUse};
 
 /// The table the upper part reads the finished groups from.
@@ -1120,24 +1116,9 @@ impl StatefulAggregate {
             })
             .collect::<Vec<_>>()
             .join(", ");
-        let mut fields: Vec<Field> = keys
-            .schema()
-            .fields()
-            .iter()
-            .map(|f| f.as_ref().clone())
-            .collect();
-        let mut columns = keys.columns().to_vec();
-        fields.push(Field::new(SOURCE_PARTITION, DataType::Utf8, false));
-        columns.push(Arc::new(StringArray::from(vec![""])));
-        fields.push(Field::new(SOURCE_OFFSET, DataType::Int64, false));
-        columns.push(Arc::new(Int64Array::from(vec![-1])));
-        fields.push(Field::new(SOURCE_POSITION, DataType::Utf8, false));
-        columns.push(Arc::new(StringArray::from(vec![format!(
-            "group {position}"
-        )])));
         Ok(FailedRow {
             source: self.source.clone(),
-            row: RecordBatch::try_new(Arc::new(Schema::new(fields)), columns)?,
+            row: super::without_source_row(&keys, &format!("group {position}"))?,
             error: format!("computing the output of this group failed: {error}"),
         })
     }
@@ -1253,7 +1234,7 @@ mod tests {
     use crate::query::{BatchWatermark, QuerySettings, StreamingQuery};
     use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION};
     use arrow::array::{Float64Array, Int64Array, StringArray};
-    use arrow::datatypes::DataType;
+    use arrow::datatypes::{DataType, Field, Schema};
     use datafusion::datasource::MemTable;
     use proptest::prelude::*;
     use std::collections::BTreeMap;

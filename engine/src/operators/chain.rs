@@ -38,7 +38,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use arrow::array::{ArrayRef, Int64Array, RecordBatch, StringArray, TimestampMicrosecondArray};
+use arrow::array::{ArrayRef, RecordBatch, TimestampMicrosecondArray};
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef, TimeUnit};
 use datafusion::catalog::MemTable;
 use datafusion::common::Column;
@@ -52,7 +52,6 @@ use super::join::{JoinSettings, StreamJoin, plan_stream_join};
 use super::{FailedRow, OperatorDescription, QueryOutput};
 use crate::error::{Error, Result};
 use crate::sink::OutputMode;
-use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_POSITION};
 
 /// The table the aggregate reads the join's output from.
 pub(crate) const JOINED_TABLE: &str = "__sluice_joined";
@@ -80,7 +79,7 @@ pub(crate) struct JoinAggregate {
 /// The join takes `state_ttl` only if its condition leaves a side unbounded; it bounds the
 /// aggregate's groups either way. `partitions` is how many parts the table the aggregate
 /// reads has (the source tables'); `alone` is why the join cannot run the whole query, told
-/// where the chain is refused too.
+/// where the chain is refused for its output mode.
 ///
 /// # Errors
 /// If the part above the cut is not an aggregate the engine runs over the join's output.
@@ -130,6 +129,21 @@ pub(crate) async fn plan_join_aggregate(
     // The table the aggregate reads, renamed to the join's output columns (qualified as the
     // plan above the cut names them), and the hidden time.
     let join_output = join.output_schema();
+    // The table is read by position: the join's output must be the cut's columns, in order.
+    let cut_types: Vec<&DataType> = input
+        .schema()
+        .fields()
+        .iter()
+        .map(|f| f.data_type())
+        .collect();
+    let output_types: Vec<&DataType> = join_output.fields().iter().map(|f| f.data_type()).collect();
+    if cut_types != output_types {
+        return Err(Error::UnsupportedQuery(format!(
+            "the join's output ({join_output}) does not have the columns of the query part it \
+             runs ({}), so the aggregate above it cannot read them",
+            input.schema()
+        )));
+    }
     let mut fields: Vec<Field> = join_output
         .fields()
         .iter()
@@ -168,15 +182,17 @@ pub(crate) async fn plan_join_aggregate(
     };
     let refuse = |why: &str| {
         Error::UnsupportedQuery(format!(
-            "the query joins two streams, then aggregates the join's output: {why} (run by the \
-             join alone, the query is refused: {alone})"
+            "the query joins two streams, then aggregates the join's output: {why}"
         ))
     };
     if settings.mode != OutputMode::Update {
-        return Err(refuse(
+        // Why the join alone refused the query is news only in append mode: in update mode it
+        // always refuses (it emits each pair once).
+        return Err(refuse(&format!(
             "that aggregate runs as a running aggregate, which upserts each group as the join \
-             feeds it: set mode = \"update\" in [sink] (and state_ttl in [query])",
-        ));
+             feeds it: set mode = \"update\" in [sink] (and state_ttl in [query]); run by the \
+             join alone, in append mode, the query is refused: {alone}"
+        )));
     }
     let aggregate = match plan_stateful(ctx, &upper, &[], aggregate_settings).await {
         Ok(Some(aggregate)) if aggregate.window().is_none() => aggregate,
@@ -249,27 +265,14 @@ impl JoinAggregate {
                 ..failed
             });
         }
-        // No source row: an empty partition, offset -1, the operator as the position.
         let width = self.join_output.fields().len();
-        let mut fields: Vec<Field> = self
-            .join_output
-            .fields()
-            .iter()
-            .map(|f| f.as_ref().clone())
-            .collect();
-        let mut columns = failed.row.columns()[..width].to_vec();
-        fields.push(Field::new(SOURCE_PARTITION, DataType::Utf8, false));
-        columns.push(Arc::new(StringArray::from(vec![""])));
-        fields.push(Field::new(SOURCE_OFFSET, DataType::Int64, false));
-        columns.push(Arc::new(Int64Array::from(vec![-1])));
-        fields.push(Field::new(SOURCE_POSITION, DataType::Utf8, false));
-        columns.push(Arc::new(StringArray::from(vec![format!(
-            "output of {}",
-            StreamJoin::id(0)
-        )])));
+        let row = RecordBatch::try_new(
+            Arc::clone(&self.join_output),
+            failed.row.columns()[..width].to_vec(),
+        )?;
         Ok(FailedRow {
             source: StreamJoin::id(0),
-            row: RecordBatch::try_new(Arc::new(Schema::new(fields)), columns)?,
+            row: super::without_source_row(&row, &format!("output of {}", StreamJoin::id(0)))?,
             error: failed.error,
         })
     }

@@ -424,6 +424,32 @@ pub(crate) fn replace_node(
     Ok(replaced.data)
 }
 
+/// `row` (one row an operator made, not read from a source) as a dead letter's row: with an
+/// empty `_source_partition`, `_source_offset` -1 and `position` as `_source_position`.
+pub(crate) fn without_source_row(row: &RecordBatch, position: &str) -> Result<RecordBatch, Error> {
+    use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_POSITION};
+    use arrow::array::{Int64Array, StringArray};
+    use arrow::datatypes::DataType;
+
+    let mut fields: Vec<Field> = row
+        .schema()
+        .fields()
+        .iter()
+        .map(|f| f.as_ref().clone())
+        .collect();
+    let mut columns = row.columns().to_vec();
+    fields.push(Field::new(SOURCE_PARTITION, DataType::Utf8, false));
+    columns.push(Arc::new(StringArray::from(vec![""])));
+    fields.push(Field::new(SOURCE_OFFSET, DataType::Int64, false));
+    columns.push(Arc::new(Int64Array::from(vec![-1])));
+    fields.push(Field::new(SOURCE_POSITION, DataType::Utf8, false));
+    columns.push(Arc::new(StringArray::from(vec![position.to_string()])));
+    Ok(RecordBatch::try_new(
+        Arc::new(Schema::new(fields)),
+        columns,
+    )?)
+}
+
 /// A stand-in for a part of a plan whose rows an operator supplies each batch: an in-memory
 /// table `name` with columns `c0`, `c1`, … of `schema`'s types (nullable), its schema, and a
 /// scan of it renamed to `schema`'s qualified columns, to replace the part in the plan above.
