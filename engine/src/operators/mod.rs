@@ -694,7 +694,7 @@ pub(crate) fn stateful_node(
             let right = reads_stream(&join.right, statics);
             let stream_side = match (left, right, join.join_type) {
                 (true, true, _) => {
-                    let reason = "a join of two streams needs join state, not built yet";
+                    let reason = "a join of two streams keeps both sides' rows as state";
                     return Some((plan.display().to_string(), reason));
                 }
                 (true, false, JoinType::Inner | JoinType::Left)
