@@ -820,9 +820,9 @@ impl StreamingQuery {
                 return join_streams(&self.tables, join, inputs, watermark).await;
             }
             Some(StatefulOperator::JoinAggregate(chain)) => {
-                let joined = join_then_aggregate(&self.tables, chain, inputs, watermark).await?;
+                let failed = join_then_aggregate(&self.tables, chain, inputs, watermark).await?;
                 let mut out = chain.emit(&self.tables.ctx, watermark.after).await?;
-                out.failed.splice(0..0, joined.failed);
+                out.failed.splice(0..0, failed);
                 return Ok(out);
             }
             Some(StatefulOperator::WindowJoin(join)) => {
@@ -872,7 +872,7 @@ async fn join_then_aggregate(
     chain: &mut JoinAggregate,
     inputs: &SourceInputs,
     watermark: BatchWatermark,
-) -> Result<QueryOutput> {
+) -> Result<Vec<FailedRow>> {
     let joined = join_streams(tables, &mut chain.join, inputs, watermark).await?;
     let rows = chain.joined_rows(joined.batches, watermark.after)?;
     let input = BTreeMap::from([(JOINED_TABLE.to_string(), rows)]);
@@ -885,10 +885,7 @@ async fn join_then_aggregate(
     for row in partials.failed {
         failed.push(chain.named_failure(row)?);
     }
-    Ok(QueryOutput {
-        batches: Vec::new(),
-        failed,
-    })
+    Ok(failed)
 }
 
 /// Merges a batch's rows into both aggregates of a window join: each side's aggregate over the
@@ -970,7 +967,11 @@ impl StreamingQuery {
                     before: watermark,
                     after: watermark,
                 };
-                return join_then_aggregate(&self.tables, chain, inputs, watermark).await;
+                let failed = join_then_aggregate(&self.tables, chain, inputs, watermark).await?;
+                return Ok(QueryOutput {
+                    batches: Vec::new(),
+                    failed,
+                });
             }
             Some(StatefulOperator::WindowJoin(join)) => {
                 let failed = accumulate_windows(&self.tables, join, inputs, watermark).await?;
