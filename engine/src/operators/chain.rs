@@ -31,9 +31,9 @@
 //! carry no such time: they count as the end of time, so their groups are kept for good —
 //! never forgotten early, at the cost of state for those groups.
 //!
-//! A group's expiry thus depends on the watermarks of the batches that fed it, the one place
-//! where a job's output depends on how its input was split into batches; reconcile compares
-//! such a job only while no group can have expired.
+//! A group's expiry thus depends on the watermarks of the batches that fed it (as a running
+//! aggregate's over a source does on its rows' times and the batches' watermarks); reconcile
+//! compares such a job only while no group can have expired.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -318,8 +318,8 @@ impl JoinAggregate {
         );
         aggregate.purge = aggregate.purge.replace(
             "past its newest event",
-            "past the watermark of the batch that last fed it (never if that batch had no \
-                 watermark yet)",
+            "past the watermark of the batch that last fed it (never, once a batch without a \
+             watermark fed it)",
         );
         vec![self.join.describe(0), aggregate]
     }

@@ -2457,7 +2457,8 @@ mod tests {
             restart in 0usize..8,
         ) {
             let runtime = tokio::runtime::Runtime::new().unwrap();
-            // A day (nothing expires), and 15 s (a group not fed for two batches expires).
+            // A day (nothing expires), and 15 s (a group the join has not fed for 15 s of
+            // watermark expires; batches are about 10 s of event time apart).
             for ttl in [86_400, 15] {
                 let (table, expected) =
                     runtime.block_on(aggregated_per_key(&batches, restart, ttl));

@@ -364,8 +364,8 @@ impl StatefulOperator {
                 Ok(())
             }
             // The aggregate is reloaded too: its groups are what the join fed it, and the
-            // other attempt's join may have emitted other rows (ties broken otherwise, floats
-            // summed in another order).
+            // other attempt's join may have emitted other rows (ties in a per-key window
+            // function broken otherwise).
             StatefulOperator::JoinAggregate(c) => {
                 let log = c.join.take_log().ok_or_else(unrestored)?;
                 c.join
@@ -425,19 +425,22 @@ pub(crate) fn replace_node(
 }
 
 /// `row` (one row an operator made, not read from a source) as a dead letter's row: with an
-/// empty `_source_partition`, `_source_offset` -1 and `position` as `_source_position`.
+/// empty `_source_partition`, `_source_offset` -1 and `position` as `_source_position` (any
+/// lineage columns it carried — a pair carries both rows' — left out).
 pub(crate) fn without_source_row(row: &RecordBatch, position: &str) -> Result<RecordBatch, Error> {
     use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_POSITION};
     use arrow::array::{Int64Array, StringArray};
     use arrow::datatypes::DataType;
 
-    let mut fields: Vec<Field> = row
+    let lineage = [SOURCE_PARTITION, SOURCE_OFFSET, SOURCE_POSITION];
+    let (mut fields, mut columns): (Vec<Field>, Vec<_>) = row
         .schema()
         .fields()
         .iter()
-        .map(|f| f.as_ref().clone())
-        .collect();
-    let mut columns = row.columns().to_vec();
+        .zip(row.columns())
+        .filter(|(f, _)| !lineage.contains(&f.name().as_str()))
+        .map(|(f, c)| (f.as_ref().clone(), Arc::clone(c)))
+        .unzip();
     fields.push(Field::new(SOURCE_PARTITION, DataType::Utf8, false));
     columns.push(Arc::new(StringArray::from(vec![""])));
     fields.push(Field::new(SOURCE_OFFSET, DataType::Int64, false));
