@@ -39,12 +39,11 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use arrow::array::{ArrayRef, RecordBatch, TimestampMicrosecondArray};
-use arrow::datatypes::{DataType, Field, Schema, SchemaRef, TimeUnit};
+use arrow::datatypes::{DataType, Field, SchemaRef, TimeUnit};
 use datafusion::catalog::MemTable;
-use datafusion::common::Column;
 use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
-use datafusion::datasource::provider_as_source;
-use datafusion::logical_expr::{Expr, LogicalPlan, LogicalPlanBuilder};
+use datafusion::common::{DFSchema, TableReference};
+use datafusion::logical_expr::LogicalPlan;
 use datafusion::prelude::SessionContext;
 
 use super::aggregate::{StatefulAggregate, StatefulSettings, plan_stateful};
@@ -64,8 +63,8 @@ const EMITTED_AT: &str = "__sluice_emitted_at";
 pub(crate) struct JoinAggregate {
     pub(crate) join: StreamJoin,
     pub(crate) aggregate: StatefulAggregate,
-    /// The table the aggregate reads: the join's output columns (`c0`, `c1`, …) and
-    /// [`EMITTED_AT`].
+    /// The table the aggregate reads: the join's output columns and [`EMITTED_AT`] as `c0`,
+    /// `c1`, … (see [`super::stand_in`]).
     joined: Arc<MemTable>,
     joined_schema: SchemaRef,
     /// The join's output schema, with its column names (for dead letters).
@@ -144,35 +143,18 @@ pub(crate) async fn plan_join_aggregate(
             input.schema()
         )));
     }
-    let mut fields: Vec<Field> = join_output
-        .fields()
-        .iter()
-        .enumerate()
-        .map(|(i, f)| Field::new(format!("c{i}"), f.data_type().clone(), true))
-        .collect();
-    fields.push(Field::new(EMITTED_AT, emitted_at_type(), true));
-    let joined_schema = Arc::new(Schema::new(fields));
-    let joined = Arc::new(MemTable::try_new(
-        Arc::clone(&joined_schema),
-        (0..partitions.max(1)).map(|_| Vec::new()).collect(),
-    )?);
-    let mut renamed: Vec<Expr> = input
+    let mut columns: Vec<(Option<TableReference>, Arc<Field>)> = input
         .schema()
         .iter()
-        .enumerate()
-        .map(|(i, (qualifier, field))| {
-            Expr::Column(Column::new(Some(JOINED_TABLE), format!("c{i}")))
-                .alias_qualified(qualifier.cloned(), field.name())
-        })
+        .map(|(qualifier, field)| (qualifier.cloned(), Arc::clone(field)))
         .collect();
-    renamed.push(Expr::Column(Column::new(Some(JOINED_TABLE), EMITTED_AT)).alias(EMITTED_AT));
-    let scan = LogicalPlanBuilder::scan(
-        JOINED_TABLE,
-        provider_as_source(Arc::clone(&joined) as _),
+    columns.push((
         None,
-    )?
-    .project(renamed)?
-    .build()?;
+        Arc::new(Field::new(EMITTED_AT, emitted_at_type(), true)),
+    ));
+    let columns = DFSchema::new_with_metadata(columns, Default::default())?;
+    let (joined, joined_schema, scan) =
+        super::stand_in_in_parts(JOINED_TABLE, &columns, partitions)?;
     let upper = super::replace_node(plan, &input, &scan)?;
 
     let event_time = BTreeMap::from([(JOINED_TABLE.to_string(), EMITTED_AT.to_string())]);

@@ -460,6 +460,15 @@ pub(crate) fn stand_in(
     name: &str,
     schema: &DFSchema,
 ) -> Result<(Arc<MemTable>, SchemaRef, LogicalPlan), Error> {
+    stand_in_in_parts(name, schema, 1)
+}
+
+/// [`stand_in`] with a table of `partitions` parts (rows filled like a source's table).
+pub(crate) fn stand_in_in_parts(
+    name: &str,
+    schema: &DFSchema,
+    partitions: usize,
+) -> Result<(Arc<MemTable>, SchemaRef, LogicalPlan), Error> {
     let stored = Arc::new(Schema::new(
         schema
             .fields()
@@ -468,7 +477,8 @@ pub(crate) fn stand_in(
             .map(|(i, f)| Field::new(format!("c{i}"), f.data_type().clone(), true))
             .collect::<Vec<_>>(),
     ));
-    let table = Arc::new(MemTable::try_new(Arc::clone(&stored), vec![vec![]])?);
+    let parts = (0..partitions.max(1)).map(|_| Vec::new()).collect();
+    let table = Arc::new(MemTable::try_new(Arc::clone(&stored), parts)?);
     let renamed = schema
         .iter()
         .enumerate()
