@@ -11,8 +11,10 @@
 //! still live, and the resident size of such a read grew to about twice what it held at once.
 //! Returning the free pages before each chunk took a quarter off a stateless backfill's peak
 //! (`cargo bench --bench scale -- backfill-memory`: 2.1× the hour to 1.6×) at the cost of one
-//! walk of the arenas per chunk, noise beside a chunk's decoding. The live job does not call
-//! it: its next batch reuses the pages at once, and faulting them in again costs throughput.
+//! walk of the arenas per chunk, noise beside a chunk's decoding. The live job calls it only
+//! after a compaction (which rewrites many files through many medium-sized buffers, after which
+//! the next batches' large buffers fit nowhere in what it freed): after an ordinary batch the
+//! next one reuses the pages at once, and faulting them in again costs throughput.
 
 /// Returns the free pages of glibc's malloc arenas to the system (`malloc_trim(0)`); nothing
 /// elsewhere.
