@@ -27,7 +27,7 @@
 
 mod common;
 
-use common::{git_commit, repo_root};
+use common::{MEMORY_POLL, MemoryPeaks, git_commit, repo_root};
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -319,7 +319,8 @@ fn backfill_memory(per_hour: u64, hours: u64) {
         // memory (heap, stacks), which holds the data. The resident code of the binary
         // (file-backed, shared, the same for an hour of 20 K events as for one of 1 M) is
         // printed beside it but not counted as data held.
-        let ratio = |run: &Peak| run.anon.saturating_sub(opened.anon) as f64 / hour as f64;
+        let ratio =
+            |run: &Peak| run.memory.anon.saturating_sub(opened.memory.anon) as f64 / hour as f64;
         println!(
             "{name}: live job over {hours} h {live_secs:.1} s; backfill of 12:00–13:00 in \
              {secs:.1} s ({report})\n  the hour as Arrow: {:.0} MiB (as JSON: {:.0} MiB)\n  \
@@ -327,19 +328,19 @@ fn backfill_memory(per_hour: u64, hours: u64) {
              the hour\n  backfilling those offsets: {} = +{:.2}× the hour",
             mib(hour),
             mib(hour_json),
-            opened.describe(),
-            scan.describe(),
+            opened.memory.describe(),
+            scan.memory.describe(),
             ratio(&scan),
-            backfill.describe(),
+            backfill.memory.describe(),
             ratio(&backfill),
         );
         record(serde_json::json!({
             "bench": "backfill-memory", "commit": git_commit(), "job": name,
             "events_per_hour": per_hour, "hours": hours, "backfill_secs": secs,
-            "opening_peak_rss_bytes": opened.rss, "resolving_peak_rss_bytes": scan.rss,
-            "backfill_peak_rss_bytes": backfill.rss,
-            "opening_peak_anon_bytes": opened.anon, "resolving_peak_anon_bytes": scan.anon,
-            "backfill_peak_anon_bytes": backfill.anon, "backfill_peak_file_bytes": backfill.file,
+            "opening_peak_rss_bytes": opened.memory.rss, "resolving_peak_rss_bytes": scan.memory.rss,
+            "backfill_peak_rss_bytes": backfill.memory.rss,
+            "opening_peak_anon_bytes": opened.memory.anon, "resolving_peak_anon_bytes": scan.memory.anon,
+            "backfill_peak_anon_bytes": backfill.memory.anon, "backfill_peak_file_bytes": backfill.memory.file,
             "hour_arrow_bytes": hour, "hour_json_bytes": hour_json,
             "backfill_ratio_to_hour": ratio(&backfill), "resolving_ratio_to_hour": ratio(&scan),
         }));
@@ -348,27 +349,12 @@ fn backfill_memory(per_hour: u64, hours: u64) {
 
 /// The memory peaks of one run of the binary, read from `/proc/<pid>/status`.
 struct Peak {
-    /// Peak resident set size (`VmHWM`, kept by the kernel).
-    rss: u64,
-    /// Peak anonymous resident memory (`RssAnon`: heap, stacks — what holds data), sampled.
-    anon: u64,
-    /// Peak file-backed resident memory (`RssFile`: the binary's code pages), sampled.
-    file: u64,
+    memory: MemoryPeaks,
     stdout: String,
 }
 
-impl Peak {
-    fn describe(&self) -> String {
-        format!(
-            "peak RSS {:.0} MiB (anonymous {:.0} MiB, code and other file pages {:.0} MiB)",
-            mib(self.rss),
-            mib(self.anon),
-            mib(self.file)
-        )
-    }
-}
-
-/// Runs `sluice args` and returns its memory peaks (`/proc` polled every 2 ms) and its stdout.
+/// Runs `sluice args` and returns its memory peaks (`/proc` polled every [`MEMORY_POLL`]) and
+/// its stdout.
 fn peak_of(args: &[&str]) -> Peak {
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
         .args(args)
@@ -376,30 +362,16 @@ fn peak_of(args: &[&str]) -> Peak {
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let status_file = format!("/proc/{}/status", child.id());
-    let (mut rss, mut anon, mut file) = (0, 0, 0);
+    let status = PathBuf::from(format!("/proc/{}/status", child.id()));
+    let mut memory = MemoryPeaks::default();
     while child.try_wait().unwrap().is_none() {
-        if let Ok(status) = std::fs::read_to_string(&status_file) {
-            let kib = |key: &str| {
-                status
-                    .lines()
-                    .find(|l| l.starts_with(key))
-                    .and_then(|l| l.split_whitespace().nth(1))
-                    .and_then(|kb| kb.parse::<u64>().ok())
-                    .map_or(0, |kb| kb * 1024)
-            };
-            rss = rss.max(kib("VmHWM:"));
-            anon = anon.max(kib("RssAnon:"));
-            file = file.max(kib("RssFile:"));
-        }
-        std::thread::sleep(Duration::from_millis(2));
+        memory.observe(&status);
+        std::thread::sleep(MEMORY_POLL);
     }
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success(), "sluice {args:?} failed");
     Peak {
-        rss,
-        anon,
-        file,
+        memory,
         stdout: String::from_utf8_lossy(&out.stdout).to_string(),
     }
 }

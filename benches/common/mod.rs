@@ -1,7 +1,7 @@
 //! What every benchmark binary shares: where the repository is and which commit is measured,
-//! for the lines they append to `benches/results/`.
+//! for the lines they append to `benches/results/`, and how a run's memory peaks are read.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// The commit being measured (`git describe --always --dirty`: a working tree with changes is
 /// marked), or `unknown` outside a checkout.
@@ -44,3 +44,58 @@ pub fn allocator() -> String {
         Err(_) => "the system allocator".into(),
     }
 }
+
+/// A process's resident memory peaks, folded from looks at its `/proc/<pid>/status`.
+///
+/// The memory goals count the anonymous memory (heap, stacks: what holds a batch's data). The
+/// binary's resident code is file-backed, shared, and the same for a batch of a thousand rows
+/// as for one of a million (about 90 MiB of this workspace's code once a first batch has run),
+/// so it is printed beside the anonymous peak but not counted as data held.
+#[allow(dead_code, reason = "hot_paths and storage measure no memory")]
+#[derive(Debug, Default, Clone, Copy)]
+pub struct MemoryPeaks {
+    /// Peak resident set size (`VmHWM`, kept by the kernel).
+    pub rss: u64,
+    /// Peak anonymous resident memory (`RssAnon`), as sampled.
+    pub anon: u64,
+    /// Peak file-backed resident memory (`RssFile`: the binary's code pages), as sampled.
+    pub file: u64,
+}
+
+#[allow(dead_code, reason = "hot_paths and storage measure no memory")]
+impl MemoryPeaks {
+    /// Folds one look at `status` (a `/proc/<pid>/status` file) into the peaks; false once the
+    /// file cannot be read (the process is gone).
+    pub fn observe(&mut self, status: &Path) -> bool {
+        let Ok(text) = std::fs::read_to_string(status) else {
+            return false;
+        };
+        let bytes = |key: &str| {
+            text.lines()
+                .find(|l| l.starts_with(key))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kib| kib.parse::<u64>().ok())
+                .map_or(0, |kib| kib * 1024)
+        };
+        self.rss = self.rss.max(bytes("VmHWM:"));
+        self.anon = self.anon.max(bytes("RssAnon:"));
+        self.file = self.file.max(bytes("RssFile:"));
+        true
+    }
+
+    /// The peaks in words, for the printed report.
+    pub fn describe(&self) -> String {
+        let mib = |b: u64| b as f64 / 1048576.0;
+        format!(
+            "peak RSS {:.0} MiB (anonymous {:.0} MiB, code and other file pages {:.0} MiB)",
+            mib(self.rss),
+            mib(self.anon),
+            mib(self.file)
+        )
+    }
+}
+
+/// How often a sampler looks at `/proc/<pid>/status`: a batch's buffers take longer than this
+/// to fault in, so a peak is not missed between looks.
+#[allow(dead_code, reason = "hot_paths and storage measure no memory")]
+pub const MEMORY_POLL: std::time::Duration = std::time::Duration::from_millis(2);
