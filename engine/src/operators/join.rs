@@ -251,6 +251,26 @@ impl Side {
         Ok(unmatched)
     }
 
+    /// The kept rows whose ids are `first` or above: the rows added since `next_id` was
+    /// `first`. They are the kept rows' tail (rows are added at the end, ids in order, and
+    /// [`Side::purge`] keeps their order), so only the tail is looked at.
+    fn kept_since(&self, first: u64) -> Vec<RecordBatch> {
+        let id_index = self.id_index();
+        let mut tail = Vec::new();
+        for rows in self.rows.iter().rev() {
+            let ids = rows.column(id_index).as_primitive::<UInt64Type>().values();
+            let older = ids.partition_point(|&id| id < first);
+            if older < rows.num_rows() {
+                tail.push(rows.slice(older, rows.num_rows() - older));
+            }
+            if older > 0 {
+                break;
+            }
+        }
+        tail.reverse();
+        tail
+    }
+
     /// The side's plan with the rows below `limit` (late) left out.
     fn lower_plan(&self, limit: Option<i64>) -> Result<LogicalPlan> {
         let Some(limit) = limit else {
@@ -1148,6 +1168,7 @@ impl StreamJoin {
         let mut new_rows: [Vec<RecordBatch>; 2] = [Vec::new(), Vec::new()];
         let self_join = self.sides[0].source == self.sides[1].source;
         let mut failed_here = HashSet::new();
+        let first_new_id = [self.sides[0].next_id, self.sides[1].next_id];
         for (s, side) in self.sides.iter_mut().enumerate() {
             let rows = side_rows(side.lower_plan(limit)?).await?;
             for failed in rows.failed {
@@ -1224,19 +1245,8 @@ impl StreamJoin {
                 }
             }
         }
-        self.changes.clear();
-        for (s, rows) in new_rows.into_iter().enumerate() {
-            for batch in &rows {
-                self.changes
-                    .push(state_rows(&self.sides, &self.state_schema, s, batch)?);
-            }
-            self.sides[s].rows.extend(rows);
-        }
-        for (s, ids) in matched_now.iter().enumerate() {
-            if !ids.is_empty() {
-                self.changes
-                    .push(matched_rows(&self.sides, &self.state_schema, s, ids)?);
-            }
+        for (side, rows) in self.sides.iter_mut().zip(new_rows) {
+            side.rows.extend(rows);
         }
         if let Some(limit) = self.on_time_limit(watermark.after) {
             for s in 0..2 {
@@ -1250,6 +1260,22 @@ impl StreamJoin {
                     });
                     joined.push((self.unmatched(s, &rows)?, ids));
                 }
+            }
+        }
+        // The delta: the new rows still kept after the purge (one the purge let go is dropped
+        // again by a restart's purge under the same watermark: writing it would only cost),
+        // and the new matches.
+        self.changes.clear();
+        for (s, side) in self.sides.iter().enumerate() {
+            for rows in side.kept_since(first_new_id[s]) {
+                self.changes
+                    .push(state_rows(&self.sides, &self.state_schema, s, &rows)?);
+            }
+        }
+        for (s, ids) in matched_now.iter().enumerate() {
+            if !ids.is_empty() {
+                self.changes
+                    .push(matched_rows(&self.sides, &self.state_schema, s, ids)?);
             }
         }
         if let Some(held) = &mut self.closing {
