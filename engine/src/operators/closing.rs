@@ -336,11 +336,7 @@ impl HeldPairs {
             closed.extend(c);
             held.extend(h);
         }
-        self.rows = if held.len() > 64 {
-            vec![concat_batches(&self.schema, &held)?]
-        } else {
-            held
-        };
+        self.rows = super::merge_small_batches(&self.schema, held)?;
         closed.iter().map(|b| self.joined_part(b)).collect()
     }
 

@@ -59,9 +59,11 @@
 //! **State** is the buffered rows of both sides (the columns the join and the SQL above it need,
 //! the lineage, a row id), for a side an outer join preserves, which rows have matched, and
 //! with per-key closing the pairs held until their key closes.
-//! Each batch writes its new rows and new matches as a delta (one file, a kind column telling
-//! them apart); a purge needs no write, since a restart drops what the restored watermark has
-//! let go.
+//! Each batch writes its new rows still kept after its purge and its new matches as a delta
+//! (one file, a kind column telling them apart); a purge needs no write, since a restart drops
+//! what the restored watermark has let go (a new row that batch's purge let go is not written
+//! at all: the restart would drop it). Kept rows stay in the batches the side's plan made them
+//! in, small ones merged once there are many (`operators::merge_small_batches`).
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::Arc;
@@ -84,7 +86,10 @@ use datafusion::prelude::SessionContext;
 use super::aggregate::StateSize;
 use super::closing::{ClosedPairs, HeldPairs, closing_key};
 use super::state_store::{StateLog, StateWrite};
-use super::{FailedRow, QueryOutput, is_data_error, reads_stream, single_source, stateful_node};
+use super::{
+    FailedRow, QueryOutput, is_data_error, merge_small_batches, reads_stream, single_source,
+    stateful_node,
+};
 use crate::error::{Error, Result};
 use crate::event_time::event_time_type;
 use crate::offsets::BatchId;
@@ -243,11 +248,7 @@ impl Side {
                 kept.push(rows);
             }
         }
-        self.rows = if kept.len() > 64 {
-            vec![arrow::compute::concat_batches(&self.schema, &kept)?]
-        } else {
-            kept
-        };
+        self.rows = merge_small_batches(&self.schema, kept)?;
         Ok(unmatched)
     }
 

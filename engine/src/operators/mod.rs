@@ -595,6 +595,56 @@ impl QueryOutput {
     }
 }
 
+/// Rows a kept batch of an operator's state holds at least, once [`merge_small_batches`] has
+/// merged it with its neighbours.
+const MERGED_ROWS: usize = 64 * 1024;
+
+/// `batches` (rows an operator keeps, in order) with runs of small ones merged, when there are
+/// more than 64 of them: every batch of fewer than [`MERGED_ROWS`] rows is copied together with
+/// its small neighbours into batches of about that many rows; larger batches stay as they are.
+///
+/// Each batch a query reads costs a little, and a purge leaves many small ones behind. Merging
+/// every kept batch into one instead would copy the whole state whenever a batch's rows cross
+/// 64 batches (a join side's new rows alone often do), and hold it twice while doing so.
+pub(crate) fn merge_small_batches(
+    schema: &SchemaRef,
+    batches: Vec<RecordBatch>,
+) -> Result<Vec<RecordBatch>, Error> {
+    if batches.len() <= 64 {
+        return Ok(batches);
+    }
+    let mut merged = Vec::new();
+    let mut run: Vec<RecordBatch> = Vec::new();
+    let mut run_rows = 0;
+    for batch in batches {
+        if batch.num_rows() >= MERGED_ROWS {
+            // The run before a large batch ends there: the rows keep their order.
+            if !run.is_empty() {
+                merged.push(arrow::compute::concat_batches(
+                    schema,
+                    &std::mem::take(&mut run),
+                )?);
+                run_rows = 0;
+            }
+            merged.push(batch);
+            continue;
+        }
+        run_rows += batch.num_rows();
+        run.push(batch);
+        if run_rows >= MERGED_ROWS {
+            merged.push(arrow::compute::concat_batches(
+                schema,
+                &std::mem::take(&mut run),
+            )?);
+            run_rows = 0;
+        }
+    }
+    if !run.is_empty() {
+        merged.push(arrow::compute::concat_batches(schema, &run)?);
+    }
+    Ok(merged)
+}
+
 /// Whether `error` comes from the values of the rows — a failing CAST, a division by zero, an
 /// overflow, an invalid argument — the only kind of error that may make a row a dead letter.
 /// Running out of memory, I/O, planning and internal errors are not about a row: they fail the
@@ -845,5 +895,53 @@ pub(crate) mod test_support {
             }
         }
         streamed
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::{AsArray, Int64Array};
+    use arrow::datatypes::{DataType, Int64Type};
+
+    #[test]
+    fn small_batches_are_merged_in_order_and_large_ones_kept() {
+        let schema = Arc::new(Schema::new(vec![Field::new("n", DataType::Int64, false)]));
+        let mut next = 0i64;
+        let mut batch = |rows: usize| {
+            let values = Int64Array::from_iter_values(next..next + rows as i64);
+            next += rows as i64;
+            RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(values)]).unwrap()
+        };
+        // Few batches: left as they are.
+        let few: Vec<RecordBatch> = (0..64).map(|_| batch(10)).collect();
+        assert_eq!(merge_small_batches(&schema, few.clone()).unwrap(), few);
+        // Many: a large batch between runs of small ones.
+        let large = batch(MERGED_ROWS);
+        let mut many: Vec<RecordBatch> = (0..100).map(|_| batch(1000)).collect();
+        many.insert(30, large.clone());
+        let rows: usize = many.iter().map(RecordBatch::num_rows).sum();
+        let merged = merge_small_batches(&schema, many.clone()).unwrap();
+        let values = |batches: &[RecordBatch]| -> Vec<i64> {
+            batches
+                .iter()
+                .flat_map(|b| b.column(0).as_primitive::<Int64Type>().values().to_vec())
+                .collect()
+        };
+        assert!(values(&merged) == values(&many), "rows out of order");
+        assert_eq!(
+            merged.iter().map(RecordBatch::num_rows).sum::<usize>(),
+            rows
+        );
+        // 30 small ones, the large one, 66 small ones (64 Ki rows or more), the last 4.
+        let sizes: Vec<usize> = merged.iter().map(RecordBatch::num_rows).collect();
+        assert_eq!(sizes, [30_000, MERGED_ROWS, 66_000, 4_000]);
+        // The large batch is not copied.
+        assert!(
+            merged
+                .iter()
+                .any(|b| b.column(0).to_data().buffers()[0].as_ptr()
+                    == large.column(0).to_data().buffers()[0].as_ptr())
+        );
     }
 }
