@@ -320,7 +320,8 @@ pub(crate) struct StreamJoin {
     joined_schema: SchemaRef,
     allowed_lateness: i64,
     state_schema: SchemaRef,
-    /// This batch's new rows of both sides, as state rows: the delta to write.
+    /// This batch's delta, as state rows: its new rows still kept after its purge, its new
+    /// matches and its new pairs still held; emptied once written.
     changes: Vec<RecordBatch>,
     /// Where the SQL above groups or partitions by one side's key: the pairs held until their
     /// row of that side leaves (see `operators/closing.rs`).
@@ -1615,25 +1616,32 @@ impl StreamJoin {
             .ok_or_else(|| Error::InvalidJob("state written before it was restored".into()))?;
         let held = closing.as_ref().map_or(0, HeldPairs::num_rows);
         let live = (sides.iter().map(Side::num_rows).sum::<usize>() + held) as u64;
-        log.write(batch_id, state_schema, changes, live, || {
-            let mut full = Vec::new();
-            if let Some(held) = closing {
-                for rows in held.rows() {
-                    full.push(held_state_rows(sides, state_schema, held.key().side, rows)?);
+        let written = log
+            .write(batch_id, state_schema, changes, live, || {
+                let mut full = Vec::new();
+                if let Some(held) = closing {
+                    for rows in held.rows() {
+                        full.push(held_state_rows(sides, state_schema, held.key().side, rows)?);
+                    }
                 }
-            }
-            for (s, side) in sides.iter().enumerate() {
-                for rows in &side.rows {
-                    full.push(state_rows(sides, state_schema, s, rows)?);
+                for (s, side) in sides.iter().enumerate() {
+                    for rows in &side.rows {
+                        full.push(state_rows(sides, state_schema, s, rows)?);
+                    }
+                    if !side.matched.is_empty() {
+                        let ids: Vec<u64> = side.matched.iter().copied().collect();
+                        full.push(matched_rows(sides, state_schema, s, &ids)?);
+                    }
                 }
-                if !side.matched.is_empty() {
-                    let ids: Vec<u64> = side.matched.iter().copied().collect();
-                    full.push(matched_rows(sides, state_schema, s, &ids)?);
-                }
-            }
-            Ok(full)
-        })
-        .await
+                Ok(full)
+            })
+            .await;
+        if written.is_ok() {
+            // Written: the delta's rows (which may hold on to rows a later purge lets go) are
+            // not needed any more.
+            changes.clear();
+        }
+        written
     }
 
     /// The state files, once restored.

@@ -599,9 +599,13 @@ impl QueryOutput {
 /// merged it with its neighbours.
 const MERGED_ROWS: usize = 64 * 1024;
 
+/// The number of kept batches above which [`merge_small_batches`] merges the small ones.
+const MANY_BATCHES: usize = 64;
+
 /// `batches` (rows an operator keeps, in order) with runs of small ones merged, when there are
-/// more than 64 of them: every batch of fewer than [`MERGED_ROWS`] rows is copied together with
-/// its small neighbours into batches of about that many rows; larger batches stay as they are.
+/// more than [`MANY_BATCHES`] of them: every run of two or more batches of fewer than
+/// [`MERGED_ROWS`] rows is copied into batches of about that many rows; larger batches, and a
+/// small one alone between them, stay as they are (copying it would merge nothing).
 ///
 /// Each batch a query reads costs a little, and a purge leaves many small ones behind. Merging
 /// every kept batch into one instead would copy the whole state whenever a batch's rows cross
@@ -610,38 +614,40 @@ pub(crate) fn merge_small_batches(
     schema: &SchemaRef,
     batches: Vec<RecordBatch>,
 ) -> Result<Vec<RecordBatch>, Error> {
-    if batches.len() <= 64 {
+    if batches.len() <= MANY_BATCHES {
         return Ok(batches);
     }
+    // A run of small batches, as one: copied only if it is more than one batch.
+    let end_run = |run: &mut Vec<RecordBatch>, merged: &mut Vec<RecordBatch>| {
+        match run.len() {
+            0 => {}
+            1 => merged.append(run),
+            _ => merged.push(arrow::compute::concat_batches(
+                schema,
+                &std::mem::take(run),
+            )?),
+        }
+        Ok::<_, ArrowError>(())
+    };
     let mut merged = Vec::new();
     let mut run: Vec<RecordBatch> = Vec::new();
     let mut run_rows = 0;
     for batch in batches {
         if batch.num_rows() >= MERGED_ROWS {
             // The run before a large batch ends there: the rows keep their order.
-            if !run.is_empty() {
-                merged.push(arrow::compute::concat_batches(
-                    schema,
-                    &std::mem::take(&mut run),
-                )?);
-                run_rows = 0;
-            }
+            end_run(&mut run, &mut merged)?;
+            run_rows = 0;
             merged.push(batch);
             continue;
         }
         run_rows += batch.num_rows();
         run.push(batch);
         if run_rows >= MERGED_ROWS {
-            merged.push(arrow::compute::concat_batches(
-                schema,
-                &std::mem::take(&mut run),
-            )?);
+            end_run(&mut run, &mut merged)?;
             run_rows = 0;
         }
     }
-    if !run.is_empty() {
-        merged.push(arrow::compute::concat_batches(schema, &run)?);
-    }
+    end_run(&mut run, &mut merged)?;
     Ok(merged)
 }
 
@@ -920,6 +926,9 @@ mod tests {
         let large = batch(MERGED_ROWS);
         let mut many: Vec<RecordBatch> = (0..100).map(|_| batch(1000)).collect();
         many.insert(30, large.clone());
+        // And a small one alone between two large ones.
+        let lone = batch(5);
+        many.extend([batch(MERGED_ROWS), lone.clone(), batch(MERGED_ROWS)]);
         let rows: usize = many.iter().map(RecordBatch::num_rows).sum();
         let merged = merge_small_batches(&schema, many.clone()).unwrap();
         let values = |batches: &[RecordBatch]| -> Vec<i64> {
@@ -933,15 +942,18 @@ mod tests {
             merged.iter().map(RecordBatch::num_rows).sum::<usize>(),
             rows
         );
-        // 30 small ones, the large one, 66 small ones (64 Ki rows or more), the last 4.
+        // 30 small ones, the large one, 66 small ones (64 Ki rows or more), the next 4, then
+        // large, lone, large.
         let sizes: Vec<usize> = merged.iter().map(RecordBatch::num_rows).collect();
-        assert_eq!(sizes, [30_000, MERGED_ROWS, 66_000, 4_000]);
-        // The large batch is not copied.
-        assert!(
-            merged
-                .iter()
-                .any(|b| b.column(0).to_data().buffers()[0].as_ptr()
-                    == large.column(0).to_data().buffers()[0].as_ptr())
+        let large_rows = MERGED_ROWS;
+        assert_eq!(
+            sizes,
+            [30_000, large_rows, 66_000, 4_000, large_rows, 5, large_rows]
         );
+        // The large batch and the lone small one are not copied.
+        let first_buffer = |b: &RecordBatch| b.column(0).to_data().buffers()[0].as_ptr();
+        for kept in [&large, &lone] {
+            assert!(merged.iter().any(|b| first_buffer(b) == first_buffer(kept)));
+        }
     }
 }
