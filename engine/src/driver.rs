@@ -1113,10 +1113,13 @@ impl Pipeline {
         };
         crash_point("before_compaction", batch.id());
         let compacted = self.sink.compact().await;
-        // A compaction's reads and writes leave the allocator's arenas fragmented, and the next
-        // batches' large buffers no longer fit in what it freed: return the free pages (see
-        // `memory`). Rare (every `min_files` batches at most), so its cost is noise.
-        crate::memory::release_free_memory();
+        if compacted.as_ref().is_ok_and(|c| c.files_removed > 0) {
+            // A rewrite's reads and writes leave the allocator's arenas fragmented, and the
+            // next batches' large buffers no longer fit in what it freed: return the free pages
+            // (see `memory`). Once per rewrite (every `min_files` batches at most), so its cost
+            // is noise.
+            crate::memory::release_free_memory();
+        }
         crash_point("after_compaction", batch.id());
         if let Err(error) = lease.release().await {
             warn!(%error, "could not release the rewrite lease; a backfill waits for it to expire");
