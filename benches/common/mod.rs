@@ -70,16 +70,9 @@ impl MemoryPeaks {
         let Ok(text) = std::fs::read_to_string(status) else {
             return false;
         };
-        let bytes = |key: &str| {
-            text.lines()
-                .find(|l| l.starts_with(key))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kib| kib.parse::<u64>().ok())
-                .map_or(0, |kib| kib * 1024)
-        };
-        self.rss = self.rss.max(bytes("VmHWM:"));
-        self.anon = self.anon.max(bytes("RssAnon:"));
-        self.file = self.file.max(bytes("RssFile:"));
+        self.rss = self.rss.max(status_bytes(&text, "VmHWM:"));
+        self.anon = self.anon.max(status_bytes(&text, "RssAnon:"));
+        self.file = self.file.max(status_bytes(&text, "RssFile:"));
         true
     }
 
@@ -99,3 +92,15 @@ impl MemoryPeaks {
 /// to fault in, so a peak is not missed between looks.
 #[allow(dead_code, reason = "hot_paths and storage measure no memory")]
 pub const MEMORY_POLL: std::time::Duration = std::time::Duration::from_millis(2);
+
+/// The size a `/proc/<pid>/status` text gives for `key` (e.g. `"VmRSS:"`), in bytes; 0 if
+/// absent.
+#[allow(dead_code, reason = "hot_paths and storage measure no memory")]
+pub fn status_bytes(status: &str, key: &str) -> u64 {
+    status
+        .lines()
+        .find(|l| l.starts_with(key))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|kib| kib.parse::<u64>().ok())
+        .map_or(0, |kib| kib * 1024)
+}
