@@ -1663,17 +1663,46 @@ fn state_rows(
     rows: &RecordBatch,
 ) -> Result<RecordBatch> {
     let n = rows.num_rows();
+    let mut nulls = NullColumns::new(n);
     let mut columns: Vec<ArrayRef> = vec![Arc::new(UInt8Array::from(vec![s as u8; n]))];
     for (t, side) in sides.iter().enumerate() {
         for (i, f) in side.schema.fields().iter().enumerate() {
             columns.push(if t == s {
                 Arc::clone(rows.column(i))
             } else {
-                arrow::array::new_null_array(f.data_type(), n)
+                nulls.of(f.data_type())
             });
         }
     }
     Ok(RecordBatch::try_new(Arc::clone(schema), columns)?)
+}
+
+/// All-null columns of one length, one array per data type, shared by every column of that
+/// type: a state row's other side is nulls only, and an array per column held the same
+/// zeroed buffers once per column (for a side of a million rows and a dozen columns, tens of
+/// megabytes while its delta is written).
+struct NullColumns {
+    rows: usize,
+    made: Vec<(DataType, ArrayRef)>,
+}
+
+impl NullColumns {
+    fn new(rows: usize) -> Self {
+        NullColumns {
+            rows,
+            made: Vec::new(),
+        }
+    }
+
+    /// A null array of `data_type`, made once.
+    fn of(&mut self, data_type: &DataType) -> ArrayRef {
+        if let Some((_, array)) = self.made.iter().find(|(t, _)| t == data_type) {
+            return Arc::clone(array);
+        }
+        let array = arrow::array::new_null_array(data_type, self.rows);
+        self.made.push((data_type.clone(), Arc::clone(&array)));
+        array
+    }
 }
 
 /// `side` with its scans of `source` reading the lineage columns too, carried up to its output.
@@ -1746,13 +1775,14 @@ fn matched_rows(
     ids: &[u64],
 ) -> Result<RecordBatch> {
     let n = ids.len();
+    let mut nulls = NullColumns::new(n);
     let mut columns: Vec<ArrayRef> = vec![Arc::new(UInt8Array::from(vec![s as u8 + 2; n]))];
     for (t, side) in sides.iter().enumerate() {
         for (i, f) in side.schema.fields().iter().enumerate() {
             columns.push(if t == s && i == side.id_index() {
                 Arc::new(UInt64Array::from(ids.to_vec()))
             } else {
-                arrow::array::new_null_array(f.data_type(), n)
+                nulls.of(f.data_type())
             });
         }
     }
