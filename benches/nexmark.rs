@@ -126,11 +126,6 @@ fn percentile(sorted: &[u64], p: f64) -> u64 {
 /// This process's status file.
 const OWN_STATUS: &str = "/proc/self/status";
 
-/// Resident set size of this process now, bytes (Linux `VmRSS`).
-fn rss_now() -> u64 {
-    std::fs::read_to_string(OWN_STATUS).map_or(0, |s| status_bytes(&s, "VmRSS:"))
-}
-
 /// This process's memory peaks, sampled on a thread of its own every [`MEMORY_POLL`] from
 /// [`MemorySampler::start`] to [`MemorySampler::stop`].
 struct MemorySampler {
@@ -186,7 +181,7 @@ fn main() {
     let path = job_file(&args, dir.path());
     let rt = tokio::runtime::Runtime::new().unwrap();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let (summary, elapsed, (opened_rss, opened_anon, peaks), progress) = rt.block_on(async {
+    let (summary, elapsed, (opened_rss, opened_anon), peaks, progress) = rt.block_on(async {
         let (job, _) =
             sluice::job_file::load(&path, Some(Trigger::AvailableNow), &Default::default())
                 .await
@@ -208,15 +203,18 @@ fn main() {
                 }
             });
         }
-        let opened_rss = rss_now();
-        let mut opened = MemoryPeaks::default();
-        opened.observe(Path::new(OWN_STATUS));
+        // The opened job's resident memory now: in all, and anonymous.
+        let opened = std::fs::read_to_string(OWN_STATUS).unwrap_or_default();
+        let opened = (
+            status_bytes(&opened, "VmRSS:"),
+            status_bytes(&opened, "RssAnon:"),
+        );
         let sampler = MemorySampler::start();
         let started = Instant::now();
         let summary = job.run().await.unwrap();
         let elapsed = started.elapsed();
         let peaks = sampler.stop();
-        (summary, elapsed, (opened_rss, opened.anon, peaks), progress)
+        (summary, elapsed, opened, peaks, progress)
     });
     // Median wall time per phase over the batches the progress keeps (the last 100).
     let recent = progress.recent();
@@ -251,10 +249,11 @@ fn main() {
         .max()
         .unwrap_or(0);
     let held = largest_input + largest_state;
-    let above_opened = peaks.anon.saturating_sub(opened_anon);
-    let memory_ratio = above_opened as f64 / held.max(1) as f64;
-    let rss_above_opened = rss.saturating_sub(opened_rss);
-    let memory_ratio_rss = rss_above_opened as f64 / held.max(1) as f64;
+    // Named as in the record: `memory_ratio` on the whole RSS, `memory_ratio_anon` on the
+    // anonymous memory (the goal's measure).
+    let anon_above_opened = peaks.anon.saturating_sub(opened_anon);
+    let memory_ratio_anon = anon_above_opened as f64 / held.max(1) as f64;
+    let memory_ratio = rss.saturating_sub(opened_rss) as f64 / held.max(1) as f64;
     let out = dir.path().join("out");
     let bytes = dir_size(&out);
     let state_at = |i: usize| {
@@ -305,10 +304,10 @@ fn main() {
     let mib = |b: u64| b as f64 / 1048576.0;
     println!(
         "  memory: {}; anonymous {:.0} MiB above the opened job's {:.0} MiB; largest batch \
-         {:.0} MiB as Arrow + largest state {:.0} MiB = {:.0} MiB; ratio {memory_ratio:.2} (goal ≤ 2; \
-         with code pages, peak RSS above the opened job's: {memory_ratio_rss:.2})",
+         {:.0} MiB as Arrow + largest state {:.0} MiB = {:.0} MiB; ratio {memory_ratio_anon:.2} (goal ≤ 2; \
+         with code pages, peak RSS above the opened job's: {memory_ratio:.2})",
         peaks.describe(),
-        mib(above_opened),
+        mib(anon_above_opened),
         mib(opened_anon),
         mib(largest_input),
         mib(largest_state),
@@ -337,8 +336,8 @@ fn main() {
         "peak_anon_bytes": peaks.anon,
         "opened_anon_bytes": opened_anon,
         "peak_file_bytes": peaks.file,
-        "memory_ratio": memory_ratio_rss,
-        "memory_ratio_anon": memory_ratio,
+        "memory_ratio": memory_ratio,
+        "memory_ratio_anon": memory_ratio_anon,
         "bytes_written": bytes,
         "rows_out": summary.rows_out,
         "state_rows": [start.0, middle.0, end.0],

@@ -64,16 +64,15 @@ pub struct MemoryPeaks {
 
 #[allow(dead_code, reason = "hot_paths and storage measure no memory")]
 impl MemoryPeaks {
-    /// Folds one look at `status` (a `/proc/<pid>/status` file) into the peaks; false once the
+    /// Folds one look at `status` (a `/proc/<pid>/status` file) into the peaks; nothing if the
     /// file cannot be read (the process is gone).
-    pub fn observe(&mut self, status: &Path) -> bool {
+    pub fn observe(&mut self, status: &Path) {
         let Ok(text) = std::fs::read_to_string(status) else {
-            return false;
+            return;
         };
         self.rss = self.rss.max(status_bytes(&text, "VmHWM:"));
         self.anon = self.anon.max(status_bytes(&text, "RssAnon:"));
         self.file = self.file.max(status_bytes(&text, "RssFile:"));
-        true
     }
 
     /// The peaks in words, for the printed report.
