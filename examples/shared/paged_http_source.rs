@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use serde::Deserialize;
-use sluice::engine::arrow::array::RecordBatch;
+use sluice::engine::arrow::array::{RecordBatch, StringArray};
 use sluice::engine::arrow::compute::concat_batches;
 use sluice::engine::arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 use sluice::engine::arrow::json::ReaderBuilder;
@@ -184,7 +184,12 @@ fn decode_page(
     }
     let rows = concat_batches(data, &good)?;
     Ok((
-        Some(attach_lineage(rows, partition, page, Some(positions))?),
+        Some(attach_lineage(
+            rows,
+            partition,
+            page,
+            Some(StringArray::from(positions)),
+        )?),
         dead,
     ))
 }

@@ -49,7 +49,7 @@ use object_store::{ObjectStore, ObjectStoreExt};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use sluice_engine::checkpoint::CheckpointStore;
-use sluice_engine::source::{attach_lineage, with_lineage_fields};
+use sluice_engine::source::{attach_lineage, numbered_positions, with_lineage_fields};
 use sluice_engine::storage::StorageOptions;
 use sluice_engine::{
     AvailableRange, DeadLetter, InferredColumn, OffsetRange, PartitionId, SchemaInference, Source,
@@ -637,10 +637,7 @@ impl Decoding {
         };
         let mut read = SourceRead::default();
         for (batch, numbers) in decoded {
-            let positions = numbers
-                .iter()
-                .map(|n| format!("{}:{n}", file.name))
-                .collect();
+            let positions = numbered_positions(&file.name, &numbers);
             read.batches
                 .push(attach_lineage(batch, PARTITION, offset, Some(positions))?);
         }
