@@ -73,6 +73,7 @@ use tokio::sync::Mutex;
 use tracing::{info, warn};
 use url::Url;
 
+use crate::compaction::compact_by_copy;
 use crate::error::{Result, SinkError};
 use crate::parquet_write::{
     casts_losslessly, encode_parallel, plain_for_append, writer_properties, writers_for,
@@ -570,23 +571,33 @@ impl TableHandle {
                 .iter()
                 .map(|(c, v)| (c.as_str(), v.as_deref()))
                 .collect();
-            let properties = CommitProperties::default().with_metadata([(
-                COMPACTION_METADATA_KEY.to_string(),
-                serde_json::json!({ "partition": described }),
-            )]);
-            let (table, metrics) = table
-                .optimize()
-                .with_filters(&filters)
-                .with_target_size(target)
-                .with_writer_properties(writer_properties())
-                .with_commit_properties(properties)
+            let properties = || {
+                CommitProperties::default().with_metadata([(
+                    COMPACTION_METADATA_KEY.to_string(),
+                    serde_json::json!({ "partition": described }),
+                )])
+            };
+            let copied = compact_by_copy(&table, &partition, target.get(), properties())
                 .await
                 .map_err(|e| self.err(e))?;
-            done.files_removed += metrics.num_files_removed;
-            done.files_added += metrics.num_files_added;
-            info!(table = %self.url, partition = ?described, files_removed = metrics.num_files_removed, files_added = metrics.num_files_added, "compacted");
+            let (removed, added) = match copied {
+                Some(copied) => (copied.files_removed, copied.files_added),
+                None => {
+                    let (_, metrics) = table
+                        .optimize()
+                        .with_filters(&filters)
+                        .with_target_size(target)
+                        .with_writer_properties(writer_properties())
+                        .with_commit_properties(properties())
+                        .await
+                        .map_err(|e| self.err(e))?;
+                    (metrics.num_files_removed, metrics.num_files_added)
+                }
+            };
+            done.files_removed += removed;
+            done.files_added += added;
+            info!(table = %self.url, partition = ?described, files_removed = removed, files_added = added, by_copy = copied.is_some(), "compacted");
             // The handle keeps the table's own log store; it is brought up to date next time.
-            drop(table);
         }
         Ok(done)
     }
@@ -2067,6 +2078,8 @@ mod tests {
             .unwrap();
 
         let stale = VersionFence::around(&table, read + 1);
+        let copied = compact_by_copy(&stale, &[], 1 << 30, CommitProperties::default()).await;
+        assert!(copied.is_err(), "compacted by copy over a newer version");
         assert!(
             stale.optimize().await.is_err(),
             "compacted over a newer version"
@@ -2081,9 +2094,9 @@ mod tests {
         );
     }
 
-    /// A backfill's replacement that read a version before a compaction of the files it
-    /// replaces is refused by delta-rs (`ConcurrentAppend`: the compacted file holds rows its
-    /// predicate matches), and so retried on the latest version — the other half of keeping
+    /// A backfill's replacement that read a version before a compaction (by copy, as on a
+    /// plain table) of the files it replaces is refused by delta-rs (`ConcurrentAppend`: the
+    /// compacted file holds rows its predicate matches), and so retried on the latest version — the other half of keeping
     /// compaction and replacement apart, which Sluice relies on rather than fences (see
     /// [`VersionFence`] for the compaction's half).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -2102,13 +2115,11 @@ mod tests {
             table = table.write(vec![numbers(4)]).await.unwrap();
         }
         // A compaction by another handle rewrites the three files into one.
-        let (_, metrics) = deltalake::open_table(url.clone())
-            .await
-            .unwrap()
-            .optimize()
+        let other = deltalake::open_table(url.clone()).await.unwrap();
+        let copied = compact_by_copy(&other, &[], 1 << 30, CommitProperties::default())
             .await
             .unwrap();
-        assert_eq!(metrics.num_files_removed, 3);
+        assert_eq!(copied.map(|c| c.files_removed), Some(3));
         // Replacing every row with 4 rows, from the version read before the compaction.
         let replace = |table: DeltaTable| {
             table

@@ -12,6 +12,7 @@
 pub mod delta;
 pub mod delta_table;
 
+mod compaction;
 mod error;
 mod parquet_write;
 
