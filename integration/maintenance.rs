@@ -368,6 +368,75 @@ async fn compaction_keeps_each_partition_to_a_few_files_and_changes_no_row() {
     );
 }
 
+/// Batches large enough that compaction copies their files' row groups (see
+/// `sinks/src/compaction.rs`): the partitions (their values with a space and a comma) are
+/// compacted by copy, and the table's rows equal a run without compaction, for delta-rs and
+/// the Python `deltalake` and Polars readers.
+#[tokio::test(flavor = "multi_thread")]
+async fn compaction_by_copy_changes_no_row_for_any_reader() {
+    let ws = tempfile::tempdir().unwrap();
+    let mut runs = Vec::new();
+    for (name, compaction) in [
+        ("copied", "compaction = { min_files = 3 }"),
+        ("plain", "compaction = { enabled = false }"),
+    ] {
+        let out = ws.path().join(name);
+        let job = ws.path().join(format!("{name}.toml"));
+        std::fs::write(
+            &job,
+            format!(
+                r#"
+[job]
+id = "{name}"
+
+[sources.bid]
+kind = "nexmark"
+table = "bid"
+total_events = 320000
+max_records_per_batch = 100000
+event_time = "date_time"
+max_out_of_orderness = "0s"
+
+[sink]
+kind = "delta"
+path = "{out}"
+partition_by = ["half"]
+{compaction}
+
+[trigger]
+mode = "available-now"
+
+[query]
+sql = """SELECT auction, price, date_time,
+  CASE WHEN price % 2 = 0 THEN 'even half' ELSE 'odd,half' END AS half FROM bid"""
+"#,
+                out = out.display()
+            ),
+        )
+        .unwrap();
+        let run = run_sluice(&["run", job.to_str().unwrap()], &[("RUST_LOG", "info")]);
+        assert_ok(&run);
+        runs.push((out, String::from_utf8_lossy(&run.stderr).to_string()));
+    }
+    let ((copied, log), (plain, _)) = (&runs[0], &runs[1]);
+    let by_copy = log
+        .lines()
+        .filter(|l| l.contains("delta: compacted") && l.contains("by_copy=true"))
+        .count();
+    assert_eq!(by_copy, 2, "not both partitions compacted by copy:\n{log}");
+    // Three batches' files per partition became one; the last, small batch's stayed apart.
+    let per = active_files_per_partition(copied);
+    assert_eq!(per.len(), 2, "{per:?}");
+    assert!(per.values().all(|n| *n == 2), "{per:?}");
+
+    let rows = table_rows(copied).await;
+    assert_eq!(rows.len(), 294_400);
+    assert_eq!(rows, table_rows(plain).await);
+    let count = |read: serde_json::Value| read["rows"].as_array().unwrap().len();
+    assert_eq!(count(python_read(copied)), rows.len());
+    assert_eq!(count(polars_read(copied)), rows.len());
+}
+
 /// The running job and a backfill never rewrite the same files at once: while a backfill holds
 /// the job's rewrite lease (paused just before its replacement) the job's compaction waits;
 /// once the backfill is done the job compacts again, and the table holds every row once.

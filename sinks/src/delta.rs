@@ -2065,8 +2065,9 @@ mod tests {
             .with_columns(schema.fields().cloned())
             .await
             .unwrap();
+        // Row groups large enough to be copied (see `compaction`).
         for rows in 1..4 {
-            table = table.write(vec![numbers(rows)]).await.unwrap();
+            table = table.write(vec![numbers(40_000 + rows)]).await.unwrap();
         }
         let read = table.version().unwrap();
         // Another writer commits read + 1.
@@ -2111,8 +2112,9 @@ mod tests {
             .with_columns(schema.fields().cloned())
             .await
             .unwrap();
+        // Row groups large enough to be copied (see `compaction`).
         for _ in 0..3 {
-            table = table.write(vec![numbers(4)]).await.unwrap();
+            table = table.write(vec![numbers(40_000)]).await.unwrap();
         }
         // A compaction by another handle rewrites the three files into one.
         let other = deltalake::open_table(url.clone()).await.unwrap();
@@ -2141,7 +2143,7 @@ mod tests {
              replacements need a fence too"
         );
         let latest = deltalake::open_table(url.clone()).await.unwrap();
-        assert_eq!(row_count(&latest).unwrap(), 12);
+        assert_eq!(row_count(&latest).unwrap(), 120_000);
         // Retried on the latest version, it commits.
         let replaced = replace(latest).await.unwrap();
         assert_eq!(row_count(&replaced).unwrap(), 4);
