@@ -4,6 +4,8 @@
 
 use std::time::{Duration, SystemTime};
 
+use crate::object_storage::pairs;
+use crate::s3_server::S3Server;
 use crate::support::*;
 
 /// Every file under `dir`, relative, sorted.
@@ -370,17 +372,24 @@ async fn compaction_keeps_each_partition_to_a_few_files_and_changes_no_row() {
 
 /// Batches large enough that compaction copies their files' row groups (see
 /// `sinks/src/compaction.rs`): the partitions (their values with a space and a comma) are
-/// compacted by copy, and the table's rows equal a run without compaction, for delta-rs and
-/// the Python `deltalake` and Polars readers.
+/// compacted by copy, on local disk and on an S3 server, and the table's rows equal a run
+/// without compaction, for delta-rs and the Python `deltalake` and Polars readers.
 #[tokio::test(flavor = "multi_thread")]
 async fn compaction_by_copy_changes_no_row_for_any_reader() {
+    let server = S3Server::start(&["lake"]);
+    let s3_env = server.env();
     let ws = tempfile::tempdir().unwrap();
-    let mut runs = Vec::new();
-    for (name, compaction) in [
-        ("copied", "compaction = { min_files = 3 }"),
-        ("plain", "compaction = { enabled = false }"),
+    let local = |name: &str| ws.path().join(name).display().to_string();
+    let mut logs = Vec::new();
+    for (name, out, compaction) in [
+        ("copied", local("copied"), "compaction = { min_files = 3 }"),
+        (
+            "on_s3",
+            "s3://lake/copied".to_string(),
+            "compaction = { min_files = 3 }",
+        ),
+        ("plain", local("plain"), "compaction = { enabled = false }"),
     ] {
-        let out = ws.path().join(name);
         let job = ws.path().join(format!("{name}.toml"));
         std::fs::write(
             &job,
@@ -409,32 +418,37 @@ mode = "available-now"
 [query]
 sql = """SELECT auction, price, date_time,
   CASE WHEN price % 2 = 0 THEN 'even half' ELSE 'odd,half' END AS half FROM bid"""
-"#,
-                out = out.display()
+"#
             ),
         )
         .unwrap();
-        let run = run_sluice(&["run", job.to_str().unwrap()], &[("RUST_LOG", "info")]);
+        let mut env = pairs(&s3_env);
+        env.push(("RUST_LOG", "info"));
+        let run = run_sluice(&["run", job.to_str().unwrap()], &env);
         assert_ok(&run);
-        runs.push((out, String::from_utf8_lossy(&run.stderr).to_string()));
+        logs.push(String::from_utf8_lossy(&run.stderr).to_string());
     }
-    let ((copied, log), (plain, _)) = (&runs[0], &runs[1]);
-    let by_copy = log
-        .lines()
-        .filter(|l| l.contains("delta: compacted") && l.contains("by_copy=true"))
-        .count();
-    assert_eq!(by_copy, 2, "not both partitions compacted by copy:\n{log}");
-    // Three batches' files per partition became one; the last, small batch's stayed apart.
-    let per = active_files_per_partition(copied);
-    assert_eq!(per.len(), 2, "{per:?}");
-    assert!(per.values().all(|n| *n == 2), "{per:?}");
+    let on_s3 = ws.path().join("on_s3");
+    server.download("lake", "copied", &on_s3).await;
+    let plain = ws.path().join("plain");
+    let plain_rows = table_rows(&plain).await;
+    assert_eq!(plain_rows.len(), 294_400);
+    for (copied, log) in [(ws.path().join("copied"), &logs[0]), (on_s3, &logs[1])] {
+        let by_copy = log
+            .lines()
+            .filter(|l| l.contains("delta: compacted") && l.contains("by_copy=true"))
+            .count();
+        assert_eq!(by_copy, 2, "not both partitions compacted by copy:\n{log}");
+        // Three batches' files per partition became one; the last, small batch's stayed apart.
+        let per = active_files_per_partition(&copied);
+        assert_eq!(per.len(), 2, "{per:?}");
+        assert!(per.values().all(|n| *n == 2), "{per:?}");
 
-    let rows = table_rows(copied).await;
-    assert_eq!(rows.len(), 294_400);
-    assert_eq!(rows, table_rows(plain).await);
-    let count = |read: serde_json::Value| read["rows"].as_array().unwrap().len();
-    assert_eq!(count(python_read(copied)), rows.len());
-    assert_eq!(count(polars_read(copied)), rows.len());
+        assert_eq!(table_rows(&copied).await, plain_rows);
+        let count = |read: serde_json::Value| read["rows"].as_array().unwrap().len();
+        assert_eq!(count(python_read(&copied)), plain_rows.len());
+        assert_eq!(count(polars_read(&copied)), plain_rows.len());
+    }
 }
 
 /// The running job and a backfill never rewrite the same files at once: while a backfill holds
