@@ -3,7 +3,9 @@
 //!
 //! A batch's size is counted as the bytes its rows use ([`batch_bytes`]), not the buffers they
 //! point into: a query's output is often slices of one buffer, which Arrow's
-//! `get_array_memory_size` counts whole once per slice.
+//! `get_array_memory_size` counts whole once per slice. What rows kept in memory hold (a
+//! join's state: slices of many batches, one null array shared by many columns) is counted as
+//! the allocations they keep alive, each once ([`held_bytes`]).
 //!
 //! A backfill reads a long range chunk by chunk (its recomputation, its windows' span, the scan
 //! resolving a time range to offsets), each chunk decoded, queried and released on several
@@ -54,4 +56,59 @@ pub fn batch_bytes(batch: &arrow::array::RecordBatch) -> usize {
             slice + texts
         })
         .sum()
+}
+
+/// Bytes of the allocations `batches` keep alive, each allocation counted once however many
+/// slices, columns or batches share it — what holding these rows costs.
+pub fn held_bytes<'a>(batches: impl IntoIterator<Item = &'a arrow::array::RecordBatch>) -> usize {
+    fn visit(data: &arrow::array::ArrayData, seen: &mut std::collections::HashMap<usize, usize>) {
+        let buffers = data
+            .buffers()
+            .iter()
+            .chain(data.nulls().map(|n| n.buffer()));
+        for buffer in buffers {
+            seen.insert(buffer.data_ptr().as_ptr() as usize, buffer.capacity());
+        }
+        for child in data.child_data() {
+            visit(child, seen);
+        }
+    }
+    let mut seen = std::collections::HashMap::new();
+    for batch in batches {
+        for column in batch.columns() {
+            visit(&column.to_data(), &mut seen);
+        }
+    }
+    seen.values().sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use arrow::array::{ArrayRef, Int64Array, RecordBatch, new_null_array};
+    use arrow::datatypes::DataType;
+
+    use super::*;
+
+    /// Slices of one batch and one null array shared by several columns count once.
+    #[test]
+    fn held_bytes_count_each_allocation_once() {
+        let values: ArrayRef = Arc::new(Int64Array::from_iter_values(0..1024));
+        let nulls = new_null_array(&DataType::Int64, 1024);
+        let batch = RecordBatch::try_from_iter([
+            ("v", Arc::clone(&values)),
+            ("a", Arc::clone(&nulls)),
+            ("b", Arc::clone(&nulls)),
+        ])
+        .unwrap();
+        let whole = held_bytes([&batch]);
+        let alone = held_bytes([&RecordBatch::try_from_iter([("v", values)]).unwrap()])
+            + held_bytes([&RecordBatch::try_from_iter([("a", nulls)]).unwrap()]);
+        assert_eq!(whole, alone);
+        assert!(whole >= 1024 * 8, "{whole}");
+        let (front, back) = (batch.slice(0, 10), batch.slice(10, 1014));
+        assert_eq!(held_bytes([&front, &back]), whole);
+        assert!(batch.get_array_memory_size() > whole);
+    }
 }

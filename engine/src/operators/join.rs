@@ -1487,13 +1487,9 @@ impl StreamJoin {
         let held = self.closing.as_ref().map_or(&[][..], HeldPairs::rows);
         let rows: usize = self.sides.iter().map(Side::num_rows).sum::<usize>()
             + held.iter().map(RecordBatch::num_rows).sum::<usize>();
-        let bytes: usize = self
-            .sides
-            .iter()
-            .flat_map(|s| &s.rows)
-            .chain(held)
-            .map(RecordBatch::get_array_memory_size)
-            .sum();
+        // What the kept rows hold alive (slices of the batches they came from, null arrays
+        // shared by columns), each allocation once.
+        let bytes = crate::memory::held_bytes(self.sides.iter().flat_map(|s| &s.rows).chain(held));
         StateSize {
             rows: rows as u64,
             bytes: bytes as u64,
