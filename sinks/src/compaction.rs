@@ -27,9 +27,13 @@
 //! ## When delta-rs's optimize rewrites instead
 //! - On tables whose protocol asks more of a writer than plain appends ([`plain_for_append`]:
 //!   deletion vectors, row tracking, column mapping, constraints, invariants…).
-//! - When a small file's row groups hold fewer than [`MIN_COPIED_GROUP_ROWS`] rows on average
-//!   (a job of small batches): copied, they would stay that small in every later compaction,
-//!   where a rewrite makes full ones.
+//! - When nothing is left to copy. A small file whose row groups hold fewer than
+//!   [`MIN_COPIED_GROUP_ROWS`] rows on average (a job of small batches) is not copied: its
+//!   groups would stay that small in every later compaction, where a rewrite makes full ones.
+//!   Nor is a file whose footer does not parse here or does not say how its statistics order
+//!   values (old writers). When no two neighbouring files of one kind remain, optimize
+//!   rewrites the partition, so a partition is never found due again and again with nothing
+//!   done.
 
 use std::cmp::Ordering;
 use std::collections::BTreeMap;
@@ -48,7 +52,7 @@ use deltalake::parquet::file::metadata::{
 use deltalake::parquet::file::properties::WriterProperties;
 use deltalake::parquet::file::writer::SerializedFileWriter;
 use deltalake::protocol::DeltaOperation;
-use deltalake::{DeltaResult, DeltaTable, ObjectStore, Path};
+use deltalake::{DeltaResult, DeltaTable, DeltaTableError, ObjectStore, Path};
 use futures::{StreamExt, TryStreamExt};
 use object_store::ObjectStoreExt;
 use object_store::buffered::BufWriter;
@@ -104,31 +108,49 @@ pub(crate) async fn compact_by_copy(
         .iter()
         .map(|f| (f.object_store_path(), u64::try_from(f.size()).unwrap_or(0)))
         .collect();
-    let footers: Vec<ParquetMetaData> = futures::stream::iter(located)
+    // A footer that does not parse here (an encrypted file) is left to optimize to judge.
+    let footers: Vec<ParquetMetaData> = match futures::stream::iter(located)
         .map(|(path, size)| {
             let store = Arc::clone(&store);
             async move { footer(store.as_ref(), &path, size).await }
         })
         .buffered(FOOTERS_AT_ONCE)
         .try_collect()
-        .await?;
+        .await
+    {
+        Ok(footers) => footers,
+        Err(DeltaTableError::Parquet { .. }) => return Ok(None),
+        Err(error) => return Err(error),
+    };
+    // Files that are not copied: thin ones (see the module docs), and those that do not say
+    // how their statistics order values (old writers: the copy's footer would claim an order).
+    let copyable = |footer: &ParquetMetaData| {
+        let metadata = footer.file_metadata();
+        let groups = i64::try_from(footer.num_row_groups()).unwrap_or(i64::MAX);
+        metadata.num_rows() >= MIN_COPIED_GROUP_ROWS.saturating_mul(groups)
+            && metadata.column_orders().is_some()
+    };
+    let (small, footers): (Vec<LogicalFileView>, Vec<ParquetMetaData>) = small
+        .into_iter()
+        .zip(footers)
+        .filter(|(_, footer)| copyable(footer))
+        .unzip();
     let sizes: Vec<u64> = small
         .iter()
         .map(|f| u64::try_from(f.size()).unwrap_or(0))
         .collect();
-    let thin = |footer: &ParquetMetaData| {
-        let groups = i64::try_from(footer.num_row_groups()).unwrap_or(i64::MAX);
-        footer.file_metadata().num_rows() < MIN_COPIED_GROUP_ROWS.saturating_mul(groups)
-    };
-    if footers.iter().any(thin) {
+    let kinds: Vec<FileKind<'_>> = footers.iter().map(FileKind::of).collect();
+    let bins = bins(&sizes, &kinds, target);
+    // Nothing to copy (thin files, or files of different kinds side by side): optimize
+    // rewrites them all, so the partition is not found due again after every batch.
+    if bins.is_empty() {
         return Ok(None);
     }
-    let kinds: Vec<FileKind<'_>> = footers.iter().map(FileKind::of).collect();
     let types = snapshot.snapshot().arrow_schema();
 
     let mut actions = Vec::new();
     let mut done = Copied::default();
-    for bin in bins(&sizes, &kinds, target) {
+    for bin in bins {
         let inputs = &small[bin.clone()];
         let add = copy_into_one_file(&store, inputs, &footers[bin.start], types.as_ref()).await?;
         actions.extend(
@@ -139,9 +161,6 @@ pub(crate) async fn compact_by_copy(
         actions.push(Action::Add(add));
         done.files_removed += inputs.len() as u64;
         done.files_added += 1;
-    }
-    if actions.is_empty() {
-        return Ok(Some(done));
     }
     let operation = DeltaOperation::Optimize {
         predicate: None,
@@ -748,13 +767,27 @@ mod tests {
         assert_eq!(sorted_rows(&table).await, before);
     }
 
-    /// Files of small row groups (a job of small batches) are left to delta-rs's optimize,
-    /// which makes full row groups of them.
+    /// Files of small row groups (a job of small batches) are not copied: the others are, and
+    /// when no two are left to copy, delta-rs's optimize rewrites the partition.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn files_of_small_row_groups_are_not_copied() {
-        let appends = [rows(0, 40_000, true, false), rows(40_000, 100, true, false)];
+        let fat = |from| rows(from, 40_000, true, false);
+        let thin = |from| rows(from, 100, true, false);
         let dir = tempfile::tempdir().unwrap();
-        let table = table_of(dir.path(), &appends).await;
+        let table = table_of(dir.path(), &[fat(0), thin(40_000), fat(50_000)]).await;
+        let done = compact_by_copy(&table, &[], 1 << 30, CommitProperties::default())
+            .await
+            .unwrap();
+        assert_eq!(
+            done,
+            Some(Copied {
+                files_removed: 2,
+                files_added: 1
+            })
+        );
+
+        let dir = tempfile::tempdir().unwrap();
+        let table = table_of(dir.path(), &[fat(0), thin(40_000), thin(50_000)]).await;
         let done = compact_by_copy(&table, &[], 1 << 30, CommitProperties::default())
             .await
             .unwrap();
