@@ -645,6 +645,13 @@ mod tests {
         table
     }
 
+    /// Compacts the whole (unpartitioned) `table` by copy, to 1 GiB files.
+    async fn copy_all(table: &DeltaTable) -> Option<Copied> {
+        compact_by_copy(table, &[], 1 << 30, CommitProperties::default())
+            .await
+            .unwrap()
+    }
+
     fn adds(table: &DeltaTable) -> Vec<(String, Value)> {
         let mut adds: Vec<(String, Value)> = table
             .snapshot()
@@ -697,9 +704,7 @@ mod tests {
         let optimized = table_of(optimized_dir.path(), &appends).await;
         let before = sorted_rows(&copied).await;
 
-        let done = compact_by_copy(&copied, &[], 1 << 30, CommitProperties::default())
-            .await
-            .unwrap();
+        let done = copy_all(&copied).await;
         assert_eq!(
             done,
             Some(Copied {
@@ -752,9 +757,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut table = table_of(dir.path(), &appends).await;
         let before = sorted_rows(&table).await;
-        let done = compact_by_copy(&table, &[], 1 << 30, CommitProperties::default())
-            .await
-            .unwrap();
+        let done = copy_all(&table).await;
         assert_eq!(
             done,
             Some(Copied {
@@ -775,9 +778,7 @@ mod tests {
         let thin = |from| rows(from, 100, true, false);
         let dir = tempfile::tempdir().unwrap();
         let table = table_of(dir.path(), &[fat(0), thin(40_000), fat(50_000)]).await;
-        let done = compact_by_copy(&table, &[], 1 << 30, CommitProperties::default())
-            .await
-            .unwrap();
+        let done = copy_all(&table).await;
         assert_eq!(
             done,
             Some(Copied {
@@ -788,9 +789,7 @@ mod tests {
 
         let dir = tempfile::tempdir().unwrap();
         let table = table_of(dir.path(), &[fat(0), thin(40_000), thin(50_000)]).await;
-        let done = compact_by_copy(&table, &[], 1 << 30, CommitProperties::default())
-            .await
-            .unwrap();
+        let done = copy_all(&table).await;
         assert_eq!(done, None);
     }
 
