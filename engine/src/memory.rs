@@ -59,7 +59,8 @@ pub fn batch_bytes(batch: &arrow::array::RecordBatch) -> usize {
 }
 
 /// Bytes of the allocations `batches` keep alive, each allocation counted once however many
-/// slices, columns or batches share it — what holding these rows costs.
+/// slices, columns or batches share it — what holding these rows costs. A buffer borrowed from
+/// a larger one it does not own (zero-copy from a file's bytes) counts only its own length.
 pub fn held_bytes<'a>(batches: impl IntoIterator<Item = &'a arrow::array::RecordBatch>) -> usize {
     fn visit(data: &arrow::array::ArrayData, seen: &mut std::collections::HashMap<usize, usize>) {
         let buffers = data
@@ -67,7 +68,10 @@ pub fn held_bytes<'a>(batches: impl IntoIterator<Item = &'a arrow::array::Record
             .iter()
             .chain(data.nulls().map(|n| n.buffer()));
         for buffer in buffers {
-            seen.insert(buffer.data_ptr().as_ptr() as usize, buffer.capacity());
+            // A buffer borrowed from elsewhere (`bytes::Bytes`) reports only its own length:
+            // the largest seen at one address is kept.
+            let size = seen.entry(buffer.data_ptr().as_ptr() as usize).or_default();
+            *size = (*size).max(buffer.capacity());
         }
         for child in data.child_data() {
             visit(child, seen);

@@ -30,10 +30,11 @@
 //! - When nothing is left to copy. A small file whose row groups hold fewer than
 //!   [`MIN_COPIED_GROUP_ROWS`] rows on average (a job of small batches) is not copied: its
 //!   groups would stay that small in every later compaction, where a rewrite makes full ones.
-//!   Nor is a file whose footer does not parse here or does not say how its statistics order
-//!   values (old writers). When no two neighbouring files of one kind remain, optimize
-//!   rewrites the partition, so a partition is never found due again and again with nothing
-//!   done.
+//!   Nor is a file that does not say how its statistics order values (old writers). When the
+//!   files left would keep the partition due (no two neighbouring files of one kind to copy,
+//!   or at least `min_files` small files after the copy), optimize rewrites the partition, so
+//!   a partition is never found due again and again with little or nothing done.
+//! - When a small file's footer does not parse here (an encrypted file): optimize judges it.
 
 use std::cmp::Ordering;
 use std::collections::BTreeMap;
@@ -81,11 +82,13 @@ pub(crate) struct Copied {
 /// Compacts the files of `partition` (its column values) in `table` smaller than half of
 /// `target` bytes into files of at most `target` bytes by copying their row groups, and commits
 /// the result through `table`'s log store with `properties`. None when the table's protocol
-/// or the files leave it to delta-rs's optimize (see the module docs).
+/// or the files leave it to delta-rs's optimize (see the module docs), among them when the
+/// copy would leave `min_files` small files (the partition due again at once).
 pub(crate) async fn compact_by_copy(
     table: &DeltaTable,
     partition: &[(String, Option<String>)],
     target: u64,
+    min_files: usize,
     properties: CommitProperties,
 ) -> DeltaResult<Option<Copied>> {
     if !plain_for_append(table) {
@@ -130,6 +133,7 @@ pub(crate) async fn compact_by_copy(
         metadata.num_rows() >= MIN_COPIED_GROUP_ROWS.saturating_mul(groups)
             && metadata.column_orders().is_some()
     };
+    let candidates = small.len();
     let (small, footers): (Vec<LogicalFileView>, Vec<ParquetMetaData>) = small
         .into_iter()
         .zip(footers)
@@ -141,9 +145,12 @@ pub(crate) async fn compact_by_copy(
         .collect();
     let kinds: Vec<FileKind<'_>> = footers.iter().map(FileKind::of).collect();
     let bins = bins(&sizes, &kinds, target);
-    // Nothing to copy (thin files, or files of different kinds side by side): optimize
-    // rewrites them all, so the partition is not found due again after every batch.
-    if bins.is_empty() {
+    // Small files the copy would leave: those not copied, and one output per bin (counted as
+    // small, as it may be). If they are enough to make the partition due again (nothing to
+    // copy at all, or many thin files beside a few copyable ones), optimize rewrites them all
+    // instead, so a partition is never found due after every batch with little or nothing done.
+    let copied: usize = bins.iter().map(|b| b.len()).sum();
+    if bins.is_empty() || candidates - copied + bins.len() >= min_files {
         return Ok(None);
     }
     let types = snapshot.snapshot().arrow_schema();
@@ -647,7 +654,7 @@ mod tests {
 
     /// Compacts the whole (unpartitioned) `table` by copy, to 1 GiB files.
     async fn copy_all(table: &DeltaTable) -> Option<Copied> {
-        compact_by_copy(table, &[], 1 << 30, CommitProperties::default())
+        compact_by_copy(table, &[], 1 << 30, 16, CommitProperties::default())
             .await
             .unwrap()
     }
@@ -771,7 +778,8 @@ mod tests {
     }
 
     /// Files of small row groups (a job of small batches) are not copied: the others are, and
-    /// when no two are left to copy, delta-rs's optimize rewrites the partition.
+    /// when no two are left to copy, or the files left would keep the partition due, delta-rs's
+    /// optimize rewrites the partition.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn files_of_small_row_groups_are_not_copied() {
         let fat = |from| rows(from, 40_000, true, false);
@@ -791,6 +799,29 @@ mod tests {
         let table = table_of(dir.path(), &[fat(0), thin(40_000), thin(50_000)]).await;
         let done = copy_all(&table).await;
         assert_eq!(done, None);
+
+        // Copying two would leave four small files: with `min_files = 4` the partition would
+        // be due again at once, so optimize takes them all.
+        let dir = tempfile::tempdir().unwrap();
+        let files = [
+            fat(0),
+            thin(40_000),
+            thin(50_000),
+            thin(60_000),
+            fat(70_000),
+        ];
+        let table = table_of(dir.path(), &files).await;
+        let copied = |min_files| {
+            compact_by_copy(&table, &[], 1 << 30, min_files, CommitProperties::default())
+        };
+        assert_eq!(copied(4).await.unwrap(), None);
+        assert_eq!(
+            copied(5).await.unwrap(),
+            Some(Copied {
+                files_removed: 2,
+                files_added: 1
+            })
+        );
     }
 
     #[test]

@@ -577,7 +577,7 @@ impl TableHandle {
                     serde_json::json!({ "partition": described }),
                 )])
             };
-            let copied = compact_by_copy(&table, &partition, target.get(), properties())
+            let copied = compact_by_copy(&table, &partition, target.get(), min_files, properties())
                 .await
                 .map_err(|e| self.err(e))?;
             let (removed, added) = match copied {
@@ -2079,7 +2079,7 @@ mod tests {
             .unwrap();
 
         let stale = VersionFence::around(&table, read + 1);
-        let copied = compact_by_copy(&stale, &[], 1 << 30, CommitProperties::default()).await;
+        let copied = compact_by_copy(&stale, &[], 1 << 30, 16, CommitProperties::default()).await;
         assert!(copied.is_err(), "compacted by copy over a newer version");
         assert!(
             stale.optimize().await.is_err(),
@@ -2118,7 +2118,7 @@ mod tests {
         }
         // A compaction by another handle rewrites the three files into one.
         let other = deltalake::open_table(url.clone()).await.unwrap();
-        let copied = compact_by_copy(&other, &[], 1 << 30, CommitProperties::default())
+        let copied = compact_by_copy(&other, &[], 1 << 30, 16, CommitProperties::default())
             .await
             .unwrap();
         assert_eq!(copied.map(|c| c.files_removed), Some(3));

@@ -785,7 +785,7 @@ fn whole_file_dead_letter(file: &RecordedFile, offset: i64, error: String) -> So
 /// Reads a Parquet file and conforms its batches to `schema` by column name, in batches of
 /// [`crate::decode::DECODE_ROWS`] rows as the text formats are decoded (the reader's default
 /// of 1 024 made a Nexmark batch of Parquet files 450 small batches, and each costs the
-/// query a little: q0's execute step went from 6.8 to 1.7 ms a batch).
+/// query a little: in the Spark comparison, q0's execute step went from 6.4 to 1.5 ms a batch).
 pub(crate) fn decode_parquet(
     schema: &SchemaRef,
     bytes: Bytes,
