@@ -99,9 +99,9 @@ pub(crate) async fn compact_by_copy(
         .log_data()
         .iter()
         .filter(|file| {
-            u64::try_from(file.size()).unwrap_or(u64::MAX) < target / 2
+            is_small(file, target)
                 && file.deletion_vector_descriptor().is_none()
-                && in_partition(file, partition)
+                && partition_of(file) == partition
         })
         .collect();
     // Commit order (the order rows arrived in, so each file keeps its rows' event times close).
@@ -198,14 +198,16 @@ async fn footer(store: &dyn ObjectStore, path: &Path, size: u64) -> DeltaResult<
     }
 }
 
-/// Whether `file` holds rows of `partition` (all its partition values, exactly).
-fn in_partition(file: &LogicalFileView, partition: &[(String, Option<String>)]) -> bool {
+/// Whether `file` is small enough to be compacted: under half of `target` bytes.
+pub(crate) fn is_small(file: &LogicalFileView, target: u64) -> bool {
+    u64::try_from(file.size()).unwrap_or(0) < target / 2
+}
+
+/// The partition `file` belongs to: its partition values, by column name.
+pub(crate) fn partition_of(file: &LogicalFileView) -> Vec<(String, Option<String>)> {
     let values: BTreeMap<String, Option<String>> =
         file.partition_values_map().into_iter().collect();
-    values.len() == partition.len()
-        && partition
-            .iter()
-            .all(|(column, value)| values.get(column) == Some(value))
+    values.into_iter().collect()
 }
 
 /// What files must share to be copied into one: their Parquet schema, key-value metadata (the

@@ -73,7 +73,7 @@ use tokio::sync::Mutex;
 use tracing::{info, warn};
 use url::Url;
 
-use crate::compaction::compact_by_copy;
+use crate::compaction::{compact_by_copy, is_small, partition_of};
 use crate::error::{Result, SinkError};
 use crate::parquet_write::{
     casts_losslessly, encode_parallel, plain_for_append, writer_properties, writers_for,
@@ -528,9 +528,8 @@ impl TableHandle {
         let target = setting.unwrap_or_else(|| snapshot.table_config().target_file_size());
         let mut small: BTreeMap<Vec<(String, Option<String>)>, usize> = BTreeMap::new();
         for file in snapshot.log_data().iter() {
-            if u64::try_from(file.size()).unwrap_or(0) < target.get() / 2 {
-                let partition: BTreeMap<_, _> = file.partition_values_map().into_iter().collect();
-                *small.entry(partition.into_iter().collect()).or_default() += 1;
+            if is_small(&file, target.get()) {
+                *small.entry(partition_of(&file)).or_default() += 1;
             }
         }
         let due = small
@@ -543,7 +542,8 @@ impl TableHandle {
 
     /// Rewrites the small files of each partition that is due (see
     /// [`TableHandle::partitions_due`]) into `target`-sized files, one commit per partition,
-    /// `dataChange = false`. The commit can only land as the version right after the one the
+    /// `dataChange = false`: by copying their row groups (`compaction::compact_by_copy`), else
+    /// through delta-rs's optimize. The commit can only land as the version right after the one the
     /// compaction read ([`VersionFence`]): a compaction that lost a race fails (see
     /// [`Sink::compact`]) — delta-rs's optimize would otherwise retry over the newer commit,
     /// and its conflict checker ignores `dataChange = false` removes.
@@ -556,17 +556,6 @@ impl TableHandle {
                 SinkError::Config(format!("table {} has no version to compact", self.url))
             })?;
             let table = VersionFence::around(&latest, read + 1);
-            // `""` selects the null partition value (delta-rs reads it as IS NULL).
-            let filters: Vec<FilterLiteral<'_>> = partition
-                .iter()
-                .map(|(column, value)| {
-                    (
-                        column.as_str(),
-                        FilterOp::Eq,
-                        FilterValue::Scalar(value.as_deref().unwrap_or("")),
-                    )
-                })
-                .collect();
             let described: BTreeMap<&str, Option<&str>> = partition
                 .iter()
                 .map(|(c, v)| (c.as_str(), v.as_deref()))
@@ -583,6 +572,17 @@ impl TableHandle {
             let (removed, added) = match copied {
                 Some(copied) => (copied.files_removed, copied.files_added),
                 None => {
+                    // `""` selects the null partition value (delta-rs reads it as IS NULL).
+                    let filters: Vec<FilterLiteral<'_>> = partition
+                        .iter()
+                        .map(|(column, value)| {
+                            (
+                                column.as_str(),
+                                FilterOp::Eq,
+                                FilterValue::Scalar(value.as_deref().unwrap_or("")),
+                            )
+                        })
+                        .collect();
                     let (_, metrics) = table
                         .optimize()
                         .with_filters(&filters)
@@ -2097,9 +2097,9 @@ mod tests {
 
     /// A backfill's replacement that read a version before a compaction (by copy, as on a
     /// plain table) of the files it replaces is refused by delta-rs (`ConcurrentAppend`: the
-    /// compacted file holds rows its predicate matches), and so retried on the latest version — the other half of keeping
-    /// compaction and replacement apart, which Sluice relies on rather than fences (see
-    /// [`VersionFence`] for the compaction's half).
+    /// compacted file holds rows its predicate matches), and so retried on the latest version
+    /// — the other half of keeping compaction and replacement apart, which Sluice relies on
+    /// rather than fences (see [`VersionFence`] for the compaction's half).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn delta_rs_refuses_a_replacement_over_a_compaction_it_did_not_read() {
         let dir = tempfile::tempdir().unwrap();
