@@ -178,6 +178,133 @@ async fn parquet_files_are_read_and_conformed_by_column_name() {
     assert!(dead[0]["error"].as_str().unwrap().contains("whole file"));
 }
 
+/// A query that uses a few of a Parquet source's columns has only those decoded; the rows
+/// that go to the dead-letter and late tables are read again whole, so those tables hold every
+/// column of the record, as they do when every column is read.
+#[tokio::test(flavor = "multi_thread")]
+async fn parquet_reads_only_the_columns_used_and_side_tables_keep_whole_records() {
+    let ws = tempfile::tempdir().unwrap();
+    let input = ws.path().join("input");
+    std::fs::create_dir_all(&input).unwrap();
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("id", DataType::Int64, false),
+        Field::new(
+            "ts",
+            DataType::Timestamp(arrow::datatypes::TimeUnit::Microsecond, Some("UTC".into())),
+            true,
+        ),
+        Field::new("note", DataType::Utf8, false),
+        Field::new("amount", DataType::Int64, false),
+    ]));
+    let minute = 60_000_000_i64;
+    let write = |name: &str, rows: &[(i64, Option<i64>, &str, i64)]| {
+        let batch = RecordBatch::try_new(
+            Arc::clone(&schema),
+            vec![
+                Arc::new(Int64Array::from_iter_values(rows.iter().map(|r| r.0))),
+                Arc::new(
+                    arrow::array::TimestampMicrosecondArray::from_iter(rows.iter().map(|r| r.1))
+                        .with_timezone("UTC"),
+                ),
+                Arc::new(StringArray::from_iter_values(rows.iter().map(|r| r.2))),
+                Arc::new(Int64Array::from_iter_values(rows.iter().map(|r| r.3))),
+            ],
+        )
+        .unwrap();
+        let file = std::fs::File::create(input.join(name)).unwrap();
+        let mut w =
+            deltalake::parquet::arrow::ArrowWriter::try_new(file, schema.clone(), None).unwrap();
+        w.write(&batch).unwrap();
+        w.close().unwrap();
+    };
+    // One file a batch. The first: a row whose amount fails the query (division by zero), one
+    // without event time; the watermark ends at 00:02:10.
+    write(
+        "part-0.parquet",
+        &[
+            (1, Some(10_000_000), "first", 5),
+            (2, Some(minute + 30_000_000), "zero amount", 0),
+            (3, None, "no time", 1),
+            (4, Some(2 * minute + 10_000_000), "fourth", 2),
+        ],
+    );
+    // The second: a row of the first minute, closed by then: late.
+    write(
+        "part-1.parquet",
+        &[
+            (5, Some(20_000_000), "late one", 1),
+            (6, Some(3 * minute), "sixth", 4),
+        ],
+    );
+    let job = job(
+        ws.path(),
+        "narrow_parquet",
+        "parquet",
+        "event_time = \"ts\"\nmax_out_of_orderness = \"0s\"",
+        "SELECT window_start, count(*) AS n, sum(100 / amount) AS s \
+         FROM tumble(input, ts, INTERVAL '1' MINUTE) GROUP BY window_start, window_end",
+    );
+    let run = run_sluice(&["run", job.to_str().unwrap()], &[]);
+    assert_ok(&run);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        stderr.contains("reading only the columns the query uses")
+            && stderr.contains("columns=ts, amount"),
+        "{stderr}"
+    );
+    let out = ws.path().join("out");
+    let mut windows: Vec<(String, i64, i64)> = table_values(&out, &[])
+        .await
+        .iter()
+        .map(|r| {
+            (
+                r["window_start"].as_str().unwrap().to_string(),
+                r["n"].as_i64().unwrap(),
+                r["s"].as_i64().unwrap(),
+            )
+        })
+        .collect();
+    windows.sort();
+    // The late row still counts in no closed window; 00:03 is still open.
+    assert_eq!(windows.len(), 2, "{windows:?}");
+    assert_eq!((windows[0].1, windows[0].2), (1, 20));
+    assert_eq!((windows[1].1, windows[1].2), (1, 50));
+    let mut dead = table_values(&dead_letter_table(&out), &[]).await;
+    dead.sort_by_key(|d| d["_source_position"].as_str().unwrap().to_string());
+    let dead: Vec<(String, serde_json::Value, String)> = dead
+        .iter()
+        .map(|d| {
+            (
+                d["_source_position"].as_str().unwrap().to_string(),
+                // Binary, read as hex.
+                serde_json::from_slice(&hex_bytes(d["raw"].as_str().unwrap())).unwrap(),
+                d["error"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(dead.len(), 2, "{dead:?}");
+    assert_eq!(dead[0].0, "part-0.parquet:2");
+    assert_eq!(dead[0].1["note"], "zero amount", "{dead:?}");
+    assert_eq!(dead[0].1["id"], 2, "{dead:?}");
+    assert!(dead[0].2.contains("Divide by zero"), "{dead:?}");
+    assert_eq!(dead[1].0, "part-0.parquet:3");
+    assert_eq!(dead[1].1["note"], "no time", "{dead:?}");
+    assert_eq!(dead[1].1["amount"], 1, "{dead:?}");
+    let late = table_values(&late_table(&out), &[]).await;
+    assert_eq!(late.len(), 1, "{late:?}");
+    assert_eq!(late[0]["id"], 5);
+    assert_eq!(late[0]["note"], "late one");
+    assert_eq!(late[0]["_source_position"], "part-1.parquet:1");
+}
+
+/// The bytes a hex string spells.
+fn hex_bytes(hex: &str) -> Vec<u8> {
+    (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn interval_trigger_picks_up_new_files_and_stops_cleanly_on_sigterm() {
     let ws = tempfile::tempdir().unwrap();

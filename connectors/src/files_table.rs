@@ -172,7 +172,7 @@ impl FilesTable {
             format!("file {name} of table {}: {what}", self.url).into()
         };
         if self.format == FileFormat::Parquet {
-            return decode_parquet(schema, bytes).map_err(fail);
+            return decode_parquet(schema, None, bytes).map_err(fail);
         }
         let (bytes, cut_off) = decompress(name, bytes);
         if let Some(error) = cut_off {

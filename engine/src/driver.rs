@@ -42,6 +42,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arrow::array::{AsArray, RecordBatch};
+use arrow::compute::concat_batches;
 use arrow::datatypes::SchemaRef;
 use futures::future::try_join_all;
 use tokio::sync::watch;
@@ -56,7 +57,8 @@ use crate::error::{Error, Result};
 use crate::expectations::{Expectations, QUARANTINE_SOURCE};
 use crate::fault::{crash_point, pause_point};
 use crate::input::{
-    FutureTimes, OpenSource, conform, open_sources_and_query, plan_query, read_source,
+    FutureTimes, OpenSource, conform, narrow_reads, open_sources_and_query, plan_query,
+    read_source, whole_rows,
 };
 use crate::job::{DEAD_LETTER_BREAKER_MIN, Job, Trigger};
 use crate::lease::{Lease, LeaseSettings, REWRITE_LEASE_FOLDER};
@@ -66,7 +68,7 @@ use crate::offsets::{
 };
 use crate::operators::state_store::StateLog;
 use crate::progress::{CommittedBatch, Progress};
-use crate::query::{BatchWatermark, Query, QuerySettings, SourceInputs, StreamingQuery};
+use crate::query::{BatchWatermark, FailedRow, Query, QuerySettings, SourceInputs, StreamingQuery};
 use crate::sink::{BatchCommit, CommitOutcome, Compaction, Sink};
 use crate::source::DeadLetter;
 use crate::source::SchemaInference;
@@ -387,10 +389,11 @@ impl Pipeline {
         let OpenedJob {
             checkpoint,
             settings,
-            sources,
+            mut sources,
             tables,
-            mut query,
+            query,
         } = open_job(&mut job, false).await?;
+        let mut query = narrow_reads(query, &job.query, &settings, &mut sources).await?;
         let Job {
             id: job_id,
             query: query_definition,
@@ -688,14 +691,28 @@ impl Pipeline {
                     max_event_time_by_partition(chunk, &time.column, maxima)?;
                 }
             }
+            // Narrowed reads: the late rows' source columns, to be read again whole.
+            let mut late_narrow = Vec::new();
             for chunk in &rows {
                 let late =
                     self.query
                         .late_rows(&s.name, chunk, self.watermark.current(), batch.id())?;
                 if let Some(late) = late {
                     batch.counters.rows_late += late.num_rows() as u64;
-                    batch.late.push(late);
+                    match s.read_columns {
+                        Some(_) => late_narrow
+                            .push(late.project(&(0..chunk.num_columns()).collect::<Vec<_>>())?),
+                        None => batch.late.push(late),
+                    }
                 }
+            }
+            if let Some(first) = late_narrow.first() {
+                let narrow = concat_batches(&first.schema(), &late_narrow)?;
+                let whole = whole_rows(s, &narrow, true).await?;
+                let late =
+                    self.query
+                        .late_rows(&s.name, &whole, self.watermark.current(), batch.id())?;
+                batch.late.extend(late);
             }
             let mut letters = letters;
             for skip in batch.intent.skipped.iter().filter(|k| k.source == s.name) {
@@ -775,17 +792,21 @@ impl Pipeline {
             .iter()
             .map(|s| (s.name.clone(), Arc::clone(&s.schema)))
             .collect();
-        self.query = plan_query(
+        let query = plan_query(
             &self.query_definition,
             &schemas,
             &self.settings,
             &self.sources,
         )
         .await?;
+        self.query = narrow_reads(
+            query,
+            &self.query_definition,
+            &self.settings,
+            &mut self.sources,
+        )
+        .await?;
         self.expectations = self.expectations.replan(&self.query.output_schema())?;
-        for s in &mut self.sources {
-            s.planned = Arc::clone(&s.schema);
-        }
         Ok(())
     }
 
@@ -861,15 +882,29 @@ impl Pipeline {
         };
         let output = self.query.execute_read(&inputs, step).await?;
         drop(inputs);
-        let mut failed_by_source: BTreeMap<&str, Vec<DeadLetter>> = BTreeMap::new();
+        let mut failed_by_source: BTreeMap<&str, Vec<&FailedRow>> = BTreeMap::new();
         for failed in &output.failed {
-            let letter = dead_letter_from_row(&failed.row, &failed.error)?;
             failed_by_source
                 .entry(&failed.source)
                 .or_default()
-                .push(letter);
+                .push(failed);
         }
-        for (source, letters) in failed_by_source {
+        for (source, failed) in failed_by_source {
+            let rows: Vec<&RecordBatch> = failed.iter().map(|f| &f.row).collect();
+            let mut rows = concat_batches(&rows[0].schema(), rows)?;
+            // A narrowed read's rows hold only the columns read: dead letters keep whole records.
+            if let Some(s) = self
+                .sources
+                .iter()
+                .find(|s| s.name == source && s.read_columns.is_some())
+            {
+                rows = whole_rows(s, &rows, true).await?;
+            }
+            let letters = failed
+                .iter()
+                .enumerate()
+                .map(|(i, f)| dead_letter_from_row(&rows.slice(i, 1), &f.error))
+                .collect::<Result<Vec<DeadLetter>>>()?;
             batch
                 .dead_letters
                 .push(dead_letter_batch(source, batch.id(), &letters)?);

@@ -7,9 +7,9 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use arrow::array::{Array, ArrayRef, AsArray, RecordBatch};
+use arrow::array::{Array, ArrayRef, AsArray, RecordBatch, RecordBatchOptions};
 use arrow::compute::{concat_batches, filter_record_batch};
-use arrow::datatypes::{DataType, Int64Type, SchemaRef};
+use arrow::datatypes::{DataType, Int64Type, Schema, SchemaRef};
 use futures::future::try_join_all;
 
 use crate::checkpoint::CheckpointStore;
@@ -23,7 +23,7 @@ use crate::offsets::{OffsetRange, PartitionId};
 use crate::query::{Query, QuerySettings, StreamingQuery};
 use crate::sink::{Sink, TableScan};
 use crate::source::{
-    DeadLetter, SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_POSITION, Source, SourceContext,
+    DeadLetter, SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_POSITION, Source, SourceContext, SourceRead,
 };
 use crate::static_table::{StaticTables, TableSpec};
 
@@ -36,8 +36,112 @@ pub(crate) struct OpenSource {
     /// evolution adds columns.
     pub(crate) schema: SchemaRef,
     /// The schema the query was planned over: [`OpenSource::schema`] until it grows; a stateful
-    /// query keeps its plan (and state), so its input is conformed back to this.
+    /// query keeps its plan (and state), so its input is conformed back to this. Only the
+    /// columns read when the reads are narrowed ([`narrow_reads`]).
     pub(crate) planned: SchemaRef,
+    /// The data columns read, when only some are ([`narrow_reads`]); `None`: all.
+    pub(crate) read_columns: Option<Vec<String>>,
+}
+
+impl OpenSource {
+    /// `schema` (a schema of this source's batches, as read or as the query sees them) with
+    /// only the columns its reads return: the data columns read, and the lineage columns.
+    fn as_read(&self, schema: &SchemaRef) -> SchemaRef {
+        let Some(read) = &self.read_columns else {
+            return Arc::clone(schema);
+        };
+        let kept = schema
+            .fields()
+            .iter()
+            .filter(|f| is_lineage(f.name()) || read.contains(f.name()))
+            .cloned()
+            .collect::<Vec<_>>();
+        Arc::new(Schema::new_with_metadata(kept, schema.metadata().clone()))
+    }
+
+    /// The rows of `partition` in `range`, with the columns [`OpenSource::read_columns`] names.
+    async fn read(&self, partition: &PartitionId, range: OffsetRange) -> Result<SourceRead> {
+        let Some(columns) = &self.read_columns else {
+            return self.source.read(partition, range).await;
+        };
+        let mut read = self.source.read_columns(partition, range, columns).await?;
+        // A source may give more columns than asked for: only those asked for are kept.
+        for batch in &mut read.batches {
+            let schema = self.as_read(&batch.schema());
+            if schema.fields().len() < batch.num_columns() {
+                let indices: Vec<usize> = schema
+                    .fields()
+                    .iter()
+                    .map(|f| batch.schema().index_of(f.name()))
+                    .collect::<std::result::Result<_, _>>()?;
+                *batch = batch.project(&indices)?;
+            }
+        }
+        Ok(read)
+    }
+}
+
+/// Whether `name` is one of the lineage columns every source batch carries.
+fn is_lineage(name: &str) -> bool {
+    [SOURCE_PARTITION, SOURCE_OFFSET, SOURCE_POSITION].contains(&name)
+}
+
+/// Narrows the reads of the sources that can read only some columns
+/// ([`Source::reads_columns`]: Parquet files) to the columns `query` reads
+/// ([`StreamingQuery::columns_read`]), their event-time column and lineage, and plans
+/// `definition` again over those columns. Parquet decoding is most of a batch that reads a few
+/// of many columns. The rows that go to the dead-letter and late tables, which keep whole
+/// records, are read again whole ([`whole_rows`]). Returns `query` as it is when no read
+/// narrows.
+///
+/// # Errors
+/// If the query does not plan over the narrower schemas (it reads the columns they keep, so
+/// only a bug makes it fail).
+pub(crate) async fn narrow_reads(
+    query: StreamingQuery,
+    definition: &Query,
+    settings: &QuerySettings,
+    sources: &mut [OpenSource],
+) -> Result<StreamingQuery> {
+    let read = query.columns_read()?;
+    let mut narrowed = false;
+    for s in sources.iter_mut() {
+        s.read_columns = None;
+        s.planned = Arc::clone(&s.schema);
+        let Some(read) = read.as_ref().filter(|_| s.source.reads_columns()) else {
+            continue;
+        };
+        let used = read.get(&s.name);
+        let event_time = s.event_time.as_ref().map(|t| t.column.as_str());
+        let data: Vec<&String> = s
+            .schema
+            .fields()
+            .iter()
+            .map(|f| f.name())
+            .filter(|name| !is_lineage(name))
+            .collect();
+        let columns: Vec<String> = data
+            .iter()
+            .filter(|name| {
+                Some(name.as_str()) == event_time || used.is_some_and(|u| u.contains(**name))
+            })
+            .map(|name| (*name).clone())
+            .collect();
+        if columns.len() < data.len() {
+            tracing::info!(source = %s.name, columns = %columns.join(", "), of = data.len(), "reading only the columns the query uses");
+            s.read_columns = Some(columns);
+            s.planned = s.as_read(&s.schema);
+            narrowed = true;
+        }
+    }
+    if !narrowed {
+        return Ok(query);
+    }
+    let schemas: Vec<(String, SchemaRef)> = sources
+        .iter()
+        .map(|s| (s.name.clone(), Arc::clone(&s.planned)))
+        .collect();
+    plan_query(definition, &schemas, settings, sources).await
 }
 
 /// Opens every source (with its folder of the checkpoint) and static table, and plans the
@@ -85,6 +189,7 @@ pub(crate) async fn open_sources_and_query(
             event_time: spec.event_time,
             planned: Arc::clone(&schema),
             schema,
+            read_columns: None,
         });
     }
     let schemas: Vec<(String, SchemaRef)> = sources
@@ -342,20 +447,21 @@ pub(crate) async fn read_source(
 ) -> Result<SourceRows> {
     let ranges: Vec<(&PartitionId, &OffsetRange)> =
         ranges.iter().filter(|(_, r)| !r.is_empty()).collect();
-    let mut reads = try_join_all(ranges.iter().map(|(p, r)| s.source.read(p, **r))).await?;
+    let mut reads = try_join_all(ranges.iter().map(|(p, r)| s.read(p, **r))).await?;
     let mut query_schema = Arc::clone(&s.schema);
     if let Some(mut current) = s.source.current_schema().await {
         // Bounded: every pass that finds a stale read follows a growth of the schema.
         for _ in 0..MAX_REREADS {
+            let as_read = s.as_read(&current);
             let stale: Vec<usize> = (0..reads.len())
-                .filter(|&i| reads[i].batches.iter().any(|b| b.schema() != current))
+                .filter(|&i| reads[i].batches.iter().any(|b| b.schema() != as_read))
                 .collect();
             if stale.is_empty() {
                 break;
             }
             for i in stale {
                 let (p, r) = ranges[i];
-                reads[i] = s.source.read(p, *r).await?;
+                reads[i] = s.read(p, *r).await?;
             }
             current = s.source.current_schema().await.unwrap_or(current);
         }
@@ -370,6 +476,9 @@ pub(crate) async fn read_source(
         FutureTimes::AsRecorded(_) => None,
     };
     let mut letters = Vec::new();
+    // Rows of narrowed reads without a usable event time: where in `letters` each goes, once
+    // read again whole.
+    let mut no_time: Vec<(usize, RecordBatch, String)> = Vec::new();
     let mut batches = Vec::new();
     for read in reads {
         letters.extend(read.dead_letters);
@@ -402,14 +511,27 @@ pub(crate) async fn read_source(
             let mut keep = vec![true; batch.num_rows()];
             for b in &bad {
                 keep[b.row] = false;
-                letters.push(dead_letter_from_row(&batch.slice(b.row, 1), &b.reason)?);
+                let row = batch.slice(b.row, 1);
+                match s.read_columns {
+                    Some(_) => no_time.push((letters.len(), row, b.reason.clone())),
+                    None => letters.push(dead_letter_from_row(&row, &b.reason)?),
+                }
             }
             batches.push(filter_record_batch(&parsed, &keep.into())?);
         }
     }
+    if !no_time.is_empty() {
+        let narrow: Vec<&RecordBatch> = no_time.iter().map(|(_, row, _)| row).collect();
+        let whole = whole_rows(s, &concat_batches(&narrow[0].schema(), narrow)?, false).await?;
+        // From the last, so each goes in where it was found among the others.
+        for (i, (at, _, reason)) in no_time.iter().enumerate().rev() {
+            letters.insert(*at, dead_letter_from_row(&whole.slice(i, 1), reason)?);
+        }
+    }
+    let as_read = s.as_read(&query_schema);
     let mut rows = batches
         .into_iter()
-        .map(|b| in_schema(&query_schema, b))
+        .map(|b| in_schema(&as_read, b))
         .collect::<std::result::Result<Vec<_>, _>>()
         .map_err(|e| Error::in_source(&s.name, format!("its reads disagree on the schema: {e}")))?;
     rows.retain(|b| b.num_rows() > 0);
@@ -530,6 +652,103 @@ pub(crate) async fn read_source_as_opened(
     let rows = concat_consuming(&s.schema, read.rows)
         .map_err(|e| Error::in_source(&s.name, format!("its reads disagree on the schema: {e}")))?;
     Ok((rows, read.dead_letters))
+}
+
+/// The whole records of `rows` — rows of `s` as its narrowed reads gave them, lineage
+/// included — in their order, read again with every column: the offsets they came from are
+/// read again, and each row found by its partition, offset and position. `as_queried`: with
+/// the event-time column parsed, as the query sees rows (else as the source gives them).
+///
+/// A record the second read does not give back (its file could not be read whole: a column
+/// the query does not read is corrupt) keeps the columns that were read, the others null, and
+/// a warning says so.
+pub(crate) async fn whole_rows(
+    s: &OpenSource,
+    rows: &RecordBatch,
+    as_queried: bool,
+) -> Result<RecordBatch> {
+    let keys: Vec<RowKey> = (0..rows.num_rows()).map(|r| row_key(rows, r)).collect();
+    let mut offsets: BTreeMap<&str, Vec<i64>> = BTreeMap::new();
+    for (partition, offset, _) in &keys {
+        offsets.entry(partition).or_default().push(*offset);
+    }
+    let mut ranges: Vec<(PartitionId, OffsetRange)> = Vec::new();
+    for (partition, mut offsets) in offsets {
+        offsets.sort_unstable();
+        offsets.dedup();
+        for offset in offsets {
+            match ranges.last_mut() {
+                Some((p, range)) if p == partition && range.end == offset => range.end += 1,
+                _ => ranges.push((partition.to_string(), OffsetRange::new(offset, offset + 1))),
+            }
+        }
+    }
+    let reads = try_join_all(ranges.iter().map(|(p, r)| s.source.read(p, *r))).await?;
+    let wanted: std::collections::HashSet<&RowKey> = keys.iter().collect();
+    let mut found: HashMap<RowKey, (usize, usize)> = HashMap::new();
+    let mut batches: Vec<RecordBatch> = Vec::new();
+    for batch in reads.into_iter().flat_map(|read| read.batches) {
+        let batch = match (&s.event_time, as_queried) {
+            (Some(time), true) => {
+                extract_event_time(&batch, time, None)
+                    .map_err(|e| Error::in_source(&s.name, e))?
+                    .0
+            }
+            _ => batch,
+        };
+        if batches
+            .first()
+            .is_some_and(|first| first.schema() != batch.schema())
+        {
+            return Err(Error::in_source(
+                &s.name,
+                "its reads disagree on the schema while reading records again whole",
+            ));
+        }
+        for row in 0..batch.num_rows() {
+            let key = row_key(&batch, row);
+            if wanted.contains(&key) {
+                found.insert(key, (batches.len(), row));
+            }
+        }
+        batches.push(batch);
+    }
+    let Some(schema) = batches.first().map(RecordBatch::schema) else {
+        tracing::warn!(source = %s.name, rows = rows.num_rows(), "records read again whole were not given back: they keep only the columns the query reads");
+        return Ok(rows.clone());
+    };
+    let mut indices = Vec::with_capacity(keys.len());
+    let mut missing = Vec::new();
+    for (row, key) in keys.iter().enumerate() {
+        match found.get(key) {
+            Some(at) => indices.push(*at),
+            None => {
+                indices.push((batches.len(), missing.len()));
+                missing.push(row as u32);
+            }
+        }
+    }
+    if !missing.is_empty() {
+        tracing::warn!(source = %s.name, rows = missing.len(), "records read again whole were not given back: they keep only the columns the query reads");
+        let missing = arrow::array::UInt32Array::from(missing);
+        let taken = arrow::compute::take_record_batch(rows, &missing)?;
+        let columns = schema
+            .fields()
+            .iter()
+            .map(|f| match taken.column_by_name(f.name()) {
+                Some(c) if c.data_type() == f.data_type() => Arc::clone(c),
+                _ => arrow::array::new_null_array(f.data_type(), taken.num_rows()),
+            })
+            .collect();
+        let options = RecordBatchOptions::new().with_row_count(Some(taken.num_rows()));
+        batches.push(RecordBatch::try_new_with_options(
+            Arc::clone(&schema),
+            columns,
+            &options,
+        )?);
+    }
+    let refs: Vec<&RecordBatch> = batches.iter().collect();
+    Ok(arrow::compute::interleave_record_batch(&refs, &indices)?)
 }
 
 /// The key of row `row` of a source batch, as [`dead_letter_from_row`] would record it.

@@ -439,6 +439,48 @@ impl StreamingQuery {
         Ok(())
     }
 
+    /// The columns of each source the query reads (after DataFusion's projection pushdown),
+    /// where reading only those changes nothing else: a stateless query, or an aggregate
+    /// (its state holds partial results, not rows). `None` for deduplication and joins, whose
+    /// state keeps source rows, and for a plan that scans anything but sources and tables. A
+    /// source the query does not scan is absent. Lineage and event-time columns are the
+    /// caller's to add.
+    ///
+    /// # Errors
+    /// If the plan does not optimize.
+    pub fn columns_read(&self) -> Result<Option<BTreeMap<String, BTreeSet<String>>>> {
+        let plan = match &self.stateful {
+            None => self.plan.clone(),
+            // The plan each batch runs: a watermark adds a filter on the window column.
+            Some(StatefulOperator::Aggregate(a)) => a.partial_plan(Some(0))?,
+            Some(_) => return Ok(None),
+        };
+        let optimized = self.tables.ctx.state().optimize(&plan)?;
+        let mut read: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        let mut other_scan = false;
+        optimized.apply_with_subqueries(|node| {
+            let LogicalPlan::TableScan(scan) = node else {
+                return Ok(TreeNodeRecursion::Continue);
+            };
+            let scanned = scan.table_name.table();
+            let named = |name: &String| name.eq_ignore_ascii_case(scanned);
+            let Some(source) = self.tables.tables.keys().find(|name| named(name)) else {
+                other_scan |= !self.tables.statics.keys().any(named);
+                return Ok(TreeNodeRecursion::Continue);
+            };
+            let schema = scan.source.schema();
+            let columns = read.entry(source.clone()).or_default();
+            match &scan.projection {
+                Some(indices) => {
+                    columns.extend(indices.iter().map(|&i| schema.field(i).name().clone()));
+                }
+                None => columns.extend(schema.fields().iter().map(|f| f.name().clone())),
+            }
+            Ok(TreeNodeRecursion::Continue)
+        })?;
+        Ok((!other_scan).then_some(read))
+    }
+
     /// Whether the query carries state between batches (an aggregate).
     pub fn is_stateful(&self) -> bool {
         self.stateful.is_some()
@@ -1290,6 +1332,80 @@ mod tests {
             lineage: true,
             ..QuerySettings::default()
         }
+    }
+
+    /// What a query reads of each source: the columns its scans keep after projection
+    /// pushdown (a window's time column among them), for stateless queries and aggregates only.
+    #[tokio::test]
+    async fn columns_read_are_what_the_scans_keep() {
+        let ts = DataType::Timestamp(arrow::datatypes::TimeUnit::Microsecond, Some("UTC".into()));
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("auction", DataType::Int64, false),
+            Field::new("price", DataType::Int64, false),
+            Field::new("url", DataType::Utf8, false),
+            Field::new("ts", ts, false),
+            Field::new(SOURCE_PARTITION, DataType::Utf8, false),
+            Field::new(SOURCE_OFFSET, DataType::Int64, false),
+        ]));
+        let settings = QuerySettings {
+            event_time: BTreeMap::from([("bid".to_string(), "ts".to_string())]),
+            ..QuerySettings::default()
+        };
+        let read = async |sql: &str| {
+            let query =
+                StreamingQuery::plan(sql, &[("bid".into(), Arc::clone(&schema))], &settings)
+                    .await
+                    .unwrap();
+            query.columns_read().unwrap().map(|r| {
+                r.into_iter()
+                    .map(|(source, columns)| (source, columns.into_iter().collect::<Vec<_>>()))
+                    .collect::<Vec<_>>()
+            })
+        };
+        let of = |columns: &[&str]| {
+            Some(vec![(
+                "bid".to_string(),
+                columns.iter().map(|c| c.to_string()).collect::<Vec<_>>(),
+            )])
+        };
+        assert_eq!(
+            read("SELECT auction, price FROM bid WHERE auction % 3 = 0").await,
+            of(&["auction", "price"])
+        );
+        assert_eq!(
+            read(
+                "SELECT auction, count(*) AS n, window_start FROM hop(bid, ts, INTERVAL '2' \
+                 SECOND, INTERVAL '10' SECOND) GROUP BY auction, window_start, window_end"
+            )
+            .await,
+            of(&["auction", "ts"])
+        );
+        assert_eq!(
+            read("SELECT max(price) AS p FROM tumble(bid, ts, INTERVAL '1' MINUTE) GROUP BY window_start").await,
+            of(&["price", "ts"])
+        );
+        let all = [
+            "_source_offset",
+            "_source_partition",
+            "auction",
+            "price",
+            "ts",
+            "url",
+        ];
+        assert_eq!(read("SELECT * FROM bid").await, of(&all));
+        // Deduplication keeps source rows in its state: no narrowing.
+        let dedup = QuerySettings {
+            state_ttl: Some(Duration::from_secs(3600)),
+            ..settings.clone()
+        };
+        let query = StreamingQuery::plan(
+            "SELECT DISTINCT auction, ts FROM bid",
+            &[("bid".into(), Arc::clone(&schema))],
+            &dedup,
+        )
+        .await
+        .unwrap();
+        assert_eq!(query.columns_read().unwrap(), None);
     }
 
     /// A source batch of `code` strings with lineage columns (partition "0", given offsets).

@@ -179,6 +179,29 @@ pub trait Source: Send + Sync {
     /// The rows of `partition` in `range`.
     async fn read(&self, partition: &PartitionId, range: OffsetRange) -> Result<SourceRead>;
 
+    /// Whether [`Source::read_columns`] decodes only the columns it is asked for (Parquet
+    /// files do: each column is stored apart). When it does, a query that uses a few of the
+    /// source's columns has only those read, and the engine reads a record again in full for
+    /// the few rows that go to the dead-letter or late tables, which keep whole records.
+    fn reads_columns(&self) -> bool {
+        false
+    }
+
+    /// The rows of `partition` in `range` as [`Source::read`] gives them, with only the data
+    /// columns named in `columns` (in the schema's order) followed by the lineage columns;
+    /// dead letters as `read` gives them. Called only when [`Source::reads_columns`]; a row
+    /// must carry the same lineage as in `read`, and (partition, offset, position) must name
+    /// one row. The default reads every column (the engine keeps those it asked for).
+    async fn read_columns(
+        &self,
+        partition: &PartitionId,
+        range: OffsetRange,
+        columns: &[String],
+    ) -> Result<SourceRead> {
+        let _ = columns;
+        self.read(partition, range).await
+    }
+
     /// The most offsets one batch may read across all partitions (`max_files_per_batch`,
     /// `max_records_per_batch`); `None` for no limit.
     fn max_per_batch(&self) -> Option<u64>;
