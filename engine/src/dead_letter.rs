@@ -90,9 +90,7 @@ pub fn dead_letter_from_row(row: &RecordBatch, error: &str) -> Result<DeadLetter
         .fields()
         .iter()
         .enumerate()
-        .filter(|(_, f)| {
-            ![SOURCE_PARTITION, SOURCE_OFFSET, SOURCE_POSITION].contains(&f.name().as_str())
-        })
+        .filter(|(_, f)| !crate::source::is_lineage(f.name()))
         .map(|(i, _)| i)
         .collect();
     let data = row.project(&data_columns)?;

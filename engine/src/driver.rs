@@ -57,7 +57,7 @@ use crate::error::{Error, Result};
 use crate::expectations::{Expectations, QUARANTINE_SOURCE};
 use crate::fault::{crash_point, pause_point};
 use crate::input::{
-    FutureTimes, OpenSource, conform, narrow_reads, open_sources_and_query, plan_query,
+    FutureTimes, OpenSource, conform, make_whole, narrow_reads, open_sources_and_query, plan_query,
     read_source, whole_rows,
 };
 use crate::job::{DEAD_LETTER_BREAKER_MIN, Job, Trigger};
@@ -890,20 +890,15 @@ impl Pipeline {
                 .push(failed);
         }
         for (source, failed) in failed_by_source {
-            let rows: Vec<&RecordBatch> = failed.iter().map(|f| &f.row).collect();
-            let mut rows = concat_batches(&rows[0].schema(), rows)?;
+            let mut rows: Vec<RecordBatch> = failed.iter().map(|f| f.row.clone()).collect();
             // A narrowed read's rows hold only the columns read: dead letters keep whole records.
-            if let Some(s) = self
-                .sources
-                .iter()
-                .find(|s| s.name == source && s.read_columns.is_some())
-            {
-                rows = whole_rows(s, &rows, true).await?;
+            if let Some(s) = self.sources.iter().find(|s| s.name == source) {
+                make_whole(s, &mut rows).await?;
             }
             let letters = failed
                 .iter()
-                .enumerate()
-                .map(|(i, f)| dead_letter_from_row(&rows.slice(i, 1), &f.error))
+                .zip(&rows)
+                .map(|(f, row)| dead_letter_from_row(row, &f.error))
                 .collect::<Result<Vec<DeadLetter>>>()?;
             batch
                 .dead_letters

@@ -23,7 +23,8 @@ use crate::offsets::{OffsetRange, PartitionId};
 use crate::query::{Query, QuerySettings, StreamingQuery};
 use crate::sink::{Sink, TableScan};
 use crate::source::{
-    DeadLetter, SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_POSITION, Source, SourceContext, SourceRead,
+    DeadLetter, SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_POSITION, Source, SourceContext,
+    SourceRead, is_lineage,
 };
 use crate::static_table::{StaticTables, TableSpec};
 
@@ -47,16 +48,10 @@ impl OpenSource {
     /// `schema` (a schema of this source's batches, as read or as the query sees them) with
     /// only the columns its reads return: the data columns read, and the lineage columns.
     fn as_read(&self, schema: &SchemaRef) -> SchemaRef {
-        let Some(read) = &self.read_columns else {
-            return Arc::clone(schema);
-        };
-        let kept = schema
-            .fields()
-            .iter()
-            .filter(|f| is_lineage(f.name()) || read.contains(f.name()))
-            .cloned()
-            .collect::<Vec<_>>();
-        Arc::new(Schema::new_with_metadata(kept, schema.metadata().clone()))
+        match &self.read_columns {
+            Some(read) => only_columns(schema, read),
+            None => Arc::clone(schema),
+        }
     }
 
     /// The rows of `partition` in `range`, with the columns [`OpenSource::read_columns`] names.
@@ -81,36 +76,38 @@ impl OpenSource {
     }
 }
 
-/// Whether `name` is one of the lineage columns every source batch carries.
-fn is_lineage(name: &str) -> bool {
-    [SOURCE_PARTITION, SOURCE_OFFSET, SOURCE_POSITION].contains(&name)
-}
-
 /// Narrows the reads of the sources that can read only some columns
 /// ([`Source::reads_columns`]: Parquet files) to the columns `query` reads
 /// ([`StreamingQuery::columns_read`]), their event-time column and lineage, and plans
 /// `definition` again over those columns. Parquet decoding is most of a batch that reads a few
 /// of many columns. The rows that go to the dead-letter and late tables, which keep whole
-/// records, are read again whole ([`whole_rows`]). Returns `query` as it is when no read
-/// narrows.
+/// records, are read again whole ([`whole_rows`]), and the late table keeps the whole schema.
+///
+/// The narrower plan is kept only if it runs exactly the plan `query` runs
+/// ([`StreamingQuery::runs_as`]): a column the SQL names but the optimizer drops (`WHERE x IS
+/// NOT NULL` on a NOT NULL column) fails the second planning, or could name another table's
+/// column; then every column is read, as before. Returns `query` as it is when no read narrows.
 ///
 /// # Errors
-/// If the query does not plan over the narrower schemas (it reads the columns they keep, so
-/// only a bug makes it fail).
+/// If the plan does not optimize.
 pub(crate) async fn narrow_reads(
     query: StreamingQuery,
     definition: &Query,
     settings: &QuerySettings,
     sources: &mut [OpenSource],
 ) -> Result<StreamingQuery> {
-    let read = query.columns_read()?;
-    let mut narrowed = false;
     for s in sources.iter_mut() {
         s.read_columns = None;
         s.planned = Arc::clone(&s.schema);
-        let Some(read) = read.as_ref().filter(|_| s.source.reads_columns()) else {
+    }
+    let Some(read) = query.columns_read()? else {
+        return Ok(query);
+    };
+    let mut narrowed: BTreeMap<usize, Vec<String>> = BTreeMap::new();
+    for (index, s) in sources.iter().enumerate() {
+        if !s.source.reads_columns() {
             continue;
-        };
+        }
         let used = read.get(&s.name);
         let event_time = s.event_time.as_ref().map(|t| t.column.as_str());
         let data: Vec<&String> = s
@@ -128,20 +125,49 @@ pub(crate) async fn narrow_reads(
             .map(|name| (*name).clone())
             .collect();
         if columns.len() < data.len() {
-            tracing::info!(source = %s.name, columns = %columns.join(", "), of = data.len(), "reading only the columns the query uses");
-            s.read_columns = Some(columns);
-            s.planned = s.as_read(&s.schema);
-            narrowed = true;
+            narrowed.insert(index, columns);
         }
     }
-    if !narrowed {
+    if narrowed.is_empty() {
         return Ok(query);
     }
-    let schemas: Vec<(String, SchemaRef)> = sources
+    let mut schemas = Vec::with_capacity(sources.len());
+    for (index, s) in sources.iter().enumerate() {
+        let schema = match narrowed.get(&index) {
+            Some(columns) => only_columns(&s.schema, columns),
+            None => Arc::clone(&s.schema),
+        };
+        schemas.push((s.name.clone(), schema));
+    }
+    let narrow = match StreamingQuery::plan(definition.clone(), &schemas, settings).await {
+        Ok(narrow) if narrow.runs_as(&query)? => narrow,
+        _ => {
+            tracing::info!(
+                "the query names columns its plan does not read: every column of its sources is read"
+            );
+            return Ok(query);
+        }
+    };
+    let mut whole = BTreeMap::new();
+    for (index, columns) in narrowed {
+        let s = &mut sources[index];
+        tracing::info!(source = %s.name, columns = %columns.join(", "), of = s.schema.fields().iter().filter(|f| !is_lineage(f.name())).count(), "reading only the columns the query uses");
+        whole.insert(s.name.clone(), Arc::clone(&s.schema));
+        s.planned = only_columns(&s.schema, &columns);
+        s.read_columns = Some(columns);
+    }
+    Ok(narrow.with_whole_sources(whole))
+}
+
+/// `schema` with only the data `columns` and the lineage columns, in its order.
+fn only_columns(schema: &SchemaRef, columns: &[String]) -> SchemaRef {
+    let kept = schema
+        .fields()
         .iter()
-        .map(|s| (s.name.clone(), Arc::clone(&s.planned)))
-        .collect();
-    plan_query(definition, &schemas, settings, sources).await
+        .filter(|f| is_lineage(f.name()) || columns.contains(f.name()))
+        .cloned()
+        .collect::<Vec<_>>();
+    Arc::new(Schema::new_with_metadata(kept, schema.metadata().clone()))
 }
 
 /// Opens every source (with its folder of the checkpoint) and static table, and plans the
@@ -668,87 +694,120 @@ pub(crate) async fn whole_rows(
     as_queried: bool,
 ) -> Result<RecordBatch> {
     let keys: Vec<RowKey> = (0..rows.num_rows()).map(|r| row_key(rows, r)).collect();
-    let mut offsets: BTreeMap<&str, Vec<i64>> = BTreeMap::new();
-    for (partition, offset, _) in &keys {
-        offsets.entry(partition).or_default().push(*offset);
+    // (partition, offset) → position → the rows asking for it.
+    let mut wanted: HashMap<(&str, i64), HashMap<&str, Vec<usize>>> = HashMap::new();
+    for (i, (partition, offset, position)) in keys.iter().enumerate() {
+        let at = wanted.entry((partition.as_str(), *offset)).or_default();
+        at.entry(position.as_str()).or_default().push(i);
     }
     let mut ranges: Vec<(PartitionId, OffsetRange)> = Vec::new();
-    for (partition, mut offsets) in offsets {
-        offsets.sort_unstable();
-        offsets.dedup();
-        for offset in offsets {
-            match ranges.last_mut() {
-                Some((p, range)) if p == partition && range.end == offset => range.end += 1,
-                _ => ranges.push((partition.to_string(), OffsetRange::new(offset, offset + 1))),
-            }
+    let mut offsets: Vec<(&str, i64)> = wanted.keys().copied().collect();
+    offsets.sort_unstable();
+    for (partition, offset) in offsets {
+        match ranges.last_mut() {
+            Some((p, range)) if p == partition && range.end == offset => range.end += 1,
+            _ => ranges.push((partition.to_string(), OffsetRange::new(offset, offset + 1))),
         }
     }
     let reads = try_join_all(ranges.iter().map(|(p, r)| s.source.read(p, *r))).await?;
-    let wanted: std::collections::HashSet<&RowKey> = keys.iter().collect();
-    let mut found: HashMap<RowKey, (usize, usize)> = HashMap::new();
-    let mut batches: Vec<RecordBatch> = Vec::new();
+    // Each read batch cut to the rows asked for at once; `found[i]`: where row `i` is.
+    let mut found: Vec<Option<(usize, usize)>> = vec![None; keys.len()];
+    let mut taken: Vec<RecordBatch> = Vec::new();
     for batch in reads.into_iter().flat_map(|read| read.batches) {
-        let batch = match (&s.event_time, as_queried) {
+        let mut picks: Vec<u32> = Vec::new();
+        for row in 0..batch.num_rows() {
+            let (partition, offset, position) = row_key(&batch, row);
+            let asking = wanted
+                .get(&(partition.as_str(), offset))
+                .and_then(|at| at.get(position.as_str()));
+            for &i in asking.into_iter().flatten() {
+                found[i] = Some((taken.len(), picks.len()));
+            }
+            if asking.is_some() {
+                picks.push(row as u32);
+            }
+        }
+        if picks.is_empty() {
+            continue;
+        }
+        let picked =
+            arrow::compute::take_record_batch(&batch, &arrow::array::UInt32Array::from(picks))?;
+        let picked = match (&s.event_time, as_queried) {
             (Some(time), true) => {
-                extract_event_time(&batch, time, None)
+                extract_event_time(&picked, time, None)
                     .map_err(|e| Error::in_source(&s.name, e))?
                     .0
             }
-            _ => batch,
+            _ => picked,
         };
-        if batches
+        if taken
             .first()
-            .is_some_and(|first| first.schema() != batch.schema())
+            .is_some_and(|first| first.schema() != picked.schema())
         {
             return Err(Error::in_source(
                 &s.name,
                 "its reads disagree on the schema while reading records again whole",
             ));
         }
-        for row in 0..batch.num_rows() {
-            let key = row_key(&batch, row);
-            if wanted.contains(&key) {
-                found.insert(key, (batches.len(), row));
-            }
-        }
-        batches.push(batch);
+        taken.push(picked);
     }
-    let Some(schema) = batches.first().map(RecordBatch::schema) else {
-        tracing::warn!(source = %s.name, rows = rows.num_rows(), "records read again whole were not given back: they keep only the columns the query reads");
-        return Ok(rows.clone());
-    };
-    let mut indices = Vec::with_capacity(keys.len());
-    let mut missing = Vec::new();
-    for (row, key) in keys.iter().enumerate() {
-        match found.get(key) {
-            Some(at) => indices.push(*at),
-            None => {
-                indices.push((batches.len(), missing.len()));
-                missing.push(row as u32);
-            }
-        }
-    }
+    let missing: Vec<u32> = (0..keys.len())
+        .filter(|&i| found[i].is_none())
+        .map(|i| i as u32)
+        .collect();
     if !missing.is_empty() {
         tracing::warn!(source = %s.name, rows = missing.len(), "records read again whole were not given back: they keep only the columns the query reads");
-        let missing = arrow::array::UInt32Array::from(missing);
-        let taken = arrow::compute::take_record_batch(rows, &missing)?;
+    }
+    let Some(schema) = taken.first().map(RecordBatch::schema) else {
+        return Ok(rows.clone());
+    };
+    if !missing.is_empty() {
+        let part = arrow::compute::take_record_batch(
+            rows,
+            &arrow::array::UInt32Array::from(missing.clone()),
+        )?;
         let columns = schema
             .fields()
             .iter()
-            .map(|f| match taken.column_by_name(f.name()) {
+            .map(|f| match part.column_by_name(f.name()) {
                 Some(c) if c.data_type() == f.data_type() => Arc::clone(c),
-                _ => arrow::array::new_null_array(f.data_type(), taken.num_rows()),
+                _ => arrow::array::new_null_array(f.data_type(), part.num_rows()),
             })
             .collect();
-        let options = RecordBatchOptions::new().with_row_count(Some(taken.num_rows()));
-        batches.push(RecordBatch::try_new_with_options(
+        let options = RecordBatchOptions::new().with_row_count(Some(part.num_rows()));
+        for (k, &i) in missing.iter().enumerate() {
+            found[i as usize] = Some((taken.len(), k));
+        }
+        taken.push(RecordBatch::try_new_with_options(
             Arc::clone(&schema),
             columns,
             &options,
         )?);
     }
-    let refs: Vec<&RecordBatch> = batches.iter().collect();
+    let indices: Vec<(usize, usize)> = found.into_iter().flatten().collect();
+    let refs: Vec<&RecordBatch> = taken.iter().collect();
     Ok(arrow::compute::interleave_record_batch(&refs, &indices)?)
+}
+
+/// `rows` (one row each, of source `s`) with the rows of its narrowed reads made whole
+/// ([`whole_rows`], as the query sees rows); the rows an operator made (a failed group or
+/// pair, offset -1), which carry no record, stay as they are.
+pub(crate) async fn make_whole(s: &OpenSource, rows: &mut [RecordBatch]) -> Result<()> {
+    if s.read_columns.is_none() {
+        return Ok(());
+    }
+    let read: Vec<usize> = (0..rows.len())
+        .filter(|&i| rows[i].schema() == s.planned && row_key(&rows[i], 0).1 >= 0)
+        .collect();
+    if read.is_empty() {
+        return Ok(());
+    }
+    let narrow = concat_batches(&s.planned, read.iter().map(|&i| &rows[i]))?;
+    let whole = whole_rows(s, &narrow, true).await?;
+    for (k, &i) in read.iter().enumerate() {
+        rows[i] = whole.slice(k, 1);
+    }
+    Ok(())
 }
 
 /// The key of row `row` of a source batch, as [`dead_letter_from_row`] would record it.

@@ -234,6 +234,9 @@ pub struct StreamingQuery {
     stateful: Option<StatefulOperator>,
     /// Update mode: the columns output rows are upserted on.
     merge_key: Option<Vec<String>>,
+    /// The whole schemas of the sources the query was planned over only some columns of
+    /// ([`StreamingQuery::with_whole_sources`]).
+    whole_sources: BTreeMap<String, SchemaRef>,
 }
 
 /// The session and the in-memory tables the sources' rows are loaded into.
@@ -386,6 +389,7 @@ impl StreamingQuery {
             plan,
             stateful,
             merge_key,
+            whole_sources: BTreeMap::new(),
         };
         // The late table of a join of streams holds both sources' columns: refused now if
         // they cannot share it, not at the first late row.
@@ -439,23 +443,30 @@ impl StreamingQuery {
         Ok(())
     }
 
-    /// The columns of each source the query reads (after DataFusion's projection pushdown),
-    /// where reading only those changes nothing else: a stateless query, or an aggregate
-    /// (its state holds partial results, not rows). `None` for deduplication and joins, whose
-    /// state keeps source rows, and for a plan that scans anything but sources and tables. A
-    /// source the query does not scan is absent. Lineage and event-time columns are the
-    /// caller's to add.
+    /// The plan each batch runs over the sources' rows, as DataFusion optimizes it (projection
+    /// pushdown included), for a stateless query or an aggregate (its state holds partial
+    /// results, not rows); `None` for deduplication and joins, whose state keeps source rows.
+    fn optimized_batch_plan(&self) -> Result<Option<LogicalPlan>> {
+        let plan = match &self.stateful {
+            None => self.plan.clone(),
+            // A watermark adds a filter on the window column.
+            Some(StatefulOperator::Aggregate(a)) => a.partial_plan(Some(0))?,
+            Some(_) => return Ok(None),
+        };
+        Ok(Some(self.tables.ctx.state().optimize(&plan)?))
+    }
+
+    /// The columns of each source the query reads: what the scans of
+    /// [`StreamingQuery::optimized_batch_plan`] keep. `None` where that is `None`, or for a
+    /// plan that scans anything but sources and tables. A source the query does not scan is
+    /// absent. Lineage and event-time columns are the caller's to add.
     ///
     /// # Errors
     /// If the plan does not optimize.
     pub fn columns_read(&self) -> Result<Option<BTreeMap<String, BTreeSet<String>>>> {
-        let plan = match &self.stateful {
-            None => self.plan.clone(),
-            // The plan each batch runs: a watermark adds a filter on the window column.
-            Some(StatefulOperator::Aggregate(a)) => a.partial_plan(Some(0))?,
-            Some(_) => return Ok(None),
+        let Some(optimized) = self.optimized_batch_plan()? else {
+            return Ok(None);
         };
-        let optimized = self.tables.ctx.state().optimize(&plan)?;
         let mut read: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
         let mut other_scan = false;
         optimized.apply_with_subqueries(|node| {
@@ -479,6 +490,26 @@ impl StreamingQuery {
             Ok(TreeNodeRecursion::Continue)
         })?;
         Ok((!other_scan).then_some(read))
+    }
+
+    /// Whether `self` runs the same plan each batch as `other` does, node for node and column
+    /// for column (both [`StreamingQuery::optimized_batch_plan`]s, as text).
+    ///
+    /// # Errors
+    /// If a plan does not optimize.
+    pub fn runs_as(&self, other: &StreamingQuery) -> Result<bool> {
+        let text = |q: &StreamingQuery| -> Result<Option<String>> {
+            Ok(q.optimized_batch_plan()?
+                .map(|p| p.display_indent_schema().to_string()))
+        };
+        Ok(text(self)?.is_some_and(|a| Some(a) == text(other).ok().flatten()))
+    }
+
+    /// Makes the late table hold `schemas`' columns (the sources' whole schemas) where the
+    /// query was planned over only some of a source's columns: late rows are whole records.
+    pub(crate) fn with_whole_sources(mut self, schemas: BTreeMap<String, SchemaRef>) -> Self {
+        self.whole_sources = schemas;
+        self
     }
 
     /// Whether the query carries state between batches (an aggregate).
@@ -557,7 +588,10 @@ impl StreamingQuery {
             return self.late_schema_of_streams(&sources).ok();
         }
         let source = self.late_source()?;
-        let (schema, _) = self.tables.tables.get(source)?;
+        let schema = match self.whole_sources.get(source) {
+            Some(whole) => whole,
+            None => &self.tables.tables.get(source)?.0,
+        };
         Some(self.late_schema_of(schema))
     }
 

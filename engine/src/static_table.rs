@@ -33,7 +33,7 @@ use crate::error::{BoxError, Error, Result};
 use crate::offsets::{BatchId, SourceOffsets};
 use crate::operators::QueryOutput;
 use crate::query::{BatchWatermark, StreamingQuery};
-use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_POSITION};
+use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION};
 
 /// A table read whole at a version the batch intent records.
 #[async_trait]
@@ -105,11 +105,10 @@ impl StaticTables {
                 .map_err(|e| Error::in_table(&spec.name, e))?;
             // A table written by a Sluice job carries lineage columns: they would clash with the
             // stream's, and say nothing about the join.
-            let lineage = [SOURCE_PARTITION, SOURCE_OFFSET, SOURCE_POSITION];
             let fields: Vec<_> = schema
                 .fields()
                 .iter()
-                .filter(|f| !lineage.contains(&f.name().as_str()))
+                .filter(|f| !crate::source::is_lineage(f.name()))
                 .cloned()
                 .collect();
             let schema = Arc::new(Schema::new(fields));

@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 
 use arrow::array::{RecordBatch, RecordBatchOptions, new_null_array};
 use arrow::compute::kernels::cast;
-use arrow::datatypes::{Schema, SchemaRef};
+use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 use async_trait::async_trait;
 use bytes::Bytes;
 use futures::TryStreamExt;
@@ -818,9 +818,10 @@ fn whole_file_dead_letter(file: &RecordedFile, offset: i64, error: String) -> So
 /// query a little: in the Spark comparison, q0's execute step went from 6.4 to 1.5 ms a batch).
 ///
 /// `columns`: only these data columns are returned (in `schema`'s order), and only they are
-/// decoded — except a column stored as another type than `schema` declares, which is decoded
-/// and cast whatever the query reads, so a value that does not cast fails the file as it does
-/// when every column is read. `None`: every column.
+/// decoded — except a column that could fail the file when every column is read, which is
+/// checked whatever the query reads: one stored as another type than `schema` declares (unless
+/// the cast cannot fail), and a NOT NULL column that is stored nullable or is missing. `None`:
+/// every column.
 pub(crate) fn decode_parquet(
     schema: &SchemaRef,
     columns: Option<&[String]>,
@@ -829,16 +830,28 @@ pub(crate) fn decode_parquet(
     let builder = parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(bytes)
         .map_err(|e| e.to_string())?;
     let wanted = |name: &str| columns.is_none_or(|c| c.iter().any(|w| w == name));
+    let stored = Arc::clone(builder.schema());
+    // The declared columns not asked for that must still be checked.
+    let checked: Vec<&Field> = schema
+        .fields()
+        .iter()
+        .filter(|f| !wanted(f.name()))
+        .filter(|f| match stored.field_with_name(f.name()) {
+            Ok(s) => {
+                !cast_cannot_fail(s.data_type(), f.data_type())
+                    || (!f.is_nullable() && s.is_nullable())
+            }
+            Err(_) => !f.is_nullable(),
+        })
+        .map(AsRef::as_ref)
+        .collect();
     let builder = match columns {
         None => builder,
         Some(_) => {
-            let stored = Arc::clone(builder.schema());
-            let roots = stored.fields().iter().enumerate().filter(|(_, f)| {
-                wanted(f.name())
-                    || schema
-                        .field_with_name(f.name())
-                        .is_ok_and(|declared| declared.data_type() != f.data_type())
-            });
+            let roots =
+                stored.fields().iter().enumerate().filter(|(_, f)| {
+                    wanted(f.name()) || checked.iter().any(|c| c.name() == f.name())
+                });
             let mask = parquet::arrow::ProjectionMask::roots(
                 builder.parquet_schema(),
                 roots.map(|(i, _)| i),
@@ -866,21 +879,25 @@ pub(crate) fn decode_parquet(
         safe: false,
         ..Default::default()
     };
+    let conformed = |field: &Field, batch: &RecordBatch| match batch.column_by_name(field.name()) {
+        Some(col) => cast::cast_with_options(col, field.data_type(), &cast_options)
+            .map_err(|e| format!("column '{}': {e}", field.name())),
+        None => Ok(new_null_array(field.data_type(), batch.num_rows())),
+    };
     let mut out = Vec::new();
     for batch in reader {
         let batch = batch.map_err(|e| e.to_string())?;
-        let mut kept = Vec::with_capacity(out_schema.fields().len());
-        for field in schema.fields() {
-            let column = match batch.column_by_name(field.name()) {
-                Some(col) => cast::cast_with_options(col, field.data_type(), &cast_options)
-                    .map_err(|e| format!("column '{}': {e}", field.name()))?,
-                None if wanted(field.name()) => new_null_array(field.data_type(), batch.num_rows()),
-                None => continue,
-            };
-            if wanted(field.name()) {
-                kept.push(column);
-            }
+        for field in &checked {
+            let column = conformed(field, &batch)?;
+            // The check the whole batch would get below: nulls in a NOT NULL column.
+            let one = Arc::new(Schema::new(vec![(*field).clone()]));
+            RecordBatch::try_new(one, vec![column]).map_err(|e| e.to_string())?;
         }
+        let kept = out_schema
+            .fields()
+            .iter()
+            .map(|field| conformed(field, &batch))
+            .collect::<std::result::Result<Vec<_>, String>>()?;
         let options = RecordBatchOptions::new().with_row_count(Some(batch.num_rows()));
         out.push(
             RecordBatch::try_new_with_options(Arc::clone(&out_schema), kept, &options)
@@ -888,6 +905,28 @@ pub(crate) fn decode_parquet(
         );
     }
     Ok(out)
+}
+
+/// Whether casting a column stored as `from` to `to` always succeeds: the same type, another
+/// layout of text or bytes, a dictionary of such values, or a wider number.
+fn cast_cannot_fail(from: &DataType, to: &DataType) -> bool {
+    use DataType::*;
+    let text = |t: &DataType| matches!(t, Utf8 | LargeUtf8 | Utf8View);
+    let bytes = |t: &DataType| matches!(t, Binary | LargeBinary | BinaryView);
+    from == to
+        || text(from) && text(to)
+        || bytes(from) && bytes(to)
+        || matches!(from, Dictionary(_, values) if cast_cannot_fail(values, to))
+        || matches!(
+            (from, to),
+            (Int8, Int16 | Int32 | Int64)
+                | (Int16, Int32 | Int64)
+                | (Int32, Int64)
+                | (UInt8, Int16 | Int32 | Int64 | UInt16 | UInt32 | UInt64)
+                | (UInt16, Int32 | Int64 | UInt32 | UInt64)
+                | (UInt32, Int64 | UInt64)
+                | (Float32, Float64)
+        )
 }
 
 #[cfg(test)]
@@ -998,5 +1037,47 @@ mod tests {
         // No data column at all: the rows are still counted.
         let none = decode_parquet(&declared, Some(&[]), file(vec!["7", "8"])).unwrap();
         assert_eq!((none[0].num_columns(), none[0].num_rows()), (0, 2));
+        // A NOT NULL column not asked for, holding a null or missing: the file fails too.
+        let with_null = {
+            let schema = Arc::new(Schema::new(vec![
+                Field::new("id", DataType::Int64, false),
+                Field::new("note", DataType::Utf8, true),
+            ]));
+            let batch = RecordBatch::try_new(
+                Arc::clone(&schema),
+                vec![
+                    Arc::new(Int64Array::from(vec![1, 2])),
+                    Arc::new(StringArray::from(vec![Some("a"), None])),
+                ],
+            )
+            .unwrap();
+            let mut bytes = Vec::new();
+            let mut w = parquet::arrow::ArrowWriter::try_new(&mut bytes, schema, None).unwrap();
+            w.write(&batch).unwrap();
+            w.close().unwrap();
+            Bytes::from(bytes)
+        };
+        let not_null = Arc::new(Schema::new(vec![
+            Field::new("id", DataType::Int64, false),
+            Field::new("note", DataType::Utf8, false),
+        ]));
+        let ids = ["id".to_string()];
+        let failed = decode_parquet(&not_null, Some(&ids), with_null.clone()).unwrap_err();
+        assert_eq!(
+            failed,
+            decode_parquet(&not_null, None, with_null.clone()).unwrap_err()
+        );
+        let absent = Arc::new(Schema::new(vec![
+            Field::new("id", DataType::Int64, false),
+            Field::new("other", DataType::Utf8, false),
+        ]));
+        let failed = decode_parquet(&absent, Some(&ids), with_null.clone()).unwrap_err();
+        assert_eq!(
+            failed,
+            decode_parquet(&absent, None, with_null).unwrap_err()
+        );
+        assert!(cast_cannot_fail(&DataType::Int32, &DataType::Int64));
+        assert!(!cast_cannot_fail(&DataType::Int64, &DataType::Int32));
+        assert!(!cast_cannot_fail(&DataType::Utf8, &DataType::Int64));
     }
 }

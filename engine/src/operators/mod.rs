@@ -432,13 +432,12 @@ pub(crate) fn without_source_row(row: &RecordBatch, position: &str) -> Result<Re
     use arrow::array::{Int64Array, StringArray};
     use arrow::datatypes::DataType;
 
-    let lineage = [SOURCE_PARTITION, SOURCE_OFFSET, SOURCE_POSITION];
     let (mut fields, mut columns): (Vec<Field>, Vec<_>) = row
         .schema()
         .fields()
         .iter()
         .zip(row.columns())
-        .filter(|(f, _)| !lineage.contains(&f.name().as_str()))
+        .filter(|(f, _)| !crate::source::is_lineage(f.name()))
         .map(|(f, c)| (f.as_ref().clone(), Arc::clone(c)))
         .unzip();
     fields.push(Field::new(SOURCE_PARTITION, DataType::Utf8, false));
