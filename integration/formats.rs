@@ -186,37 +186,8 @@ async fn parquet_reads_only_the_columns_used_and_side_tables_keep_whole_records(
     let ws = tempfile::tempdir().unwrap();
     let input = ws.path().join("input");
     std::fs::create_dir_all(&input).unwrap();
-    let schema = Arc::new(Schema::new(vec![
-        Field::new("id", DataType::Int64, false),
-        Field::new(
-            "ts",
-            DataType::Timestamp(arrow::datatypes::TimeUnit::Microsecond, Some("UTC".into())),
-            true,
-        ),
-        Field::new("note", DataType::Utf8, false),
-        Field::new("amount", DataType::Int64, false),
-    ]));
     let minute = 60_000_000_i64;
-    let write = |name: &str, rows: &[(i64, Option<i64>, &str, i64)]| {
-        let batch = RecordBatch::try_new(
-            Arc::clone(&schema),
-            vec![
-                Arc::new(Int64Array::from_iter_values(rows.iter().map(|r| r.0))),
-                Arc::new(
-                    arrow::array::TimestampMicrosecondArray::from_iter(rows.iter().map(|r| r.1))
-                        .with_timezone("UTC"),
-                ),
-                Arc::new(StringArray::from_iter_values(rows.iter().map(|r| r.2))),
-                Arc::new(Int64Array::from_iter_values(rows.iter().map(|r| r.3))),
-            ],
-        )
-        .unwrap();
-        let file = std::fs::File::create(input.join(name)).unwrap();
-        let mut w =
-            deltalake::parquet::arrow::ArrowWriter::try_new(file, schema.clone(), None).unwrap();
-        w.write(&batch).unwrap();
-        w.close().unwrap();
-    };
+    let write = |name: &str, rows: &[NoteRow]| write_notes(&input.join(name), rows);
     // One file a batch. The first: a row whose amount fails the query (division by zero), one
     // without event time; the watermark ends at 00:02:10.
     write(
@@ -236,14 +207,7 @@ async fn parquet_reads_only_the_columns_used_and_side_tables_keep_whole_records(
             (6, Some(3 * minute), "sixth", 4),
         ],
     );
-    let windowed = job(
-        ws.path(),
-        "narrow_parquet",
-        "parquet",
-        "event_time = \"ts\"\nmax_out_of_orderness = \"0s\"",
-        "SELECT window_start, count(*) AS n, sum(100 / amount) AS s \
-         FROM tumble(input, ts, INTERVAL '1' MINUTE) GROUP BY window_start, window_end",
-    );
+    let windowed = notes_job(ws.path());
     let run = run_sluice(&["run", windowed.to_str().unwrap()], &[]);
     assert_ok(&run);
     let stderr = String::from_utf8_lossy(&run.stderr);
@@ -335,6 +299,121 @@ async fn parquet_reads_only_the_columns_used_and_side_tables_keep_whole_records(
         .collect();
     ids.sort();
     assert_eq!(ids, [2, 3, 4]);
+}
+
+/// A file whose column the query does not read is corrupt: its rows are read (only the
+/// columns the query uses are decoded), and its rows bound for a side table, which cannot be
+/// read again whole, keep the columns read — a late row goes to the dead letters, as the late
+/// table's columns may be NOT NULL — with the reason saying so.
+#[tokio::test(flavor = "multi_thread")]
+async fn rows_of_a_file_that_cannot_be_read_whole_keep_the_columns_read() {
+    let ws = tempfile::tempdir().unwrap();
+    let input = ws.path().join("input");
+    std::fs::create_dir_all(&input).unwrap();
+    let minute = 60_000_000_i64;
+    write_notes(
+        &input.join("part-0.parquet"),
+        &[(1, Some(2 * minute), "first", 5)],
+    );
+    let note = write_notes(
+        &input.join("part-1.parquet"),
+        &[
+            (2, Some(10_000_000), "late", 1),
+            (3, Some(2 * minute + 1), "zero", 0),
+            (4, Some(3 * minute), "fourth", 4),
+        ],
+    );
+    // The page header of the `note` chunk overwritten.
+    let path = input.join("part-1.parquet");
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[note.start as usize..note.start as usize + 8].fill(0xFF);
+    std::fs::write(&path, bytes).unwrap();
+    let run = run_sluice(&["run", notes_job(ws.path()).to_str().unwrap()], &[]);
+    assert_ok(&run);
+    let out = ws.path().join("out");
+    let mut dead: Vec<(String, String, String)> = table_values(&dead_letter_table(&out), &[])
+        .await
+        .iter()
+        .map(|d| {
+            (
+                d["_source_position"].as_str().unwrap().to_string(),
+                String::from_utf8(hex_bytes(d["raw"].as_str().unwrap())).unwrap(),
+                d["error"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    dead.sort();
+    assert_eq!(dead.len(), 2, "{dead:?}");
+    assert_eq!(dead[0].0, "part-1.parquet:1");
+    // The columns read: the event time and the amount.
+    assert!(
+        dead[0].1.contains("\"amount\":1") && !dead[0].1.contains("note"),
+        "{dead:?}"
+    );
+    assert!(
+        dead[0].2.starts_with("late:") && dead[0].2.contains("read again whole"),
+        "{dead:?}"
+    );
+    assert_eq!(dead[1].0, "part-1.parquet:2");
+    assert!(
+        dead[1].1.contains("\"amount\":0") && !dead[1].1.contains("note"),
+        "{dead:?}"
+    );
+    assert!(dead[1].2.contains("Divide by zero"), "{dead:?}");
+    assert!(dead[1].2.contains("read again whole"), "{dead:?}");
+    assert!(table_values(&late_table(&out), &[]).await.is_empty());
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(stderr.contains("could not be read again whole"), "{stderr}");
+}
+
+/// A row of [`write_notes`]' files: id, event time, note, amount.
+type NoteRow<'a> = (i64, Option<i64>, &'a str, i64);
+
+/// The windowed job the narrowed-read tests run over [`write_notes`]' files: a count and a sum
+/// of `100 / amount` (which fails on 0) per minute, with no lateness allowed.
+fn notes_job(dir: &std::path::Path) -> std::path::PathBuf {
+    job(
+        dir,
+        "narrow_parquet",
+        "parquet",
+        "event_time = \"ts\"\nmax_out_of_orderness = \"0s\"",
+        "SELECT window_start, count(*) AS n, sum(100 / amount) AS s \
+         FROM tumble(input, ts, INTERVAL '1' MINUTE) GROUP BY window_start, window_end",
+    )
+}
+
+/// Writes `rows` as a Parquet file at `path`: `id` and `note` and `amount` NOT NULL, `ts` a
+/// UTC timestamp; returns the byte range of the `note` column's chunk.
+fn write_notes(path: &std::path::Path, rows: &[NoteRow]) -> std::ops::Range<u64> {
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("id", DataType::Int64, false),
+        Field::new(
+            "ts",
+            DataType::Timestamp(arrow::datatypes::TimeUnit::Microsecond, Some("UTC".into())),
+            true,
+        ),
+        Field::new("note", DataType::Utf8, false),
+        Field::new("amount", DataType::Int64, false),
+    ]));
+    let batch = RecordBatch::try_new(
+        Arc::clone(&schema),
+        vec![
+            Arc::new(Int64Array::from_iter_values(rows.iter().map(|r| r.0))),
+            Arc::new(
+                arrow::array::TimestampMicrosecondArray::from_iter(rows.iter().map(|r| r.1))
+                    .with_timezone("UTC"),
+            ),
+            Arc::new(StringArray::from_iter_values(rows.iter().map(|r| r.2))),
+            Arc::new(Int64Array::from_iter_values(rows.iter().map(|r| r.3))),
+        ],
+    )
+    .unwrap();
+    let file = std::fs::File::create(path).unwrap();
+    let mut w = deltalake::parquet::arrow::ArrowWriter::try_new(file, schema, None).unwrap();
+    w.write(&batch).unwrap();
+    let metadata = w.close().unwrap();
+    let (start, length) = metadata.row_group(0).column(2).byte_range();
+    start..start + length
 }
 
 /// The bytes a hex string spells.

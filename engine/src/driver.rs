@@ -57,8 +57,8 @@ use crate::error::{Error, Result};
 use crate::expectations::{Expectations, QUARANTINE_SOURCE};
 use crate::fault::{crash_point, pause_point};
 use crate::input::{
-    FutureTimes, OpenSource, conform, make_whole, narrow_reads, open_sources_and_query, plan_query,
-    read_source, whole_rows,
+    FutureTimes, NOT_READ_WHOLE, OpenSource, conform, make_whole, narrow_reads,
+    open_sources_and_query, plan_query, read_source, whole_rows,
 };
 use crate::job::{DEAD_LETTER_BREAKER_MIN, Job, Trigger};
 use crate::lease::{Lease, LeaseSettings, REWRITE_LEASE_FOLDER};
@@ -706,15 +706,35 @@ impl Pipeline {
                     }
                 }
             }
+            let mut letters = letters;
             if let Some(first) = late_narrow.first() {
                 let narrow = concat_batches(&first.schema(), &late_narrow)?;
                 let whole = whole_rows(s, &narrow, true).await?;
-                let late =
-                    self.query
-                        .late_rows(&s.name, &whole, self.watermark.current(), batch.id())?;
-                batch.late.extend(late);
+                let mut found = Vec::with_capacity(whole.len());
+                for (i, whole) in whole.into_iter().enumerate() {
+                    match whole {
+                        Some(row) => found.push(row),
+                        // The late table's columns may be NOT NULL: a dead letter instead.
+                        None => {
+                            batch.counters.rows_late -= 1;
+                            let reason = format!(
+                                "late: its window had closed under the watermark; {NOT_READ_WHOLE}"
+                            );
+                            letters.push(dead_letter_from_row(&narrow.slice(i, 1), &reason)?);
+                        }
+                    }
+                }
+                if let Some(first) = found.first() {
+                    let whole = concat_batches(&first.schema(), &found)?;
+                    let late = self.query.late_rows(
+                        &s.name,
+                        &whole,
+                        self.watermark.current(),
+                        batch.id(),
+                    )?;
+                    batch.late.extend(late);
+                }
             }
-            let mut letters = letters;
             for skip in batch.intent.skipped.iter().filter(|k| k.source == s.name) {
                 letters.push(DeadLetter {
                     partition: skip.partition.clone(),
@@ -891,14 +911,17 @@ impl Pipeline {
         }
         for (source, failed) in failed_by_source {
             let mut rows: Vec<RecordBatch> = failed.iter().map(|f| f.row.clone()).collect();
+            let mut errors: Vec<String> = failed.iter().map(|f| f.error.clone()).collect();
             // A narrowed read's rows hold only the columns read: dead letters keep whole records.
             if let Some(s) = self.sources.iter().find(|s| s.name == source) {
-                make_whole(s, &mut rows).await?;
+                for i in make_whole(s, &mut rows).await? {
+                    errors[i] = format!("{} ({NOT_READ_WHOLE})", errors[i]);
+                }
             }
-            let letters = failed
+            let letters = rows
                 .iter()
-                .zip(&rows)
-                .map(|(f, row)| dead_letter_from_row(row, &f.error))
+                .zip(&errors)
+                .map(|(row, error)| dead_letter_from_row(row, error))
                 .collect::<Result<Vec<DeadLetter>>>()?;
             batch
                 .dead_letters

@@ -7,7 +7,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use arrow::array::{Array, ArrayRef, AsArray, RecordBatch, RecordBatchOptions};
+use arrow::array::{Array, ArrayRef, AsArray, RecordBatch};
 use arrow::compute::{concat_batches, filter_record_batch};
 use arrow::datatypes::{DataType, Int64Type, Schema, SchemaRef};
 use futures::future::try_join_all;
@@ -497,6 +497,12 @@ pub(crate) async fn read_source(
             None => current,
         };
     }
+    // A grown schema has the query planned again, and it may read other columns than these
+    // reads did: this batch is read again with every column.
+    let narrowed = s.read_columns.is_some() && query_schema == s.schema;
+    if s.read_columns.is_some() && !narrowed {
+        reads = try_join_all(ranges.iter().map(|(p, r)| s.source.read(p, **r))).await?;
+    }
     let clock = match future {
         FutureTimes::Clock(clock) => Some(*clock),
         FutureTimes::AsRecorded(_) => None,
@@ -538,9 +544,9 @@ pub(crate) async fn read_source(
             for b in &bad {
                 keep[b.row] = false;
                 let row = batch.slice(b.row, 1);
-                match s.read_columns {
-                    Some(_) => no_time.push((letters.len(), row, b.reason.clone())),
-                    None => letters.push(dead_letter_from_row(&row, &b.reason)?),
+                match narrowed {
+                    true => no_time.push((letters.len(), row, b.reason.clone())),
+                    false => letters.push(dead_letter_from_row(&row, &b.reason)?),
                 }
             }
             batches.push(filter_record_batch(&parsed, &keep.into())?);
@@ -550,11 +556,18 @@ pub(crate) async fn read_source(
         let narrow: Vec<&RecordBatch> = no_time.iter().map(|(_, row, _)| row).collect();
         let whole = whole_rows(s, &concat_batches(&narrow[0].schema(), narrow)?, false).await?;
         // From the last, so each goes in where it was found among the others.
-        for (i, (at, _, reason)) in no_time.iter().enumerate().rev() {
-            letters.insert(*at, dead_letter_from_row(&whole.slice(i, 1), reason)?);
+        for ((at, row, reason), whole) in no_time.iter().zip(whole).rev() {
+            let letter = match whole {
+                Some(whole) => dead_letter_from_row(&whole, reason)?,
+                None => dead_letter_from_row(row, &format!("{reason} ({NOT_READ_WHOLE})"))?,
+            };
+            letters.insert(*at, letter);
         }
     }
-    let as_read = s.as_read(&query_schema);
+    let as_read = match narrowed {
+        true => s.as_read(&query_schema),
+        false => Arc::clone(&query_schema),
+    };
     let mut rows = batches
         .into_iter()
         .map(|b| in_schema(&as_read, b))
@@ -680,134 +693,109 @@ pub(crate) async fn read_source_as_opened(
     Ok((rows, read.dead_letters))
 }
 
+/// What a dead letter's reason says of a record [`whole_rows`] could not read again whole.
+pub(crate) const NOT_READ_WHOLE: &str =
+    "only the columns the query reads are kept: the record could not be read again whole";
+
 /// The whole records of `rows` — rows of `s` as its narrowed reads gave them, lineage
-/// included — in their order, read again with every column: the offsets they came from are
-/// read again, and each row found by its partition, offset and position. `as_queried`: with
-/// the event-time column parsed, as the query sees rows (else as the source gives them).
+/// included — one single-row batch each, in their order, read again with every column: the
+/// offsets they came from are read again one at a time (so one offset's rows are in memory at
+/// once, cut to those asked for), and each row found by its partition, offset and position.
+/// `as_queried`: with the event-time column parsed, as the query sees rows (else as the
+/// source gives them).
 ///
-/// A record the second read does not give back (its file could not be read whole: a column
-/// the query does not read is corrupt) keeps the columns that were read, the others null, and
-/// a warning says so.
+/// `None` for a record the second read does not give back (its file could not be read whole:
+/// a column the query does not read is corrupt); the caller keeps the columns that were read,
+/// saying so ([`NOT_READ_WHOLE`]).
 pub(crate) async fn whole_rows(
     s: &OpenSource,
     rows: &RecordBatch,
     as_queried: bool,
-) -> Result<RecordBatch> {
+) -> Result<Vec<Option<RecordBatch>>> {
     let keys: Vec<RowKey> = (0..rows.num_rows()).map(|r| row_key(rows, r)).collect();
     // (partition, offset) → position → the rows asking for it.
-    let mut wanted: HashMap<(&str, i64), HashMap<&str, Vec<usize>>> = HashMap::new();
+    let mut wanted: BTreeMap<(&str, i64), HashMap<&str, Vec<usize>>> = BTreeMap::new();
     for (i, (partition, offset, position)) in keys.iter().enumerate() {
         let at = wanted.entry((partition.as_str(), *offset)).or_default();
         at.entry(position.as_str()).or_default().push(i);
     }
-    let mut ranges: Vec<(PartitionId, OffsetRange)> = Vec::new();
-    let mut offsets: Vec<(&str, i64)> = wanted.keys().copied().collect();
-    offsets.sort_unstable();
-    for (partition, offset) in offsets {
-        match ranges.last_mut() {
-            Some((p, range)) if p == partition && range.end == offset => range.end += 1,
-            _ => ranges.push((partition.to_string(), OffsetRange::new(offset, offset + 1))),
-        }
-    }
-    let reads = try_join_all(ranges.iter().map(|(p, r)| s.source.read(p, *r))).await?;
-    // Each read batch cut to the rows asked for at once; `found[i]`: where row `i` is.
-    let mut found: Vec<Option<(usize, usize)>> = vec![None; keys.len()];
-    let mut taken: Vec<RecordBatch> = Vec::new();
-    for batch in reads.into_iter().flat_map(|read| read.batches) {
-        let mut picks: Vec<u32> = Vec::new();
-        for row in 0..batch.num_rows() {
-            let (partition, offset, position) = row_key(&batch, row);
-            let asking = wanted
-                .get(&(partition.as_str(), offset))
-                .and_then(|at| at.get(position.as_str()));
-            for &i in asking.into_iter().flatten() {
-                found[i] = Some((taken.len(), picks.len()));
+    let mut whole: Vec<Option<RecordBatch>> = vec![None; keys.len()];
+    for ((partition, offset), positions) in &wanted {
+        let read = s
+            .source
+            .read(
+                &partition.to_string(),
+                OffsetRange::new(*offset, offset + 1),
+            )
+            .await?;
+        for batch in read.batches {
+            let mut picks: Vec<u32> = Vec::new();
+            let mut asking: Vec<&[usize]> = Vec::new();
+            let named = batch
+                .column_by_name(SOURCE_POSITION)
+                .and_then(|c| c.as_string_opt::<i32>());
+            for row in 0..batch.num_rows() {
+                // Without a position column, an offset is one record (`row_key`'s `p@o`).
+                let position = match named {
+                    Some(column) => positions.get(column.value(row)),
+                    None => positions.values().next(),
+                };
+                if let Some(rows) = position {
+                    picks.push(row as u32);
+                    asking.push(rows);
+                }
             }
-            if asking.is_some() {
-                picks.push(row as u32);
+            if picks.is_empty() {
+                continue;
+            }
+            let picks = arrow::array::UInt32Array::from(picks);
+            let picked = arrow::compute::take_record_batch(&batch, &picks)?;
+            let picked = match (&s.event_time, as_queried) {
+                (Some(time), true) => {
+                    extract_event_time(&picked, time, None)
+                        .map_err(|e| Error::in_source(&s.name, e))?
+                        .0
+                }
+                _ => picked,
+            };
+            for (k, rows) in asking.iter().enumerate() {
+                for &i in *rows {
+                    whole[i] = Some(picked.slice(k, 1));
+                }
             }
         }
-        if picks.is_empty() {
-            continue;
-        }
-        let picked =
-            arrow::compute::take_record_batch(&batch, &arrow::array::UInt32Array::from(picks))?;
-        let picked = match (&s.event_time, as_queried) {
-            (Some(time), true) => {
-                extract_event_time(&picked, time, None)
-                    .map_err(|e| Error::in_source(&s.name, e))?
-                    .0
-            }
-            _ => picked,
-        };
-        if taken
-            .first()
-            .is_some_and(|first| first.schema() != picked.schema())
-        {
-            return Err(Error::in_source(
-                &s.name,
-                "its reads disagree on the schema while reading records again whole",
-            ));
-        }
-        taken.push(picked);
     }
-    let missing: Vec<u32> = (0..keys.len())
-        .filter(|&i| found[i].is_none())
-        .map(|i| i as u32)
-        .collect();
-    if !missing.is_empty() {
-        tracing::warn!(source = %s.name, rows = missing.len(), "records read again whole were not given back: they keep only the columns the query reads");
+    let missing = whole.iter().filter(|w| w.is_none()).count();
+    if missing > 0 {
+        tracing::warn!(source = %s.name, rows = missing, "{NOT_READ_WHOLE}");
     }
-    let Some(schema) = taken.first().map(RecordBatch::schema) else {
-        return Ok(rows.clone());
-    };
-    if !missing.is_empty() {
-        let part = arrow::compute::take_record_batch(
-            rows,
-            &arrow::array::UInt32Array::from(missing.clone()),
-        )?;
-        let columns = schema
-            .fields()
-            .iter()
-            .map(|f| match part.column_by_name(f.name()) {
-                Some(c) if c.data_type() == f.data_type() => Arc::clone(c),
-                _ => arrow::array::new_null_array(f.data_type(), part.num_rows()),
-            })
-            .collect();
-        let options = RecordBatchOptions::new().with_row_count(Some(part.num_rows()));
-        for (k, &i) in missing.iter().enumerate() {
-            found[i as usize] = Some((taken.len(), k));
-        }
-        taken.push(RecordBatch::try_new_with_options(
-            Arc::clone(&schema),
-            columns,
-            &options,
-        )?);
-    }
-    let indices: Vec<(usize, usize)> = found.into_iter().flatten().collect();
-    let refs: Vec<&RecordBatch> = taken.iter().collect();
-    Ok(arrow::compute::interleave_record_batch(&refs, &indices)?)
+    Ok(whole)
 }
 
 /// `rows` (one row each, of source `s`) with the rows of its narrowed reads made whole
 /// ([`whole_rows`], as the query sees rows); the rows an operator made (a failed group or
-/// pair, offset -1), which carry no record, stay as they are.
-pub(crate) async fn make_whole(s: &OpenSource, rows: &mut [RecordBatch]) -> Result<()> {
+/// pair, offset -1), which carry no record, stay as they are. Returns the indices of the rows
+/// that could not be read again whole (they keep the columns read: see [`NOT_READ_WHOLE`]).
+pub(crate) async fn make_whole(s: &OpenSource, rows: &mut [RecordBatch]) -> Result<Vec<usize>> {
     if s.read_columns.is_none() {
-        return Ok(());
+        return Ok(Vec::new());
     }
     let read: Vec<usize> = (0..rows.len())
         .filter(|&i| rows[i].schema() == s.planned && row_key(&rows[i], 0).1 >= 0)
         .collect();
     if read.is_empty() {
-        return Ok(());
+        return Ok(Vec::new());
     }
     let narrow = concat_batches(&s.planned, read.iter().map(|&i| &rows[i]))?;
     let whole = whole_rows(s, &narrow, true).await?;
-    for (k, &i) in read.iter().enumerate() {
-        rows[i] = whole.slice(k, 1);
+    let mut not_whole = Vec::new();
+    for (&i, whole) in read.iter().zip(whole) {
+        match whole {
+            Some(whole) => rows[i] = whole,
+            None => not_whole.push(i),
+        }
     }
-    Ok(())
+    Ok(not_whole)
 }
 
 /// The key of row `row` of a source batch, as [`dead_letter_from_row`] would record it.

@@ -28,8 +28,9 @@ use std::time::Duration;
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use datafusion::catalog::MemTable;
+use datafusion::common::alias::AliasGenerator;
 use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
-use datafusion::execution::SessionStateBuilder;
+use datafusion::execution::{SessionState, SessionStateBuilder};
 use datafusion::logical_expr::{AggregateUDF, LogicalPlan, ScalarUDF, WindowUDF};
 use datafusion::prelude::{DataFrame, SessionConfig, SessionContext};
 use futures::future::BoxFuture;
@@ -446,14 +447,16 @@ impl StreamingQuery {
     /// The plan each batch runs over the sources' rows, as DataFusion optimizes it (projection
     /// pushdown included), for a stateless query or an aggregate (its state holds partial
     /// results, not rows); `None` for deduplication and joins, whose state keeps source rows.
-    fn optimized_batch_plan(&self) -> Result<Option<LogicalPlan>> {
+    ///
+    /// `state` optimizes it (and fixes the time `now()` stands for).
+    fn optimized_batch_plan(&self, state: &SessionState) -> Result<Option<LogicalPlan>> {
         let plan = match &self.stateful {
             None => self.plan.clone(),
             // A watermark adds a filter on the window column.
             Some(StatefulOperator::Aggregate(a)) => a.partial_plan(Some(0))?,
             Some(_) => return Ok(None),
         };
-        Ok(Some(self.tables.ctx.state().optimize(&plan)?))
+        Ok(Some(state.optimize(&plan)?))
     }
 
     /// The columns of each source the query reads: what the scans of
@@ -464,7 +467,7 @@ impl StreamingQuery {
     /// # Errors
     /// If the plan does not optimize.
     pub fn columns_read(&self) -> Result<Option<BTreeMap<String, BTreeSet<String>>>> {
-        let Some(optimized) = self.optimized_batch_plan()? else {
+        let Some(optimized) = self.optimized_batch_plan(&self.tables.ctx.state())? else {
             return Ok(None);
         };
         let mut read: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
@@ -493,13 +496,18 @@ impl StreamingQuery {
     }
 
     /// Whether `self` runs the same plan each batch as `other` does, node for node and column
-    /// for column (both [`StreamingQuery::optimized_batch_plan`]s, as text).
+    /// for column (both [`StreamingQuery::optimized_batch_plan`]s, as text, optimized by one
+    /// session state so that `now()` is the same instant in both).
     ///
     /// # Errors
     /// If a plan does not optimize.
     pub fn runs_as(&self, other: &StreamingQuery) -> Result<bool> {
+        let state = self.tables.ctx.state();
         let text = |q: &StreamingQuery| -> Result<Option<String>> {
-            Ok(q.optimized_batch_plan()?
+            // Each optimization names the subexpressions it takes out from 1 again.
+            let mut state = state.clone();
+            state.execution_props_mut().alias_generator = Arc::new(AliasGenerator::new());
+            Ok(q.optimized_batch_plan(&state)?
                 .map(|p| p.display_indent_schema().to_string()))
         };
         Ok(text(self)?.is_some_and(|a| Some(a) == text(other).ok().flatten()))
@@ -1427,6 +1435,26 @@ mod tests {
             "url",
         ];
         assert_eq!(read("SELECT * FROM bid").await, of(&all));
+        // The same query planned twice runs the same plan, whatever `now()` or the names of
+        // subexpressions a window's columns share; another query does not.
+        let plan = async |sql: &str| {
+            StreamingQuery::plan(sql, &[("bid".into(), Arc::clone(&schema))], &settings)
+                .await
+                .unwrap()
+        };
+        for sql in [
+            "SELECT auction FROM bid WHERE ts < now()",
+            "SELECT max(price) AS p FROM tumble(bid, ts, INTERVAL '1' MINUTE) GROUP BY window_start",
+            "SELECT auction, count(*) AS n FROM hop(bid, ts, INTERVAL '2' SECOND, \
+             INTERVAL '10' SECOND) GROUP BY auction, window_start, window_end",
+        ] {
+            assert!(plan(sql).await.runs_as(&plan(sql).await).unwrap(), "{sql}");
+        }
+        let (a, b) = (
+            plan("SELECT auction FROM bid").await,
+            plan("SELECT price FROM bid").await,
+        );
+        assert!(!a.runs_as(&b).unwrap());
         // Deduplication keeps source rows in its state: no narrowing.
         let dedup = QuerySettings {
             state_ttl: Some(Duration::from_secs(3600)),

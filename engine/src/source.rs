@@ -28,10 +28,12 @@ pub const SOURCE_OFFSET: &str = "_source_offset";
 /// Optional column: a finer position than the offset, such as `file.json:17`.
 pub const SOURCE_POSITION: &str = "_source_position";
 
-/// Whether `name` is one of the lineage columns ([`SOURCE_PARTITION`], [`SOURCE_OFFSET`],
-/// [`SOURCE_POSITION`]).
+/// The lineage columns, in the order a source batch carries them.
+pub const LINEAGE_COLUMNS: [&str; 3] = [SOURCE_PARTITION, SOURCE_OFFSET, SOURCE_POSITION];
+
+/// Whether `name` is one of the [`LINEAGE_COLUMNS`].
 pub fn is_lineage(name: &str) -> bool {
-    [SOURCE_PARTITION, SOURCE_OFFSET, SOURCE_POSITION].contains(&name)
+    LINEAGE_COLUMNS.contains(&name)
 }
 
 /// What a source is given when the job opens it.

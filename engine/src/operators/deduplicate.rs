@@ -434,12 +434,10 @@ pub(crate) fn plan_deduplication(
         .iter()
         .map(|(qualifier, field)| Expr::Column(Column::new(qualifier.cloned(), field.name())))
         .collect();
-    let is_lineage =
-        |name: &str| [SOURCE_PARTITION, SOURCE_OFFSET, SOURCE_POSITION].contains(&name);
     let key_indices: Vec<usize> = match found.form {
         // Every selected column but the lineage, which tells every row apart.
         Form::Distinct => (0..input_columns)
-            .filter(|&i| !is_lineage(input_schema.field(i).name()))
+            .filter(|&i| !crate::source::is_lineage(input_schema.field(i).name()))
             .collect(),
         Form::RowNumber => {
             for (i, key) in keys.iter().enumerate() {
@@ -474,7 +472,7 @@ pub(crate) fn plan_deduplication(
         .map(|f| f.name().as_str())
         .collect();
     let mut lineage_indices = Vec::new();
-    for name in [SOURCE_PARTITION, SOURCE_OFFSET, SOURCE_POSITION] {
+    for name in crate::source::LINEAGE_COLUMNS {
         if let Some(i) = input_schema.fields().iter().position(|f| f.name() == name) {
             lineage_indices.push(i);
         } else if !present.contains(name)

@@ -95,7 +95,6 @@ use crate::event_time::event_time_type;
 use crate::offsets::BatchId;
 use crate::query::BatchWatermark;
 use crate::sink::OutputMode;
-use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_POSITION};
 
 /// The table the upper part reads the joined pairs from.
 const JOINED_TABLE: &str = "__sluice_joined";
@@ -1409,7 +1408,7 @@ impl StreamJoin {
     /// `<qualifier>.<column>`), at the position of its left row (of its right row, for a right
     /// row unmatched), the other row's position in the error.
     fn failed_pair(&self, row: &RecordBatch, error: &Error) -> Result<FailedRow> {
-        let lineage = [SOURCE_PARTITION, SOURCE_OFFSET, SOURCE_POSITION];
+        let lineage = crate::source::LINEAGE_COLUMNS;
         let left_width = self.sides[0].id_index();
         let present = |s: usize| {
             let first = if s == 0 { 0 } else { left_width };
@@ -1703,7 +1702,7 @@ impl NullColumns {
 
 /// `side` with its scans of `source` reading the lineage columns too, carried up to its output.
 fn with_lineage(side: LogicalPlan, source: &str) -> Result<LogicalPlan> {
-    let lineage = [SOURCE_PARTITION, SOURCE_OFFSET, SOURCE_POSITION];
+    let lineage = crate::source::LINEAGE_COLUMNS;
     let scanned = side
         .transform_up(|node| {
             let LogicalPlan::TableScan(scan) = &node else {
@@ -1754,7 +1753,7 @@ fn key_column(side: &mut LogicalPlan, expr: &Expr, name: &str) -> Result<Expr> {
 
 /// A source row's lineage (partition, offset, position) as text.
 fn lineage_of(row: &RecordBatch) -> String {
-    [SOURCE_PARTITION, SOURCE_OFFSET, SOURCE_POSITION]
+    crate::source::LINEAGE_COLUMNS
         .iter()
         .filter_map(|name| row.column_by_name(name))
         .map(|c| arrow::util::display::array_value_to_string(c, 0).unwrap_or_default())
