@@ -21,7 +21,9 @@ Run it with ``benches/peers/compare.sh`` (installs pyspark, builds Sluice in rel
 
 It prints both sides and the ratio, and appends every result to ``benches/results/peers.jsonl``.
 Sluice's time is its process's wall time (start-up included); Spark's is from ``start()`` of the
-streaming query to its end (JVM and session start-up excluded). Sluice writes a Delta table,
+streaming query to its end (JVM and session start-up excluded). Each query runs ``--repeat``
+times on each engine, alternately, from empty outputs; the median of each engine's times is
+the result (all times are recorded): a sub-second run varies by a third between runs here. Sluice writes a Delta table,
 Spark Parquet files (the Delta package for Spark is not on PyPI).
 """
 
@@ -212,6 +214,21 @@ def run_sluice(sluice, work, name, source_block, sql):
     return elapsed, out.stdout.strip().splitlines()[0], per_batch, steps
 
 
+def fresh(work, name):
+    """Removes what a run of `name` left (outputs, side tables, checkpoints) on either engine."""
+    for suffix in ("", "_dead_letter", "_late"):
+        shutil.rmtree(work / f"sluice_{name}{suffix}", ignore_errors=True)
+    for suffix in ("", "_checkpoint"):
+        shutil.rmtree(work / f"spark_{name}{suffix}", ignore_errors=True)
+
+
+def median_run(runs):
+    """The run whose time (its first item) is the median of `runs` (the lower middle one of an
+    even number)."""
+    ordered = sorted(runs, key=lambda r: r[0])
+    return ordered[(len(ordered) - 1) // 2]
+
+
 def format_steps(steps):
     return ", ".join(f"{k} {v:.1f} ms" for k, v in steps.items())
 
@@ -331,6 +348,8 @@ def main():
     p.add_argument("--queries", default="q0,q2,q5,q7", help="Nexmark queries")
     p.add_argument("--clicks", type=int, default=2_000_000, help="click events (clicks suite)")
     p.add_argument("--results", default=str(ROOT / "benches/results/peers.jsonl"))
+    p.add_argument("--repeat", type=int, default=3,
+                   help="runs of each query on each engine; the medians are compared")
     args = p.parse_args()
     suites = args.suites.split(",")
 
@@ -378,14 +397,21 @@ def main():
                 print(f"nexmark, {fmt} files:\n{header}")
                 for q in args.queries.split(","):
                     name = f"{fmt}_{q}"
-                    s_time, summary, _, steps = run_sluice(
-                        args.sluice, work, name,
-                        bid_source(folders[fmt], fmt, args.files_per_batch), QUERIES[q])
-                    k_time, k_rows = run_spark(spark, work, folders[fmt], fmt, q,
-                                               args.files_per_batch)
+                    s_runs, k_runs = [], []
+                    for _ in range(args.repeat):
+                        fresh(work, name)
+                        s_runs.append(run_sluice(
+                            args.sluice, work, name,
+                            bid_source(folders[fmt], fmt, args.files_per_batch), QUERIES[q]))
+                        k_runs.append(run_spark(spark, work, folders[fmt], fmt, q,
+                                                args.files_per_batch))
+                    s_time, summary, _, steps = median_run(s_runs)
+                    k_time, k_rows = median_run(k_runs)
                     record(f"nexmark-{fmt}", q, args.events, s_time, k_time,
                            format=fmt, files_per_batch=args.files_per_batch,
-                           sluice_p50_ms_per_step=steps)
+                           sluice_p50_ms_per_step=steps,
+                           sluice_seconds_runs=[r[0] for r in s_runs],
+                           spark_seconds_runs=[r[0] for r in k_runs])
                     print(f"{'':9}sluice: {summary} ({s_time:.1f} s; steps p50: "
                           f"{format_steps(steps)}); spark: {k_rows} rows ({k_time:.1f} s)")
         if "clicks" in suites:
@@ -396,12 +422,19 @@ def main():
                   f"first set), 1-minute count+sum per user, 10 files per batch:\n{header}")
             for name, folder in [("1 % malformed", bad_folder), ("clean", clean_folder)]:
                 tag = "bad" if folder == bad_folder else "clean"
-                s_time, summary, _, steps = run_sluice(
-                    args.sluice, work, f"clicks_{tag}", click_source(folder, 10), CLICKS_SQL)
-                k_time, k_rows, _ = spark_clicks(spark, work, f"clicks_{tag}", folder, 10)
+                s_runs, k_runs = [], []
+                for _ in range(args.repeat):
+                    fresh(work, f"clicks_{tag}")
+                    s_runs.append(run_sluice(
+                        args.sluice, work, f"clicks_{tag}", click_source(folder, 10), CLICKS_SQL))
+                    k_runs.append(spark_clicks(spark, work, f"clicks_{tag}", folder, 10))
+                s_time, summary, _, steps = median_run(s_runs)
+                k_time, k_rows, _ = median_run(k_runs)
                 record("clicks", name, args.clicks, s_time, k_time, malformed_lines=(
                     bad if tag == "bad" else 0), files_per_batch=10,
-                    sluice_p50_ms_per_step=steps)
+                    sluice_p50_ms_per_step=steps,
+                    sluice_seconds_runs=[r[0] for r in s_runs],
+                    spark_seconds_runs=[r[0] for r in k_runs])
                 print(f"{'':9}sluice: {summary} ({s_time:.1f} s; steps p50: "
                       f"{format_steps(steps)}); spark: {k_rows} rows ({k_time:.1f} s)")
         if "overhead" in suites:
