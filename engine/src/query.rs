@@ -460,7 +460,7 @@ impl StreamingQuery {
     }
 
     /// The columns of each source the query reads: what the scans of
-    /// [`StreamingQuery::optimized_batch_plan`] keep. `None` where that is `None`, or for a
+    /// `optimized_batch_plan` keep. `None` where that is `None`, or for a
     /// plan that scans anything but sources and tables. A source the query does not scan is
     /// absent. Lineage and event-time columns are the caller's to add.
     ///
@@ -496,7 +496,7 @@ impl StreamingQuery {
     }
 
     /// Whether `self` runs the same plan each batch as `other` does, node for node and column
-    /// for column (both [`StreamingQuery::optimized_batch_plan`]s, as text, optimized by one
+    /// for column (both `optimized_batch_plan`s, as text, optimized by one
     /// session state so that `now()` is the same instant in both).
     ///
     /// # Errors

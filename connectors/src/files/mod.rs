@@ -974,6 +974,15 @@ mod tests {
         assert_eq!(group_sizes(&gz), vec![vec![0], vec![1], vec![2]]);
     }
 
+    /// `batch` as the bytes of a Parquet file.
+    fn parquet_file(batch: &RecordBatch) -> Bytes {
+        let mut bytes = Vec::new();
+        let mut w = parquet::arrow::ArrowWriter::try_new(&mut bytes, batch.schema(), None).unwrap();
+        w.write(batch).unwrap();
+        w.close().unwrap();
+        Bytes::from(bytes)
+    }
+
     /// Only the columns asked for are returned; a column stored as another type than declared
     /// is still cast, so a value that does not cast fails the file whatever is read.
     #[test]
@@ -995,12 +1004,7 @@ mod tests {
                 ],
             )
             .unwrap();
-            let mut bytes = Vec::new();
-            let mut w =
-                parquet::arrow::ArrowWriter::try_new(&mut bytes, batch.schema(), None).unwrap();
-            w.write(&batch).unwrap();
-            w.close().unwrap();
-            Bytes::from(bytes)
+            parquet_file(&batch)
         };
         // `code` is declared an integer; `missing` is in no file.
         let declared = Arc::new(Schema::new(vec![
@@ -1051,11 +1055,7 @@ mod tests {
                 ],
             )
             .unwrap();
-            let mut bytes = Vec::new();
-            let mut w = parquet::arrow::ArrowWriter::try_new(&mut bytes, schema, None).unwrap();
-            w.write(&batch).unwrap();
-            w.close().unwrap();
-            Bytes::from(bytes)
+            parquet_file(&batch)
         };
         let not_null = Arc::new(Schema::new(vec![
             Field::new("id", DataType::Int64, false),
