@@ -863,18 +863,25 @@ pub(crate) fn decode_parquet(
         .with_batch_size(crate::decode::DECODE_ROWS)
         .build()
         .map_err(|e| e.to_string())?;
-    let out_schema = match columns {
+    // What is decoded: the columns asked for and the ones checked, in `schema`'s order, cast and
+    // checked as one batch so a file that fails fails with the error reading every column gives
+    // (the first column in order that does not cast, then the first NOT NULL one holding nulls).
+    let decoded: Vec<usize> = (0..schema.fields().len())
+        .filter(|&i| {
+            let name = schema.field(i).name();
+            wanted(name) || checked.iter().any(|c| c.name() == name)
+        })
+        .collect();
+    let decoded_schema = match columns {
         None => Arc::clone(schema),
-        Some(_) => Arc::new(Schema::new_with_metadata(
-            schema
-                .fields()
-                .iter()
-                .filter(|f| wanted(f.name()))
-                .cloned()
-                .collect::<Vec<_>>(),
-            schema.metadata().clone(),
-        )),
+        Some(_) => Arc::new(schema.project(&decoded).map_err(|e| e.to_string())?),
     };
+    // Where the columns asked for sit among the decoded ones.
+    let kept: Option<Vec<usize>> = columns.map(|_| {
+        (0..decoded_schema.fields().len())
+            .filter(|&i| wanted(decoded_schema.field(i).name()))
+            .collect()
+    });
     let cast_options = cast::CastOptions {
         safe: false,
         ..Default::default()
@@ -887,22 +894,19 @@ pub(crate) fn decode_parquet(
     let mut out = Vec::new();
     for batch in reader {
         let batch = batch.map_err(|e| e.to_string())?;
-        for field in &checked {
-            let column = conformed(field, &batch)?;
-            // The check the whole batch would get below: nulls in a NOT NULL column.
-            let one = Arc::new(Schema::new(vec![(*field).clone()]));
-            RecordBatch::try_new(one, vec![column]).map_err(|e| e.to_string())?;
-        }
-        let kept = out_schema
+        let columns = decoded_schema
             .fields()
             .iter()
             .map(|field| conformed(field, &batch))
             .collect::<std::result::Result<Vec<_>, String>>()?;
         let options = RecordBatchOptions::new().with_row_count(Some(batch.num_rows()));
-        out.push(
-            RecordBatch::try_new_with_options(Arc::clone(&out_schema), kept, &options)
-                .map_err(|e| e.to_string())?,
-        );
+        let decoded =
+            RecordBatch::try_new_with_options(Arc::clone(&decoded_schema), columns, &options)
+                .map_err(|e| e.to_string())?;
+        out.push(match &kept {
+            None => decoded,
+            Some(kept) => decoded.project(kept).map_err(|e| e.to_string())?,
+        });
     }
     Ok(out)
 }
@@ -1076,6 +1080,41 @@ mod tests {
             failed,
             decode_parquet(&absent, None, with_null).unwrap_err()
         );
+        // Three faults: `code` and `last` do not cast, `note` is NOT NULL and holds a null.
+        // Whichever are read, the error is the one reading every column gives: the first column
+        // in order that does not cast (casts come before the NOT NULL check).
+        let three_faults = {
+            let schema = Arc::new(Schema::new(vec![
+                Field::new("code", DataType::Utf8, false),
+                Field::new("id", DataType::Int64, false),
+                Field::new("note", DataType::Utf8, true),
+                Field::new("last", DataType::Utf8, false),
+            ]));
+            let batch = RecordBatch::try_new(
+                Arc::clone(&schema),
+                vec![
+                    Arc::new(StringArray::from(vec!["7", "x"])),
+                    Arc::new(Int64Array::from(vec![1, 2])),
+                    Arc::new(StringArray::from(vec![Some("a"), None])),
+                    Arc::new(StringArray::from(vec!["x", "8"])),
+                ],
+            )
+            .unwrap();
+            parquet_file(&batch)
+        };
+        let declared = Arc::new(Schema::new(vec![
+            Field::new("code", DataType::Int64, false),
+            Field::new("id", DataType::Int64, false),
+            Field::new("note", DataType::Utf8, false),
+            Field::new("last", DataType::Int64, false),
+        ]));
+        let whole = decode_parquet(&declared, None, three_faults.clone()).unwrap_err();
+        assert!(whole.contains("column 'code'"), "{whole}");
+        for asked in [&["code"][..], &["id"], &["last"], &["note", "last"]] {
+            let asked: Vec<String> = asked.iter().map(|c| c.to_string()).collect();
+            let narrow = decode_parquet(&declared, Some(&asked), three_faults.clone()).unwrap_err();
+            assert_eq!(narrow, whole, "asked for {asked:?}");
+        }
         assert!(cast_cannot_fail(&DataType::Int32, &DataType::Int64));
         assert!(!cast_cannot_fail(&DataType::Int64, &DataType::Int32));
         assert!(!cast_cannot_fail(&DataType::Utf8, &DataType::Int64));
