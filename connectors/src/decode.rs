@@ -29,6 +29,8 @@ use arrow::compute::kernels::cast_utils::{Parser, string_to_datetime};
 use arrow::datatypes::{ArrowPrimitiveType, DataType, Field, Schema, SchemaRef, TimeUnit};
 use rayon::prelude::*;
 
+use crate::flat_json::FlatJson;
+
 /// A line of a file: 1-based number and byte span (without the newline).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Line {
@@ -114,6 +116,8 @@ fn concat_runs(runs: Vec<Decoded>) -> Decoded {
 /// JSON `lines` of `bytes` decoded into `schema` (see [`decode_json_rows`] for `strict`), as
 /// `decode_lines` does, but a bad line costs about what a line costs: each run's lines are
 /// sorted by [`is_one_json_object`], those that pass decoded together, the others one by one.
+/// Where the schema decodes to text columns only, each run's flat objects are read first by
+/// [`FlatJson`] in one pass, and only the lines it declines are sorted and decoded so.
 /// The result is the same as `decode_lines` over [`decode_json_rows`] gives: the same rows,
 /// the same bad lines, the same reasons.
 pub(crate) fn decode_json_lines(
@@ -123,19 +127,45 @@ pub(crate) fn decode_json_lines(
     strict: bool,
 ) -> Decoded {
     let decode_schema = text_schema(schema);
-    decode_sorted(
-        bytes,
-        lines,
-        is_one_json_object,
-        // Lines that passed the check are within the depth limit already.
-        |chunk| decode_json_parsed(schema, &decode_schema, bytes, chunk, strict),
-        |chunk| {
-            for l in chunk {
-                check_depth(&bytes[l.start..l.end])?;
+    let passes = is_one_json_object;
+    // Lines that passed the check are within the depth limit already.
+    let decode_passed =
+        |chunk: &[Line]| decode_json_parsed(schema, &decode_schema, bytes, chunk, strict);
+    let decode_alone = |chunk: &[Line]| {
+        for l in chunk {
+            check_depth(&bytes[l.start..l.end])?;
+        }
+        decode_json_parsed(schema, &decode_schema, bytes, chunk, strict)
+    };
+    let Some(flat) = FlatJson::new(&decode_schema, strict) else {
+        return decode_sorted(bytes, lines, passes, decode_passed, decode_alone);
+    };
+    let runs: Vec<Decoded> = lines
+        .par_chunks(DECODE_ROWS)
+        .map(|run| {
+            let read_rows = flat.read(bytes, run).and_then(|(batch, read, declined)| {
+                let rows = typed_rows(batch, schema)?;
+                Ok((drop_bad_rows(bytes, &read, rows)?, declined))
+            });
+            let Ok(((batch, numbers, mut bad), declined)) = read_rows else {
+                // The conversion failed as a whole (as it would for any lines): the decoder's
+                // path gives each line its reason.
+                return decode_sorted_run(bytes, run, &passes, &decode_passed, &decode_alone);
+            };
+            let (others, others_bad) =
+                decode_sorted_run(bytes, &declined, &passes, &decode_passed, &decode_alone);
+            let good = match numbers.is_empty() {
+                true => others,
+                false => merge_pieces(vec![(batch, numbers)], others),
+            };
+            if !others_bad.is_empty() {
+                bad.extend(others_bad);
+                bad.sort_by_key(|(number, _, _)| *number);
             }
-            decode_json_parsed(schema, &decode_schema, bytes, chunk, strict)
-        },
-    )
+            (good, bad)
+        })
+        .collect();
+    concat_runs(runs)
 }
 
 /// CSV `lines` of `bytes` decoded into `schema` as [`decode_json_lines`] decodes JSON: lines
@@ -159,9 +189,7 @@ pub(crate) fn decode_csv_lines(
     )
 }
 
-/// Each run of [`DECODE_ROWS`] `lines` (in parallel) sorted by `passes`: the lines that pass
-/// decoded together by `decode_passed`, the others one by one by `decode_alone`, then put back
-/// in line order. Failures of whole chunks are still halved ([`decode_run`]).
+/// Each run of [`DECODE_ROWS`] `lines` (in parallel) decoded by [`decode_sorted_run`].
 fn decode_sorted(
     bytes: &[u8],
     lines: &[Line],
@@ -171,63 +199,97 @@ fn decode_sorted(
 ) -> Decoded {
     let runs: Vec<Decoded> = lines
         .par_chunks(DECODE_ROWS)
-        .map(|run| {
-            let (passed, others): (Vec<Line>, Vec<Line>) =
-                run.iter().partition(|l| passes(&bytes[l.start..l.end]));
-            let (good, mut bad) = decode_run(bytes, &passed, &decode_passed);
-            if others.is_empty() {
-                return (good, bad);
-            }
-            let mut alone = Vec::new();
-            for line in &others {
-                let (line_good, line_bad) =
-                    decode_run(bytes, std::slice::from_ref(line), &decode_alone);
-                alone.extend(line_good);
-                bad.extend(line_bad);
-            }
-            bad.sort_by_key(|(number, _, _)| *number);
-            (interleave(good, alone), bad)
-        })
+        .map(|run| decode_sorted_run(bytes, run, &passes, &decode_passed, &decode_alone))
         .collect();
     concat_runs(runs)
 }
 
-/// `pieces` (in line order) with the one-row `singles` (in line order) put in their places,
-/// slicing a piece where a single falls inside it.
-fn interleave(
-    pieces: Vec<(RecordBatch, Vec<usize>)>,
-    singles: Vec<(RecordBatch, Vec<usize>)>,
+/// `run` (lines in order) sorted by `passes`: the lines that pass decoded together by
+/// `decode_passed`, the others one by one by `decode_alone`, then put back in line order.
+/// Failures of whole chunks are still halved ([`decode_run`]).
+fn decode_sorted_run(
+    bytes: &[u8],
+    run: &[Line],
+    passes: &impl Fn(&[u8]) -> bool,
+    decode_passed: &impl Fn(&[Line]) -> std::result::Result<DecodedRows, String>,
+    decode_alone: &impl Fn(&[Line]) -> std::result::Result<DecodedRows, String>,
+) -> Decoded {
+    let (passed, others): (Vec<Line>, Vec<Line>) =
+        run.iter().partition(|l| passes(&bytes[l.start..l.end]));
+    let (good, mut bad) = decode_run(bytes, &passed, decode_passed);
+    if others.is_empty() {
+        return (good, bad);
+    }
+    let mut alone = Vec::new();
+    for line in &others {
+        let (line_good, line_bad) = decode_run(bytes, std::slice::from_ref(line), decode_alone);
+        alone.extend(line_good);
+        bad.extend(line_bad);
+    }
+    bad.sort_by_key(|(number, _, _)| *number);
+    (merge_pieces(good, alone), bad)
+}
+
+/// Two lists of batches with their line numbers, each in line order, merged into one in line
+/// order, slicing a batch where rows of the other fall inside it.
+fn merge_pieces(
+    a: Vec<(RecordBatch, Vec<usize>)>,
+    b: Vec<(RecordBatch, Vec<usize>)>,
 ) -> Vec<(RecordBatch, Vec<usize>)> {
-    if singles.is_empty() {
-        return pieces;
+    if a.is_empty() || b.is_empty() {
+        return if a.is_empty() { b } else { a };
     }
-    let mut out = Vec::with_capacity(pieces.len() + 2 * singles.len());
-    let mut singles = singles.into_iter().peekable();
-    for (batch, numbers) in pieces {
-        let mut from = 0;
-        while let Some(at) = singles
-            .peek()
-            .and_then(|(_, single)| single.first())
-            .map(|first| numbers.partition_point(|n| n < first))
-            .filter(|at| *at < numbers.len())
-        {
-            if at > from {
-                out.push((batch.slice(from, at - from), numbers[from..at].to_vec()));
-                from = at;
-            }
-            out.extend(singles.next());
-        }
-        if from == 0 {
-            out.push((batch, numbers));
-        } else if from < numbers.len() {
-            out.push((
-                batch.slice(from, numbers.len() - from),
-                numbers[from..].to_vec(),
-            ));
-        }
+    let mut out = Vec::with_capacity(a.len() + 2 * b.len());
+    let (mut a, mut b) = (Pieces::new(a), Pieces::new(b));
+    loop {
+        let piece = match (a.next_number(), b.next_number()) {
+            (None, None) => return out,
+            (Some(_), None) => a.take_below(usize::MAX),
+            (None, Some(_)) => b.take_below(usize::MAX),
+            (Some(x), Some(y)) if x < y => a.take_below(y),
+            (Some(x), Some(_)) => b.take_below(x),
+        };
+        out.extend(piece);
     }
-    out.extend(singles);
-    out
+}
+
+/// Batches with their line numbers, in line order, taken from the front.
+struct Pieces {
+    rest: std::vec::IntoIter<(RecordBatch, Vec<usize>)>,
+    /// The piece being taken from, and how many of its rows are taken already.
+    current: Option<(RecordBatch, Vec<usize>, usize)>,
+}
+
+impl Pieces {
+    fn new(pieces: Vec<(RecordBatch, Vec<usize>)>) -> Self {
+        let mut rest = pieces.into_iter();
+        let current = rest.next().map(|(batch, numbers)| (batch, numbers, 0));
+        Pieces { rest, current }
+    }
+
+    /// The line number of the next row.
+    fn next_number(&self) -> Option<usize> {
+        self.current
+            .as_ref()
+            .map(|(_, numbers, from)| numbers[*from])
+    }
+
+    /// The next rows of the current piece whose line numbers are below `limit` (at least one),
+    /// if any are left.
+    fn take_below(&mut self, limit: usize) -> Option<(RecordBatch, Vec<usize>)> {
+        let (batch, numbers, from) = self.current.take()?;
+        let to = (from + 1).max(from + numbers[from..].partition_point(|n| *n < limit));
+        if from == 0 && to == numbers.len() {
+            self.current = self.rest.next().map(|(batch, numbers)| (batch, numbers, 0));
+            return Some((batch, numbers));
+        }
+        let piece = (batch.slice(from, to - from), numbers[from..to].to_vec());
+        self.current = match to < numbers.len() {
+            true => Some((batch, numbers, to)),
+            false => self.rest.next().map(|(batch, numbers)| (batch, numbers, 0)),
+        };
+        Some(piece)
+    }
 }
 
 /// `decode_lines` of one run, split in halves around failures.
@@ -1384,6 +1446,31 @@ mod tests {
         ]))
     }
 
+    /// Columns that all decode as text: numbers, booleans and timestamps converted from it, and
+    /// text of each kind.
+    fn flat_schema() -> SchemaRef {
+        Arc::new(Schema::new(vec![
+            Field::new("id", DataType::Int64, true),
+            Field::new("name", DataType::Utf8View, true),
+            Field::new("amount", DataType::Float64, true),
+            Field::new(
+                "ts",
+                DataType::Timestamp(arrow::datatypes::TimeUnit::Millisecond, None),
+                true,
+            ),
+            Field::new("ok", DataType::Boolean, false),
+            Field::new("tags", DataType::LargeUtf8, true),
+        ]))
+    }
+
+    /// A flat schema with a NOT NULL text column.
+    fn flat_schema_not_null() -> SchemaRef {
+        Arc::new(Schema::new(vec![
+            Field::new("id", DataType::Int32, true),
+            Field::new("name", DataType::Utf8, false),
+        ]))
+    }
+
     /// Decodes `bytes` as JSON lines and as CSV lines, infers schemas from them: nothing may
     /// panic, and every non-blank line ends up as exactly one row or one bad line. The JSON
     /// lines decode to the same rows, bad lines and reasons whether sorted by
@@ -1400,6 +1487,16 @@ mod tests {
         let strict = decode_json_lines(&json, bytes, &lines, true);
         let halved = decode_lines(bytes, &lines, |c| decode_json_rows(&json, bytes, c, true));
         assert_same_decoding(&strict, &halved);
+        // Schemas of text columns once decoded: flat objects are read in one pass first.
+        for flat in [flat_schema(), flat_schema_not_null()] {
+            assert!(FlatJson::new(&text_schema(&flat), false).is_some());
+            for strict in [false, true] {
+                let read = decode_json_lines(&flat, bytes, &lines, strict);
+                let halved =
+                    decode_lines(bytes, &lines, |c| decode_json_rows(&flat, bytes, c, strict));
+                assert_same_decoding(&read, &halved);
+            }
+        }
         let csv = schema();
         let (good, bad) = decode_csv_lines(&csv, b',', bytes, &lines);
         let rows: usize = good.iter().map(|(b, _)| b.num_rows()).sum();
@@ -1712,10 +1809,60 @@ mod tests {
         assert!(!is_one_json_object(b"{\"a\":\"\xff\"}"));
     }
 
-    /// Single rows decoded on their own go back between the rows decoded together, in line
-    /// order, slicing a batch where one falls inside it.
+    /// The one-pass reader reads flat objects, and leaves what it is not sure of to the
+    /// decoder — which then gives the same rows and reasons as decoding every line there.
     #[test]
-    fn singles_are_interleaved_in_line_order() {
+    fn flat_objects_are_read_in_one_pass_and_the_rest_decoded() {
+        let text = concat!(
+            "{\"id\":1,\"name\":\"a\",\"amount\":2.5,\"ts\":\"2026-01-01T00:00:00Z\",\"ok\":true}\n",
+            " { \"ok\" : false , \"name\" : \"tab\\tq\\\"\\u00e9\\ud83d\\ude00\" , \"id\" : -7 } \n",
+            "{\"id\":3,\"ok\":true,\"extra\":\"x\",\"tags\":null}\n",
+            "{\"id\":4,\"ok\":true,\"tags\":[1]}\n",
+            "{\"id\":5 \"ok\":true}\n",
+            "{\"id\":6,\"ok\":true,\"id\":7}\n",
+            "{\"i\\u0064\":8,\"ok\":true}\n",
+            "{\"id\":\"x\",\"ok\":true}\n",
+            "{\"id\":10}\n",
+            "{\"id\":11,\"ok\":true}{}\n",
+            "{\"id\":12,\"ok\":1}\n",
+            "{\"id\":13,\"ok\":true,\"name\":\"\\udc00\\ud800\"}\n",
+            "{\"id\":14,\"ok\":true,\"name\":\"\\ud800\"}\n",
+            "{\"id\":15,\"ok\":true,\"name\":\"\\u00zz\"}\n",
+            "{\"id\":16,\"ok\":true,\"name\":\"a\\/b\\u0041\"}\n",
+        );
+        let bytes = text.as_bytes();
+        let lines = split_lines(bytes);
+        let lines = &lines[..lines.len() - 1];
+        let s = flat_schema();
+        let flat = FlatJson::new(&text_schema(&s), false).unwrap();
+        let (batch, read, declined) = flat.read(bytes, lines).unwrap();
+        let numbers = |lines: &[Line]| lines.iter().map(|l| l.number).collect::<Vec<_>>();
+        // A nested value, a missing comma, a repeated key, an escaped key and a second object
+        // are left to the decoder; a bad value is read here and fails in the conversion.
+        assert_eq!(numbers(&read), vec![1, 2, 3, 8, 9, 11, 15]);
+        assert_eq!(numbers(&declined), vec![4, 5, 6, 7, 10, 12, 13, 14]);
+        let names = batch.column(1).as_string_view();
+        assert_eq!(names.value(1), "tab\tq\"é😀");
+        assert_eq!(names.value(6), "a/bA");
+        assert_eq!(batch.column(4).as_string::<i32>().value(1), "false");
+        assert!(FlatJson::new(&text_schema(&s), true).is_some());
+        assert!(FlatJson::new(&text_schema(&nested_schema()), false).is_none());
+        let decoded = decode_json_lines(&s, bytes, lines, false);
+        let halved = decode_lines(bytes, lines, |c| decode_json_rows(&s, bytes, c, false));
+        assert_same_decoding(&decoded, &halved);
+        let good: Vec<usize> = decoded.0.iter().flat_map(|(_, n)| n.clone()).collect();
+        assert_eq!(good, vec![1, 2, 3, 5, 6, 7, 15]);
+        let bad: Vec<usize> = decoded.1.iter().map(|(n, _, _)| *n).collect();
+        assert_eq!(bad, vec![4, 8, 9, 10, 11, 12, 13, 14]);
+        let strict = decode_json_lines(&s, bytes, lines, true);
+        let halved = decode_lines(bytes, lines, |c| decode_json_rows(&s, bytes, c, true));
+        assert_same_decoding(&strict, &halved);
+    }
+
+    /// Rows decoded apart go back between each other in line order, slicing a batch where rows
+    /// of the other fall inside it, whichever list comes first.
+    #[test]
+    fn pieces_are_merged_in_line_order() {
         let piece = |numbers: &[usize]| {
             let ids: Vec<i64> = numbers.iter().map(|n| *n as i64).collect();
             let batch = RecordBatch::try_new(
@@ -1725,24 +1872,45 @@ mod tests {
             .unwrap();
             (batch, numbers.to_vec())
         };
-        let out = interleave(
+        let numbers = |out: &[(RecordBatch, Vec<usize>)]| -> Vec<Vec<usize>> {
+            out.iter().map(|(_, n)| n.clone()).collect()
+        };
+        let out = merge_pieces(
             vec![piece(&[1, 2, 5, 6]), piece(&[9])],
             vec![piece(&[0]), piece(&[3]), piece(&[7]), piece(&[10])],
         );
-        let numbers: Vec<Vec<usize>> = out.iter().map(|(_, n)| n.clone()).collect();
+        let expected = vec![
+            vec![0],
+            vec![1, 2],
+            vec![3],
+            vec![5, 6],
+            vec![7],
+            vec![9],
+            vec![10],
+        ];
+        assert_eq!(numbers(&out), expected);
+        let swapped = merge_pieces(
+            vec![piece(&[0]), piece(&[3]), piece(&[7]), piece(&[10])],
+            vec![piece(&[1, 2, 5, 6]), piece(&[9])],
+        );
+        assert_eq!(numbers(&swapped), expected);
+        let long = merge_pieces(
+            vec![piece(&[1, 4, 5, 8, 9])],
+            vec![piece(&[2, 3, 6]), piece(&[7, 10])],
+        );
         assert_eq!(
-            numbers,
+            numbers(&long),
             vec![
-                vec![0],
-                vec![1, 2],
-                vec![3],
-                vec![5, 6],
+                vec![1],
+                vec![2, 3],
+                vec![4, 5],
+                vec![6],
                 vec![7],
-                vec![9],
+                vec![8, 9],
                 vec![10]
             ]
         );
-        for (batch, numbers) in &out {
+        for (batch, numbers) in out.iter().chain(&swapped).chain(&long) {
             let ids: Vec<usize> = batch
                 .column(0)
                 .as_primitive::<Int64Type>()
@@ -1752,7 +1920,8 @@ mod tests {
                 .collect();
             assert_eq!(&ids, numbers, "a row moved away from its line number");
         }
-        assert_eq!(interleave(vec![piece(&[1, 2])], Vec::new()).len(), 1);
+        assert_eq!(merge_pieces(vec![piece(&[1, 2])], Vec::new()).len(), 1);
+        assert_eq!(merge_pieces(Vec::new(), vec![piece(&[1, 2])]).len(), 1);
     }
 
     #[test]
@@ -2053,6 +2222,63 @@ mod tests {
             let lines = [Line { number: 1, start: 0, end: line.len() }];
             let decodes = decode_json(&no_columns, line.as_bytes(), &lines, false).is_ok();
             proptest::prop_assert_eq!(is_one_json_object(line.as_bytes()), decodes, "{}", line);
+        }
+
+        /// Flat and almost-flat objects — keys in and out of order, repeated, escaped, unknown;
+        /// values of every kind, escaped strings, nested ones; commas dropped or doubled;
+        /// whitespace — read in one pass where they can be, decode to what decoding every line
+        /// with Arrow's decoder gives, row for row and reason for reason.
+        #[test]
+        fn fuzz_flat_objects_read_as_the_decoder_reads_them(
+            records in proptest::collection::vec(
+                proptest::collection::vec(
+                    (
+                        proptest::prop_oneof![
+                            proptest::strategy::Just("id"),
+                            proptest::strategy::Just("name"),
+                            proptest::strategy::Just("amount"),
+                            proptest::strategy::Just("ts"),
+                            proptest::strategy::Just("ok"),
+                            proptest::strategy::Just("tags"),
+                            proptest::strategy::Just("other"),
+                            proptest::strategy::Just("na\\u006de"),
+                        ],
+                        proptest::prop_oneof![
+                            "-?[0-9]{1,6}(\\.[0-9]{1,3})?([eE][+-]?[0-9]{1,2})?",
+                            "\"([a-zé 0-9:T-]|\\\\[\"\\\\/bfnrtux]|\\\\u[0-9a-fA-F]{4}|\\\\ud83d\\\\ude00){0,6}\"",
+                            "\"20[0-9]{2}-0[1-9]-[0-2][1-9]T[01][0-9]:00:00(\\.[0-9]{3})?Z?\"",
+                            proptest::strategy::Just("true".to_string()),
+                            proptest::strategy::Just("false".to_string()),
+                            proptest::strategy::Just("null".to_string()),
+                            proptest::strategy::Just("{}".to_string()),
+                            proptest::strategy::Just("[1,\"a\"]".to_string()),
+                            proptest::strategy::Just("tru".to_string()),
+                        ],
+                        proptest::prop_oneof![
+                            6 => proptest::strategy::Just(","),
+                            1 => proptest::strategy::Just(" , "),
+                            1 => proptest::strategy::Just(""),
+                            1 => proptest::strategy::Just(",,"),
+                        ],
+                    ),
+                    0..7,
+                ),
+                0..24,
+            ),
+        ) {
+            let mut text = String::new();
+            for members in records {
+                text.push('{');
+                let last = members.len().saturating_sub(1);
+                for (i, (key, value, comma)) in members.iter().enumerate() {
+                    text.push_str(&format!("\"{key}\":{value}"));
+                    if i < last {
+                        text.push_str(comma);
+                    }
+                }
+                text.push_str("}\n");
+            }
+            exercise(text.as_bytes());
         }
 
         /// Corpus files with bytes flipped.

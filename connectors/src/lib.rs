@@ -26,6 +26,7 @@ pub mod nexmark;
 mod decode;
 mod error;
 pub mod evolve;
+mod flat_json;
 mod infer;
 mod schema_log;
 pub use error::{ConnectorError, Result};

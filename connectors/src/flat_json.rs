@@ -1,0 +1,330 @@
+//! JSON lines read straight into text columns, in one pass over each line's bytes.
+//!
+//! [`crate::decode`] reads JSON into columns that are, for most schemas, text only: its number,
+//! boolean and timestamp columns are read as text and converted per row afterwards. Through
+//! Arrow's decoder such a line costs three passes — the object check that sorts lines, the
+//! decoder's tape, the tape into columns. For a schema whose decoded columns are all text
+//! ([`FlatJson::new`]), a line that is a flat object of strings, numbers, booleans and nulls is
+//! read here instead, in one pass, its values appended to the columns as they are found.
+//!
+//! A line this reader is not sure of it declines, and `decode` gives it to Arrow's decoder as
+//! before: a nested value, a key written with an escape, a key given twice, a missing or
+//! trailing comma, a field the schema lacks under strict decoding, no value for a NOT NULL
+//! column, anything malformed, text that is not UTF-8. So a line decodes to the same row, or
+//! fails with the same reason, whichever path reads it: what is read here is what Arrow's
+//! decoder reads (with primitive coercion) — a string's unescaped text, a number's own text,
+//! `true`/`false` as text, null or absent as null. The tests compare the two on generated lines.
+
+use std::sync::Arc;
+
+use arrow::array::{
+    ArrayRef, LargeStringBuilder, RecordBatch, RecordBatchOptions, StringBuilder, StringViewBuilder,
+};
+use arrow::datatypes::{DataType, SchemaRef};
+
+use crate::decode::Line;
+
+/// A reader of flat JSON objects into a schema of text columns.
+pub(crate) struct FlatJson {
+    schema: SchemaRef,
+    names: Vec<Vec<u8>>,
+    /// The columns that must have a value (NOT NULL): a line without one is declined.
+    required: Vec<usize>,
+    /// Whether a field the schema lacks fails its line (declined, for Arrow to give the reason).
+    strict: bool,
+}
+
+/// A value found on a line, by byte span.
+#[derive(Debug, Clone, Copy)]
+enum Value {
+    Null,
+    /// A string without escapes (its text between the quotes), or a number's text.
+    Text(usize, usize),
+    /// A string with escapes: its unescaped text, by span in the line's unescaped strings.
+    Escaped(usize, usize),
+    True,
+    False,
+}
+
+enum Column {
+    Utf8(StringBuilder),
+    LargeUtf8(LargeStringBuilder),
+    Utf8View(StringViewBuilder),
+}
+
+impl Column {
+    fn append(&mut self, value: Option<&str>) {
+        match self {
+            Column::Utf8(b) => b.append_option(value),
+            Column::LargeUtf8(b) => b.append_option(value),
+            Column::Utf8View(b) => b.append_option(value),
+        }
+    }
+
+    fn finish(&mut self) -> ArrayRef {
+        match self {
+            Column::Utf8(b) => Arc::new(b.finish()),
+            Column::LargeUtf8(b) => Arc::new(b.finish()),
+            Column::Utf8View(b) => Arc::new(b.finish()),
+        }
+    }
+}
+
+impl FlatJson {
+    /// A reader for `decode_schema` (the schema as `decode` decodes it, its converted columns
+    /// already text), if every column of it is text; `None` otherwise (a nested, binary, date
+    /// or decimal column: such schemas go through Arrow's decoder only).
+    pub(crate) fn new(decode_schema: &SchemaRef, strict: bool) -> Option<FlatJson> {
+        let fields = decode_schema.fields();
+        let text =
+            |t: &DataType| matches!(t, DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View);
+        let mut names: Vec<&String> = fields.iter().map(|f| f.name()).collect();
+        names.sort();
+        names.dedup();
+        let unique = names.len() == fields.len();
+        if fields.is_empty() || !unique || !fields.iter().all(|f| text(f.data_type())) {
+            return None;
+        }
+        Some(FlatJson {
+            schema: Arc::clone(decode_schema),
+            names: fields
+                .iter()
+                .map(|f| f.name().as_bytes().to_vec())
+                .collect(),
+            required: (0..fields.len())
+                .filter(|i| !fields[*i].is_nullable())
+                .collect(),
+            strict,
+        })
+    }
+
+    /// Reads what it can of `lines` of `bytes`: the batch of the lines it read (in
+    /// `decode_schema`), those lines, in order, and the lines it declined, in order.
+    ///
+    /// # Errors
+    /// If the columns do not make a batch of the schema (not expected: they are built for it).
+    pub(crate) fn read(
+        &self,
+        bytes: &[u8],
+        lines: &[Line],
+    ) -> std::result::Result<(RecordBatch, Vec<Line>, Vec<Line>), String> {
+        let span: usize = lines.iter().map(|l| l.end - l.start).sum();
+        if span > i32::MAX as usize {
+            // A column's text could outgrow 32-bit offsets: the decoder says so, line by line.
+            let empty = RecordBatch::new_empty(Arc::clone(&self.schema));
+            return Ok((empty, Vec::new(), lines.to_vec()));
+        }
+        let per_column = span / self.names.len().max(1);
+        let mut columns: Vec<Column> = self
+            .schema
+            .fields()
+            .iter()
+            .map(|f| match f.data_type() {
+                DataType::LargeUtf8 => {
+                    Column::LargeUtf8(LargeStringBuilder::with_capacity(lines.len(), per_column))
+                }
+                DataType::Utf8View => {
+                    Column::Utf8View(StringViewBuilder::with_capacity(lines.len()))
+                }
+                _ => Column::Utf8(StringBuilder::with_capacity(lines.len(), per_column)),
+            })
+            .collect();
+        let mut values: Vec<Option<Value>> = vec![None; self.names.len()];
+        let mut unescaped = String::new();
+        let (mut read, mut declined) = (Vec::with_capacity(lines.len()), Vec::new());
+        for line in lines {
+            let text = &bytes[line.start..line.end];
+            let Some(text) = std::str::from_utf8(text)
+                .ok()
+                .filter(|text| self.values(text, &mut values, &mut unescaped).is_some())
+            else {
+                declined.push(*line);
+                continue;
+            };
+            for (column, value) in columns.iter_mut().zip(&values) {
+                match *value {
+                    None | Some(Value::Null) => column.append(None),
+                    Some(Value::Text(from, to)) => column.append(Some(&text[from..to])),
+                    Some(Value::Escaped(from, to)) => column.append(Some(&unescaped[from..to])),
+                    Some(Value::True) => column.append(Some("true")),
+                    Some(Value::False) => column.append(Some("false")),
+                }
+            }
+            read.push(*line);
+        }
+        let arrays = columns.iter_mut().map(Column::finish).collect();
+        let batch = RecordBatch::try_new_with_options(
+            Arc::clone(&self.schema),
+            arrays,
+            &RecordBatchOptions::new().with_row_count(Some(read.len())),
+        )
+        .map_err(|e| e.to_string())?;
+        Ok((batch, read, declined))
+    }
+
+    /// The values of the flat object `text`, by column, into `values` (escaped strings
+    /// unescaped into `unescaped`); `None` if the line is not one this reader takes (see the
+    /// module's documentation).
+    fn values(
+        &self,
+        text: &str,
+        values: &mut [Option<Value>],
+        unescaped: &mut String,
+    ) -> Option<()> {
+        values.fill(None);
+        unescaped.clear();
+        let line = text.as_bytes();
+        let mut at = skip_whitespace(line, 0);
+        (line.get(at) == Some(&b'{')).then_some(())?;
+        at = skip_whitespace(line, at + 1);
+        // Where the next key is expected: fields usually come in the schema's order.
+        let mut next_column = 0;
+        if line.get(at) == Some(&b'}') {
+            at += 1;
+        } else {
+            loop {
+                (line.get(at) == Some(&b'"')).then_some(())?;
+                let key_end = at + 1 + memchr::memchr2(b'"', b'\\', line.get(at + 1..)?)?;
+                // A key with an escape is left to the decoder, which unescapes it.
+                (line[key_end] == b'"').then_some(())?;
+                let key = &line[at + 1..key_end];
+                at = skip_whitespace(line, key_end + 1);
+                (line.get(at) == Some(&b':')).then_some(())?;
+                at = skip_whitespace(line, at + 1);
+                let (value, end) = value(text, at, unescaped)?;
+                at = skip_whitespace(line, end);
+                match self.column(key, next_column) {
+                    Some(column) => {
+                        // A key given twice is left to the decoder (the last one wins there).
+                        values[column].is_none().then_some(())?;
+                        values[column] = Some(value);
+                        next_column = column + 1;
+                    }
+                    None if self.strict => return None,
+                    None => {}
+                }
+                match line.get(at)? {
+                    b',' => at = skip_whitespace(line, at + 1),
+                    b'}' => {
+                        at += 1;
+                        break;
+                    }
+                    _ => return None,
+                }
+            }
+        }
+        (skip_whitespace(line, at) == line.len()).then_some(())?;
+        self.required
+            .iter()
+            .all(|c| !matches!(values[*c], None | Some(Value::Null)))
+            .then_some(())
+    }
+
+    /// The column named `key`: `expected` is tried first.
+    fn column(&self, key: &[u8], expected: usize) -> Option<usize> {
+        if self.names.get(expected).is_some_and(|name| name == key) {
+            return Some(expected);
+        }
+        self.names.iter().position(|name| name == key)
+    }
+}
+
+/// The scalar value at `at` and the index after it (an escaped string's text unescaped onto
+/// `unescaped`); `None` for a nested value or bad text. A number is what Arrow's decoder takes
+/// as one: a `-` or digit, then any of `0-9 + - . e E`.
+fn value(text: &str, at: usize, unescaped: &mut String) -> Option<(Value, usize)> {
+    let line = text.as_bytes();
+    match *line.get(at)? {
+        b'"' => {
+            let from = at + 1;
+            let stop = from + memchr::memchr2(b'"', b'\\', line.get(from..)?)?;
+            if line[stop] == b'"' {
+                return Some((Value::Text(from, stop), stop + 1));
+            }
+            let start = unescaped.len();
+            let end = unescape(text, from, unescaped)?;
+            Some((Value::Escaped(start, unescaped.len()), end))
+        }
+        b'-' | b'0'..=b'9' => {
+            let end = at
+                + 1
+                + line[at + 1..]
+                    .iter()
+                    .take_while(|b| matches!(b, b'0'..=b'9' | b'-' | b'+' | b'.' | b'e' | b'E'))
+                    .count();
+            Some((Value::Text(at, end), end))
+        }
+        b't' => literal(line, at, b"true", Value::True),
+        b'f' => literal(line, at, b"false", Value::False),
+        b'n' => literal(line, at, b"null", Value::Null),
+        _ => None,
+    }
+}
+
+fn literal(line: &[u8], at: usize, word: &[u8], value: Value) -> Option<(Value, usize)> {
+    (line.get(at..at + word.len()) == Some(word)).then_some((value, at + word.len()))
+}
+
+/// The index after JSON whitespace from `at`.
+fn skip_whitespace(line: &[u8], at: usize) -> usize {
+    at + line
+        .get(at..)
+        .unwrap_or_default()
+        .iter()
+        .take_while(|b| matches!(b, b' ' | b'\t' | b'\n' | b'\r'))
+        .count()
+}
+
+/// The string of `line` whose text starts at `from` (after its opening quote) unescaped onto
+/// `out`, as Arrow's decoder unescapes it: the index after its closing quote, or `None` for an
+/// escape the decoder refuses (an unknown letter, bad hex digits, a `\u` surrogate not in a
+/// high-low pair).
+fn unescape(line: &str, from: usize, out: &mut String) -> Option<usize> {
+    let bytes = line.as_bytes();
+    let mut at = from;
+    loop {
+        let found = at + memchr::memchr2(b'"', b'\\', bytes.get(at..)?)?;
+        out.push_str(line.get(at..found)?);
+        if bytes[found] == b'"' {
+            return Some(found + 1);
+        }
+        at = found + 2;
+        let c = match *bytes.get(found + 1)? {
+            b'"' => '"',
+            b'\\' => '\\',
+            b'/' => '/',
+            b'b' => '\u{8}',
+            b'f' => '\u{c}',
+            b'n' => '\n',
+            b'r' => '\r',
+            b't' => '\t',
+            b'u' => {
+                let unit = hex4(bytes, at)?;
+                at += 4;
+                match char::from_u32(unit) {
+                    Some(c) => c,
+                    None => {
+                        // A surrogate: only a high one followed by `\u` and a low one.
+                        (bytes.get(at..at + 2)? == b"\\u").then_some(())?;
+                        let low = hex4(bytes, at + 2)?;
+                        at += 6;
+                        let pair =
+                            (0xD800..=0xDBFF).contains(&unit) && (0xDC00..=0xDFFF).contains(&low);
+                        pair.then_some(())?;
+                        char::from_u32(0x1_0000 + ((unit - 0xD800) << 10) + (low - 0xDC00))?
+                    }
+                }
+            }
+            _ => return None,
+        };
+        out.push(c);
+    }
+}
+
+/// The four hex digits at `at`, as a number.
+fn hex4(bytes: &[u8], at: usize) -> Option<u32> {
+    bytes
+        .get(at..at + 4)?
+        .iter()
+        .try_fold(0, |n, b| Some(n * 16 + char::from(*b).to_digit(16)?))
+}
