@@ -1829,6 +1829,7 @@ mod tests {
             "{\"id\":14,\"ok\":true,\"name\":\"\\ud800\"}\n",
             "{\"id\":15,\"ok\":true,\"name\":\"\\u00zz\"}\n",
             "{\"id\":16,\"ok\":true,\"name\":\"a\\/b\\u0041\"}\n",
+            "{\"id\":17,\"ok\":true,\"name\":\"\\ud842\\udfb7\"}\n",
         );
         let bytes = text.as_bytes();
         let lines = split_lines(bytes);
@@ -1840,7 +1841,9 @@ mod tests {
         // A nested value, a missing comma, a repeated key, an escaped key and a second object
         // are left to the decoder; a bad value is read here and fails in the conversion.
         assert_eq!(numbers(&read), vec![1, 2, 3, 8, 9, 11, 15]);
-        assert_eq!(numbers(&declined), vec![4, 5, 6, 7, 10, 12, 13, 14]);
+        // Line 16's pair is one Arrow's decoder turns into another character than it stands
+        // for (U+10BB7 for U+20BB7): left to it, so the line reads as it did.
+        assert_eq!(numbers(&declined), vec![4, 5, 6, 7, 10, 12, 13, 14, 16]);
         let names = batch.column(1).as_string_view();
         assert_eq!(names.value(1), "tab\tq\"é😀");
         assert_eq!(names.value(6), "a/bA");
@@ -1851,7 +1854,7 @@ mod tests {
         let halved = decode_lines(bytes, lines, |c| decode_json_rows(&s, bytes, c, false));
         assert_same_decoding(&decoded, &halved);
         let good: Vec<usize> = decoded.0.iter().flat_map(|(_, n)| n.clone()).collect();
-        assert_eq!(good, vec![1, 2, 3, 5, 6, 7, 15]);
+        assert_eq!(good, vec![1, 2, 3, 5, 6, 7, 15, 16]);
         let bad: Vec<usize> = decoded.1.iter().map(|(n, _, _)| *n).collect();
         assert_eq!(bad, vec![4, 8, 9, 10, 11, 12, 13, 14]);
         let strict = decode_json_lines(&s, bytes, lines, true);
@@ -2245,7 +2248,7 @@ mod tests {
                         ],
                         proptest::prop_oneof![
                             "-?[0-9]{1,6}(\\.[0-9]{1,3})?([eE][+-]?[0-9]{1,2})?",
-                            "\"([a-zé 0-9:T-]|\\\\[\"\\\\/bfnrtux]|\\\\u[0-9a-fA-F]{4}|\\\\ud83d\\\\ude00){0,6}\"",
+                            "\"([a-zé 0-9:T-]|\\\\[\"\\\\/bfnrtux]|\\\\u[0-9a-fA-F]{4}|\\\\ud[89ab][0-9a-f]{2}\\\\ud[c-f][0-9a-f]{2}){0,6}\"",
                             "\"20[0-9]{2}-0[1-9]-[0-2][1-9]T[01][0-9]:00:00(\\.[0-9]{3})?Z?\"",
                             proptest::strategy::Just("true".to_string()),
                             proptest::strategy::Just("false".to_string()),

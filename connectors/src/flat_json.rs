@@ -311,6 +311,11 @@ fn unescape(line: &str, from: usize, out: &mut String) -> Option<usize> {
                         let pair =
                             (0xD800..=0xDBFF).contains(&unit) && (0xDC00..=0xDFFF).contains(&low);
                         pair.then_some(())?;
+                        // Arrow's decoder ORs 0x1_0000 into the pair instead of adding it, so
+                        // for half the high surrogates (U+20000–U+2FFFF among them) it gives
+                        // another character. Such a pair is left to it, so that a line reads
+                        // the same whichever path reads it.
+                        ((unit - 0xD800) & 0x40 == 0).then_some(())?;
                         char::from_u32(0x1_0000 + ((unit - 0xD800) << 10) + (low - 0xDC00))?
                     }
                 }
