@@ -154,10 +154,7 @@ pub(crate) fn decode_json_lines(
             };
             let (others, others_bad) =
                 decode_sorted_run(bytes, &declined, &passes, &decode_passed, &decode_alone);
-            let good = match numbers.is_empty() {
-                true => others,
-                false => merge_pieces(vec![(batch, numbers)], others),
-            };
+            let good = merge_pieces(vec![(batch, numbers)], others);
             if !others_bad.is_empty() {
                 bad.extend(others_bad);
                 bad.sort_by_key(|(number, _, _)| *number);
@@ -231,14 +228,11 @@ fn decode_sorted_run(
 }
 
 /// Two lists of batches with their line numbers, each in line order, merged into one in line
-/// order, slicing a batch where rows of the other fall inside it.
+/// order, slicing a batch where rows of the other fall inside it (pieces without rows dropped).
 fn merge_pieces(
     a: Vec<(RecordBatch, Vec<usize>)>,
     b: Vec<(RecordBatch, Vec<usize>)>,
 ) -> Vec<(RecordBatch, Vec<usize>)> {
-    if a.is_empty() || b.is_empty() {
-        return if a.is_empty() { b } else { a };
-    }
     let mut out = Vec::with_capacity(a.len() + 2 * b.len());
     let (mut a, mut b) = (Pieces::new(a), Pieces::new(b));
     loop {
@@ -262,9 +256,20 @@ struct Pieces {
 
 impl Pieces {
     fn new(pieces: Vec<(RecordBatch, Vec<usize>)>) -> Self {
-        let mut rest = pieces.into_iter();
-        let current = rest.next().map(|(batch, numbers)| (batch, numbers, 0));
-        Pieces { rest, current }
+        let mut pieces = Pieces {
+            rest: pieces.into_iter(),
+            current: None,
+        };
+        pieces.advance();
+        pieces
+    }
+
+    /// Starts taking from the next piece that has rows.
+    fn advance(&mut self) {
+        self.current = self
+            .rest
+            .find(|(_, numbers)| !numbers.is_empty())
+            .map(|(batch, numbers)| (batch, numbers, 0));
     }
 
     /// The line number of the next row.
@@ -280,14 +285,14 @@ impl Pieces {
         let (batch, numbers, from) = self.current.take()?;
         let to = (from + 1).max(from + numbers[from..].partition_point(|n| *n < limit));
         if from == 0 && to == numbers.len() {
-            self.current = self.rest.next().map(|(batch, numbers)| (batch, numbers, 0));
+            self.advance();
             return Some((batch, numbers));
         }
         let piece = (batch.slice(from, to - from), numbers[from..to].to_vec());
-        self.current = match to < numbers.len() {
-            true => Some((batch, numbers, to)),
-            false => self.rest.next().map(|(batch, numbers)| (batch, numbers, 0)),
-        };
+        match to < numbers.len() {
+            true => self.current = Some((batch, numbers, to)),
+            false => self.advance(),
+        }
         Some(piece)
     }
 }
@@ -468,7 +473,7 @@ fn one_json_object(line: &[u8]) -> Option<()> {
 }
 
 /// The index after JSON whitespace (and commas, if `commas`) from `at`.
-fn skip_whitespace(line: &[u8], at: usize, commas: bool) -> usize {
+pub(crate) fn skip_whitespace(line: &[u8], at: usize, commas: bool) -> usize {
     at + line[at.min(line.len())..]
         .iter()
         .take_while(|b| matches!(b, b' ' | b'\t' | b'\n' | b'\r') || commas && **b == b',')
@@ -476,7 +481,7 @@ fn skip_whitespace(line: &[u8], at: usize, commas: bool) -> usize {
 }
 
 /// The index after `rest` at `at`, if it is there.
-fn literal_end(line: &[u8], at: usize, rest: &[u8]) -> Option<usize> {
+pub(crate) fn literal_end(line: &[u8], at: usize, rest: &[u8]) -> Option<usize> {
     (line.get(at..at + rest.len()) == Some(rest)).then_some(at + rest.len())
 }
 
@@ -507,7 +512,8 @@ fn string_end(line: &[u8], mut at: usize) -> Option<usize> {
     }
 }
 
-fn hex4(line: &[u8], at: usize) -> Option<u32> {
+/// The four hex digits at `at`, as a number.
+pub(crate) fn hex4(line: &[u8], at: usize) -> Option<u32> {
     let digits = std::str::from_utf8(line.get(at..at + 4)?).ok()?;
     u32::from_str_radix(digits, 16)
         .ok()
@@ -887,23 +893,15 @@ fn plain_utc_timestamp(text: &str, unit: TimeUnit) -> Option<i64> {
     let (year, month, day) = (digits(0, 4)?, digits(5, 7)?, digits(8, 10)?);
     let (hour, minute, second) = (digits(11, 13)?, digits(14, 16)?, digits(17, 19)?);
     let leap = year % 4 == 0 && (year % 100 != 0 || year % 400 == 0);
-    let month_days = [
-        31,
-        if leap { 29 } else { 28 },
-        31,
-        30,
-        31,
-        30,
-        31,
-        31,
-        30,
-        31,
-        30,
-        31,
-    ];
+    let month_days = match month {
+        2 if leap => 29,
+        2 => 28,
+        4 | 6 | 9 | 11 => 30,
+        _ => 31,
+    };
     let in_range = (1678..=2261).contains(&year)
         && (1..=12).contains(&month)
-        && (1..=month_days[(month - 1) as usize]).contains(&day)
+        && (1..=month_days).contains(&day)
         && hour < 24
         && minute < 60
         && second < 60;
@@ -2040,6 +2038,16 @@ mod tests {
         }
         assert_eq!(merge_pieces(vec![piece(&[1, 2])], Vec::new()).len(), 1);
         assert_eq!(merge_pieces(Vec::new(), vec![piece(&[1, 2])]).len(), 1);
+        // Pieces without rows (a run none of whose lines one path read) are dropped.
+        let with_empty = merge_pieces(vec![piece(&[])], vec![piece(&[1, 2])]);
+        assert_eq!(numbers(&with_empty), vec![vec![1, 2]]);
+        let with_empty = merge_pieces(
+            vec![piece(&[]), piece(&[2]), piece(&[])],
+            vec![piece(&[1, 3]), piece(&[])],
+        );
+        assert_eq!(numbers(&with_empty), vec![vec![1], vec![2], vec![3]]);
+        let with_empty = merge_pieces(vec![piece(&[]), piece(&[2])], Vec::new());
+        assert_eq!(numbers(&with_empty), vec![vec![2]]);
     }
 
     #[test]

@@ -22,12 +22,11 @@ use arrow::array::{
 };
 use arrow::datatypes::{DataType, SchemaRef};
 
-use crate::decode::Line;
+use crate::decode::{Line, hex4, literal_end, skip_whitespace};
 
 /// A reader of flat JSON objects into a schema of text columns.
 pub(crate) struct FlatJson {
     schema: SchemaRef,
-    names: Vec<Vec<u8>>,
     /// The columns that must have a value (NOT NULL): a line without one is declined.
     required: Vec<usize>,
     /// Whether a field the schema lacks fails its line (declined, for Arrow to give the reason).
@@ -72,8 +71,9 @@ impl Column {
 
 impl FlatJson {
     /// A reader for `decode_schema` (the schema as `decode` decodes it, its converted columns
-    /// already text), if every column of it is text; `None` otherwise (a nested, binary, date
-    /// or decimal column: such schemas go through Arrow's decoder only).
+    /// already text), if every column of it is text and their names differ; `None` otherwise
+    /// (any other column — nested, binary, date, decimal, … — and such schemas go through
+    /// Arrow's decoder only).
     pub(crate) fn new(decode_schema: &SchemaRef, strict: bool) -> Option<FlatJson> {
         let fields = decode_schema.fields();
         let text =
@@ -87,10 +87,6 @@ impl FlatJson {
         }
         Some(FlatJson {
             schema: Arc::clone(decode_schema),
-            names: fields
-                .iter()
-                .map(|f| f.name().as_bytes().to_vec())
-                .collect(),
             required: (0..fields.len())
                 .filter(|i| !fields[*i].is_nullable())
                 .collect(),
@@ -114,7 +110,7 @@ impl FlatJson {
             let empty = RecordBatch::new_empty(Arc::clone(&self.schema));
             return Ok((empty, Vec::new(), lines.to_vec()));
         }
-        let per_column = span / self.names.len().max(1);
+        let per_column = span / self.schema.fields().len().max(1);
         let mut columns: Vec<Column> = self
             .schema
             .fields()
@@ -129,7 +125,7 @@ impl FlatJson {
                 _ => Column::Utf8(StringBuilder::with_capacity(lines.len(), per_column)),
             })
             .collect();
-        let mut values: Vec<Option<Value>> = vec![None; self.names.len()];
+        let mut values: Vec<Option<Value>> = vec![None; self.schema.fields().len()];
         let mut unescaped = String::new();
         let (mut read, mut declined) = (Vec::with_capacity(lines.len()), Vec::new());
         for line in lines {
@@ -174,9 +170,9 @@ impl FlatJson {
         values.fill(None);
         unescaped.clear();
         let line = text.as_bytes();
-        let mut at = skip_whitespace(line, 0);
+        let mut at = skip_whitespace(line, 0, false);
         (line.get(at) == Some(&b'{')).then_some(())?;
-        at = skip_whitespace(line, at + 1);
+        at = skip_whitespace(line, at + 1, false);
         // Where the next key is expected: fields usually come in the schema's order.
         let mut next_column = 0;
         if line.get(at) == Some(&b'}') {
@@ -188,11 +184,11 @@ impl FlatJson {
                 // A key with an escape is left to the decoder, which unescapes it.
                 (line[key_end] == b'"').then_some(())?;
                 let key = &line[at + 1..key_end];
-                at = skip_whitespace(line, key_end + 1);
+                at = skip_whitespace(line, key_end + 1, false);
                 (line.get(at) == Some(&b':')).then_some(())?;
-                at = skip_whitespace(line, at + 1);
+                at = skip_whitespace(line, at + 1, false);
                 let (value, end) = value(text, at, unescaped)?;
-                at = skip_whitespace(line, end);
+                at = skip_whitespace(line, end, false);
                 match self.column(key, next_column) {
                     Some(column) => {
                         // A key given twice is left to the decoder (the last one wins there).
@@ -204,7 +200,7 @@ impl FlatJson {
                     None => {}
                 }
                 match line.get(at)? {
-                    b',' => at = skip_whitespace(line, at + 1),
+                    b',' => at = skip_whitespace(line, at + 1, false),
                     b'}' => {
                         at += 1;
                         break;
@@ -213,7 +209,7 @@ impl FlatJson {
                 }
             }
         }
-        (skip_whitespace(line, at) == line.len()).then_some(())?;
+        (skip_whitespace(line, at, false) == line.len()).then_some(())?;
         self.required
             .iter()
             .all(|c| !matches!(values[*c], None | Some(Value::Null)))
@@ -222,10 +218,11 @@ impl FlatJson {
 
     /// The column named `key`: `expected` is tried first.
     fn column(&self, key: &[u8], expected: usize) -> Option<usize> {
-        if self.names.get(expected).is_some_and(|name| name == key) {
-            return Some(expected);
-        }
-        self.names.iter().position(|name| name == key)
+        let fields = self.schema.fields();
+        let named = |i: &usize| fields[*i].name().as_bytes() == key;
+        Some(expected)
+            .filter(|i| *i < fields.len() && named(i))
+            .or_else(|| (0..fields.len()).find(named))
     }
 }
 
@@ -254,25 +251,11 @@ fn value(text: &str, at: usize, unescaped: &mut String) -> Option<(Value, usize)
                     .count();
             Some((Value::Text(at, end), end))
         }
-        b't' => literal(line, at, b"true", Value::True),
-        b'f' => literal(line, at, b"false", Value::False),
-        b'n' => literal(line, at, b"null", Value::Null),
+        b't' => Some((Value::True, literal_end(line, at + 1, b"rue")?)),
+        b'f' => Some((Value::False, literal_end(line, at + 1, b"alse")?)),
+        b'n' => Some((Value::Null, literal_end(line, at + 1, b"ull")?)),
         _ => None,
     }
-}
-
-fn literal(line: &[u8], at: usize, word: &[u8], value: Value) -> Option<(Value, usize)> {
-    (line.get(at..at + word.len()) == Some(word)).then_some((value, at + word.len()))
-}
-
-/// The index after JSON whitespace from `at`.
-fn skip_whitespace(line: &[u8], at: usize) -> usize {
-    at + line
-        .get(at..)
-        .unwrap_or_default()
-        .iter()
-        .take_while(|b| matches!(b, b' ' | b'\t' | b'\n' | b'\r'))
-        .count()
 }
 
 /// The string of `line` whose text starts at `from` (after its opening quote) unescaped onto
@@ -324,12 +307,4 @@ fn unescape(line: &str, from: usize, out: &mut String) -> Option<usize> {
         };
         out.push(c);
     }
-}
-
-/// The four hex digits at `at`, as a number.
-fn hex4(bytes: &[u8], at: usize) -> Option<u32> {
-    bytes
-        .get(at..at + 4)?
-        .iter()
-        .try_fold(0, |n, b| Some(n * 16 + char::from(*b).to_digit(16)?))
 }
