@@ -259,7 +259,8 @@ fn value(text: &str, at: usize, unescaped: &mut String) -> Option<(Value, usize)
 }
 
 /// The string of `line` whose text starts at `from` (after its opening quote) unescaped onto
-/// `out`, as Arrow's decoder unescapes it: the index after its closing quote, or `None` for an
+/// `out`, as the decoder path reads it (Arrow's decoder, its surrogate pairs mended first:
+/// `decode::surrogate_pairs_as_utf8`): the index after its closing quote, or `None` for an
 /// escape the decoder refuses (an unknown letter, bad hex digits, a `\u` surrogate not in a
 /// high-low pair).
 fn unescape(line: &str, from: usize, out: &mut String) -> Option<usize> {
@@ -294,11 +295,6 @@ fn unescape(line: &str, from: usize, out: &mut String) -> Option<usize> {
                         let pair =
                             (0xD800..=0xDBFF).contains(&unit) && (0xDC00..=0xDFFF).contains(&low);
                         pair.then_some(())?;
-                        // Arrow's decoder ORs 0x1_0000 into the pair instead of adding it, so
-                        // for half the high surrogates (U+20000–U+2FFFF among them) it gives
-                        // another character. Such a pair is left to it, so that a line reads
-                        // the same whichever path reads it.
-                        ((unit - 0xD800) & 0x40 == 0).then_some(())?;
                         char::from_u32(0x1_0000 + ((unit - 0xD800) << 10) + (low - 0xDC00))?
                     }
                 }
