@@ -39,7 +39,14 @@ pub(crate) struct Line {
     pub end: usize,
 }
 
+/// Every line of `bytes`, blank ones too (the sources read [`data_lines`]).
+#[cfg(test)]
 pub(crate) fn split_lines(bytes: &[u8]) -> Vec<Line> {
+    lines_where(bytes, |_, _| true)
+}
+
+/// The lines of `bytes` that `keep` keeps (given each line and its text).
+fn lines_where(bytes: &[u8], keep: impl Fn(&Line, &[u8]) -> bool) -> Vec<Line> {
     let mut lines = Vec::with_capacity(memchr::memchr_iter(b'\n', bytes).count() + 1);
     let mut start = 0;
     let ends = memchr::memchr_iter(b'\n', bytes).chain(std::iter::once(bytes.len()));
@@ -48,14 +55,28 @@ pub(crate) fn split_lines(bytes: &[u8]) -> Vec<Line> {
         if end > start && bytes[end - 1] == b'\r' {
             end -= 1;
         }
-        lines.push(Line {
+        let line = Line {
             number: number + 1,
             start,
             end,
-        });
+        };
+        if keep(&line, &bytes[start..end]) {
+            lines.push(line);
+        }
         start = newline + 1;
     }
     lines
+}
+
+/// The lines of a text file that hold data: without the header (`skip_header`: the first
+/// line, whatever it holds) and without blank lines (whitespace and byte-order marks only),
+/// each judged as it is split off, while its bytes are in the cache.
+pub(crate) fn data_lines(bytes: &[u8], skip_header: bool) -> Vec<Line> {
+    lines_where(bytes, |line, text| {
+        let header = skip_header && line.number == 1;
+        let blank = without_bom(text).iter().all(u8::is_ascii_whitespace);
+        !header && !blank
+    })
 }
 
 /// Good rows as batches with their line numbers, in order, and bad lines (number, raw bytes,
@@ -415,7 +436,7 @@ pub(crate) fn is_one_json_object(line: &[u8]) -> bool {
 }
 
 fn one_json_object(line: &[u8]) -> Option<()> {
-    std::str::from_utf8(line).ok()?;
+    simdutf8::basic::from_utf8(line).ok()?;
     let mut at = skip_whitespace(line, 0, false);
     (line.get(at) == Some(&b'{')).then_some(())?;
     // Bit `d` says whether the container at depth `d + 1` is an object (else a list).
@@ -602,41 +623,50 @@ fn decode_json_parsed(
     typed_rows(batch, schema)
 }
 
-/// `line` with each `\\uD8xx\\uDCxx` surrogate pair in its strings written as the UTF-8 of the
+/// `line` with each `\uD8xx\uDCxx` surrogate pair in its strings written as the UTF-8 of the
 /// character it stands for, or `None` if it has none (most lines: one `memchr` tells).
 ///
 /// Arrow's JSON decoder (arrow-json 59) ORs 0x1_0000 into a pair's code point where it should
 /// add it, so for half the high surrogates (those with bit 0x40 of `high - 0xD800` set:
-/// U+20000–U+2FFFF among them, e.g. `"\\ud842\\udfb7"`, 𠮷 as Python's `json.dumps` writes it)
+/// U+20000–U+2FFFF among them, e.g. `"\ud842\udfb7"`, 𠮷 as Python's `json.dumps` writes it)
 /// it yields another character (U+10BB7). A pair and the UTF-8 of its character are the same
-/// JSON string, so the decoder is handed the latter. Only valid pairs inside strings are
-/// rewritten, so a line the decoder refuses is refused for the same reason; the raw line kept
-/// for a dead letter is the original.
+/// JSON string, so the decoder is handed the latter. The scan stops at the first escape the
+/// decoder refuses (a backslash outside a string, an unknown letter, bad hex digits, a
+/// surrogate not in a high-low pair), leaving the rest as it is: the decoder fails there, with
+/// the reason it gives the original line. The raw line kept for a dead letter is the original.
 fn surrogate_pairs_as_utf8(line: &[u8]) -> Option<Vec<u8>> {
     memchr::memchr(b'\\', line)?;
     let mut mended: Option<Vec<u8>> = None;
     let (mut copied, mut at, mut in_string) = (0, 0, false);
     while let Some(found) = memchr::memchr2(b'"', b'\\', line.get(at..).unwrap_or_default()) {
         let i = at + found;
-        at = i + 1;
         if line[i] == b'"' {
             in_string = !in_string;
+            at = i + 1;
             continue;
         }
-        if !in_string {
-            continue;
+        // An escape: a backslash (in a string) and the letter after it.
+        match (in_string, line.get(i + 1)) {
+            (true, Some(b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't')) => {
+                at = i + 2;
+                continue;
+            }
+            (true, Some(b'u')) => {}
+            _ => break,
         }
-        // An escape: `\\` and the letter after it.
-        at = i + 2;
-        if line.get(i + 1) != Some(&b'u') {
-            continue;
-        }
-        let pair = (hex4(line, i + 2), line.get(i + 6..i + 8), hex4(line, i + 8));
-        let (Some(high @ 0xD800..=0xDBFF), Some(b"\\u"), Some(low @ 0xDC00..=0xDFFF)) = pair else {
-            continue;
+        let Some(unit) = hex4(line, i + 2) else {
+            break;
         };
-        let Some(c) = char::from_u32(0x1_0000 + ((high - 0xD800) << 10) + (low - 0xDC00)) else {
+        if !(0xD800..=0xDFFF).contains(&unit) {
+            at = i + 6;
             continue;
+        }
+        let low = (line.get(i + 6..i + 8), hex4(line, i + 8));
+        let (0xD800..=0xDBFF, (Some(b"\\u"), Some(low @ 0xDC00..=0xDFFF))) = (unit, low) else {
+            break;
+        };
+        let Some(c) = char::from_u32(0x1_0000 + ((unit - 0xD800) << 10) + (low - 0xDC00)) else {
+            break;
         };
         let out = mended.get_or_insert_with(|| Vec::with_capacity(line.len()));
         out.extend_from_slice(&line[copied..i]);
@@ -1119,6 +1149,17 @@ where
 /// The whole number a JSON number's text denotes, exactly: `-12`, `7.0`, `7e2`, `1.5e1`;
 /// `None` for a fraction (`12.75`, `1e-400`), or beyond ±10^38.
 fn parse_whole(text: &str) -> Option<i128> {
+    // Plain decimal digits, as most whole numbers are written: read in place.
+    let (negative, digits) = match text.as_bytes() {
+        [b'-', digits @ ..] => (true, digits),
+        digits => (false, digits),
+    };
+    if (1..=18).contains(&digits.len()) && digits.iter().all(u8::is_ascii_digit) {
+        let n = digits
+            .iter()
+            .fold(0i64, |n, d| n * 10 + i64::from(d - b'0'));
+        return Some(i128::from(if negative { -n } else { n }));
+    }
     let text = text.trim();
     if let Ok(n) = text.parse::<i128>() {
         return Some(n);
@@ -1696,6 +1737,17 @@ mod tests {
             (".", None),
             ("1e", None),
             ("abc", None),
+            ("-", None),
+            ("+5", Some(5)),
+            (" 5", Some(5)),
+            ("5 ", Some(5)),
+            ("007", Some(7)),
+            ("-000", Some(0)),
+            ("999999999999999999", Some(999_999_999_999_999_999)),
+            ("-999999999999999999", Some(-999_999_999_999_999_999)),
+            ("1234567890123456789", Some(1_234_567_890_123_456_789)),
+            ("-99999999999999999999", Some(-99_999_999_999_999_999_999)),
+            ("1-2", None),
         ] {
             assert_eq!(parse_whole(text), want, "{text:?}");
         }
@@ -1928,6 +1980,35 @@ mod tests {
         assert!(!is_one_json_object(b"{\"a\":\"\xff\"}"));
     }
 
+    /// Data lines leave out the header (the first line, even a blank one) and blank lines
+    /// (whitespace, byte-order marks), and keep every line's number and span.
+    #[test]
+    fn data_lines_skip_the_header_and_blank_lines() {
+        let text = b"\na,b\r\n  \t\n\xEF\xBB\xBF\n\xEF\xBB\xBF1,2\n3,4";
+        let lines = |skip_header| {
+            data_lines(text, skip_header)
+                .iter()
+                .map(|l| {
+                    (
+                        l.number,
+                        String::from_utf8_lossy(&text[l.start..l.end]).into_owned(),
+                    )
+                })
+                .collect::<Vec<_>>()
+        };
+        let all = vec![
+            (2, "a,b".to_string()),
+            (5, "\u{feff}1,2".to_string()),
+            (6, "3,4".to_string()),
+        ];
+        assert_eq!(lines(false), all);
+        assert_eq!(lines(true), all);
+        let text = b"h\n\n1\n";
+        let numbers: Vec<usize> = data_lines(text, true).iter().map(|l| l.number).collect();
+        assert_eq!(numbers, vec![3]);
+        assert!(data_lines(b"", true).is_empty());
+    }
+
     /// Surrogate pairs inside strings become the UTF-8 of their character; escaped
     /// backslashes, pairs outside strings, lone or reversed surrogates stay as they are.
     #[test]
@@ -1952,9 +2033,15 @@ mod tests {
         assert_eq!(mend(r#"{"a":"\udfb7\ud842"}"#), None);
         assert_eq!(mend(r#"{"a":"\ud842x\udfb7"}"#), None);
         assert_eq!(mend(r#"{"a":"\ud842\udfb"#), None);
+        // After an escape the decoder refuses, nothing is mended: it fails there either way,
+        // with the same reason.
+        assert_eq!(mend(r#"{"a":"\ud842\ud842\udfb7"}"#), None);
+        assert_eq!(mend(r#"{"a":"\udfb7\ud842\udfb7"}"#), None);
+        assert_eq!(mend(r#"{"a":"\u00\ud842\udfb7"}"#), None);
+        assert_eq!(mend(r#"{"a":"\q\ud842\udfb7"}"#), None);
         assert_eq!(
-            mend(r#"{"a":"\ud842\ud842\udfb7"}"#),
-            Some(r#"{"a":"\ud842𠮷"}"#.to_string())
+            mend(r#"{"a":"\ud842\udfb7\ud842\ud842\udfb7"}"#),
+            Some(r#"{"a":"𠮷\ud842\ud842\udfb7"}"#.to_string())
         );
     }
 
@@ -2428,6 +2515,32 @@ mod tests {
             let lines = [Line { number: 1, start: 0, end: line.len() }];
             let decodes = decode_json(&no_columns, line.as_bytes(), &lines, false).is_ok();
             proptest::prop_assert_eq!(is_one_json_object(line.as_bytes()), decodes, "{}", line);
+        }
+
+        /// Mending a line's surrogate pairs changes no failure: a line Arrow's decoder refuses
+        /// is refused with the same reason once mended, and a line it takes is still taken.
+        #[test]
+        fn fuzz_mended_lines_fail_as_the_originals_fail(
+            pieces in proptest::collection::vec(proptest::prop_oneof![
+                "\\\\ud[89ab][0-9a-f]{2}",
+                "\\\\ud[c-f][0-9a-f]{2}",
+                "\\\\u[0-9a-f]{0,4}",
+                "\\\\[\"\\\\nqx]",
+                "[a\"{}:, ]",
+            ], 0..10),
+        ) {
+            let line = format!("{{\"a\":\"{}\"}}", pieces.concat());
+            let arrow = |bytes: &[u8]| {
+                let schema = Arc::new(Schema::new(vec![Field::new("a", DataType::Utf8, true)]));
+                let mut decoder = arrow::json::ReaderBuilder::new(schema).build_decoder().unwrap();
+                feed(&mut decoder, bytes)
+                    .and_then(|()| feed(&mut decoder, b"\n"))
+                    .and_then(|()| decoder.flush().map_err(|e| e.to_string()))
+                    .map(|_| ())
+            };
+            if let Some(mended) = surrogate_pairs_as_utf8(line.as_bytes()) {
+                proptest::prop_assert_eq!(arrow(line.as_bytes()), arrow(&mended), "{}", line);
+            }
         }
 
         /// Any text, written as JSON in ASCII (every other character `\\u`-escaped, outside the

@@ -31,12 +31,12 @@ use futures::TryStreamExt;
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt};
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
-use sluice_engine::storage::{StorageOptions, open_store};
+use sluice_engine::storage::{StorageOptions, open_store, read_body};
 use sluice_engine::{BoxError, StaticTable};
 use tokio::sync::Mutex;
 use url::Url;
 
-use crate::decode::{Line, decode_csv_lines, decode_json_lines, split_lines, without_bom};
+use crate::decode::{data_lines, decode_csv_lines, decode_json_lines};
 use crate::files::{FileFormat, decode_parquet, decompress, is_data_file};
 
 /// A folder of files read whole at the listing each batch's intent records.
@@ -178,15 +178,7 @@ impl FilesTable {
         if let Some(error) = cut_off {
             return Err(fail(format!("the file ends early ({error})")));
         }
-        let mut lines: Vec<Line> = split_lines(&bytes);
-        if self.format == FileFormat::Csv && self.header && !lines.is_empty() {
-            lines.remove(0);
-        }
-        lines.retain(|l| {
-            !without_bom(&bytes[l.start..l.end])
-                .iter()
-                .all(u8::is_ascii_whitespace)
-        });
+        let lines = data_lines(&bytes, self.format == FileFormat::Csv && self.header);
         let (good, bad) = match self.format {
             FileFormat::Csv => decode_csv_lines(schema, self.delimiter, &bytes, &lines),
             _ => decode_json_lines(schema, &bytes, &lines, false),
@@ -280,7 +272,7 @@ impl StaticTable for FilesTable {
                 )
                 .into());
             }
-            let bytes = got.bytes().await?;
+            let bytes = read_body(got).await?;
             rows.extend(self.decode(&schema, file, bytes)?);
         }
         Ok(rows.into_iter().filter(|b| b.num_rows() > 0).collect())

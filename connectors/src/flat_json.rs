@@ -31,6 +31,47 @@ pub(crate) struct FlatJson {
     required: Vec<usize>,
     /// Whether a field the schema lacks fails its line (declined, for Arrow to give the reason).
     strict: bool,
+    /// Each column's name as a key without escapes reads on a line (`None` for a name holding
+    /// a quote or backslash): the expected key is matched in place.
+    quoted_names: Vec<Option<QuotedName>>,
+}
+
+/// A column's name and its closing quote, as on a line.
+struct QuotedName {
+    bytes: Vec<u8>,
+    /// The bytes as a little-endian number and the mask of their bits, where they fit in 16
+    /// bytes (most names): a key is then matched with one load and compare, not a `memcmp`
+    /// call (one per value was 8 % of a JSON job's CPU).
+    short: Option<(u128, u128)>,
+}
+
+impl QuotedName {
+    fn new(name: &str) -> Option<QuotedName> {
+        let name = name.as_bytes();
+        if name.iter().any(|b| matches!(b, b'"' | b'\\')) {
+            return None;
+        }
+        let bytes = [name, b"\""].concat();
+        let short = (bytes.len() <= 16).then(|| {
+            let mut padded = [0u8; 16];
+            padded[..bytes.len()].copy_from_slice(&bytes);
+            let mask = u128::MAX >> (8 * (16 - bytes.len()));
+            (u128::from_le_bytes(padded), mask)
+        });
+        Some(QuotedName { bytes, short })
+    }
+
+    /// Whether `line` holds this name and its closing quote at `at`.
+    #[inline]
+    fn is_at(&self, line: &[u8], at: usize) -> bool {
+        let sixteen = line
+            .get(at..at + 16)
+            .and_then(|s| <[u8; 16]>::try_from(s).ok());
+        match (self.short, sixteen) {
+            (Some((name, mask)), Some(s)) => (u128::from_le_bytes(s) ^ name) & mask == 0,
+            _ => line.get(at..at + self.bytes.len()) == Some(self.bytes.as_slice()),
+        }
+    }
 }
 
 /// A value found on a line, by byte span.
@@ -91,6 +132,7 @@ impl FlatJson {
                 .filter(|i| !fields[*i].is_nullable())
                 .collect(),
             strict,
+            quoted_names: fields.iter().map(|f| QuotedName::new(f.name())).collect(),
         })
     }
 
@@ -130,7 +172,7 @@ impl FlatJson {
         let (mut read, mut declined) = (Vec::with_capacity(lines.len()), Vec::new());
         for line in lines {
             let text = &bytes[line.start..line.end];
-            let Some(text) = std::str::from_utf8(text)
+            let Some(text) = simdutf8::basic::from_utf8(text)
                 .ok()
                 .filter(|text| self.values(text, &mut values, &mut unescaped).is_some())
             else {
@@ -180,16 +222,21 @@ impl FlatJson {
         } else {
             loop {
                 (line.get(at) == Some(&b'"')).then_some(())?;
-                let key_end = at + 1 + memchr::memchr2(b'"', b'\\', line.get(at + 1..)?)?;
-                // A key with an escape is left to the decoder, which unescapes it.
-                (line[key_end] == b'"').then_some(())?;
-                let key = &line[at + 1..key_end];
+                let (column, key_end) = match self.expected_key(line, at + 1, next_column) {
+                    Some(key_end) => (Some(next_column), key_end),
+                    None => {
+                        let key_end = at + 1 + memchr::memchr2(b'"', b'\\', line.get(at + 1..)?)?;
+                        // A key with an escape is left to the decoder, which unescapes it.
+                        (line[key_end] == b'"').then_some(())?;
+                        (self.column(&line[at + 1..key_end], next_column), key_end)
+                    }
+                };
                 at = skip_whitespace(line, key_end + 1, false);
                 (line.get(at) == Some(&b':')).then_some(())?;
                 at = skip_whitespace(line, at + 1, false);
                 let (value, end) = value(text, at, unescaped)?;
                 at = skip_whitespace(line, end, false);
-                match self.column(key, next_column) {
+                match column {
                     Some(column) => {
                         // A key given twice is left to the decoder (the last one wins there).
                         values[column].is_none().then_some(())?;
@@ -214,6 +261,13 @@ impl FlatJson {
             .iter()
             .all(|c| !matches!(values[*c], None | Some(Value::Null)))
             .then_some(())
+    }
+
+    /// If the key whose text starts at `at` is column `expected`'s name, the index of its
+    /// closing quote — one comparison in place, where fields come in the schema's order.
+    fn expected_key(&self, line: &[u8], at: usize, expected: usize) -> Option<usize> {
+        let quoted = self.quoted_names.get(expected)?.as_ref()?;
+        quoted.is_at(line, at).then(|| at + quoted.bytes.len() - 1)
     }
 
     /// The column named `key`: `expected` is tried first.
@@ -302,5 +356,43 @@ fn unescape(line: &str, from: usize, out: &mut String) -> Option<usize> {
             _ => return None,
         };
         out.push(c);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A key is matched in place only where the whole name and its closing quote are there,
+    /// whatever the name's length and however close the line's end.
+    #[test]
+    fn quoted_names_match_whole_keys_only() {
+        for name in [
+            "",
+            "id",
+            "fifteen_chars__",
+            "sixteen_chars___",
+            "a_longer_name_than_16",
+        ] {
+            let quoted = QuotedName::new(name).unwrap();
+            assert_eq!(quoted.short.is_some(), name.len() < 16, "{name}");
+            let line = format!("\"{name}\":1}}");
+            assert!(quoted.is_at(line.as_bytes(), 1), "{name}");
+            let cut = &line.as_bytes()[..name.len() + 2];
+            assert!(quoted.is_at(cut, 1), "{name} at the line's end");
+            assert!(!quoted.is_at(&cut[..cut.len() - 1], 1), "{name} cut short");
+            let longer = format!("\"{name}x\":1}}");
+            assert!(!quoted.is_at(longer.as_bytes(), 1), "{name}x");
+            if let Some(first) = name.chars().next() {
+                let other = line.replacen(first, "Z", 1);
+                assert!(!quoted.is_at(other.as_bytes(), 1), "{other}");
+                let last = name.len();
+                let mut changed = line.clone().into_bytes();
+                changed[last] ^= 1;
+                assert!(!quoted.is_at(&changed, 1), "{name}, last byte changed");
+            }
+        }
+        assert!(QuotedName::new("a\"b").is_none());
+        assert!(QuotedName::new("a\\b").is_none());
     }
 }

@@ -50,7 +50,7 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use sluice_engine::checkpoint::CheckpointStore;
 use sluice_engine::source::{attach_lineage, numbered_positions, with_lineage_fields};
-use sluice_engine::storage::StorageOptions;
+use sluice_engine::storage::{StorageOptions, read_body};
 use sluice_engine::{
     AvailableRange, DeadLetter, InferredColumn, OffsetRange, PartitionId, SchemaInference, Source,
     SourceContext, SourceRead, cpu_bound,
@@ -58,7 +58,7 @@ use sluice_engine::{
 use tokio::sync::Mutex;
 use url::Url;
 
-use crate::decode::{Line, decode_csv_lines, decode_json_lines, split_lines, without_bom};
+use crate::decode::{data_lines, decode_csv_lines, decode_json_lines};
 use crate::error::{ConnectorError, Result};
 use crate::evolve::{SchemaEvolution, fields_to_add, rescue_lines};
 use crate::infer::{INFER_RECORDS, infer_csv, infer_json};
@@ -300,7 +300,7 @@ impl FilesSource {
                 file.size, file.modified_micros
             )));
         }
-        Ok(got.bytes().await?)
+        Ok(read_body(got).await?)
     }
 
     /// Infers the schema from the first files (as many as hold [`INFER_RECORDS`] records, at
@@ -543,18 +543,25 @@ impl FilesSource {
         for _ in 0..MAX_EVOLUTIONS_PER_READ {
             let schema = opened.data_schema().await;
             let mut read = SourceRead::default();
-            for group in read_groups(&files) {
-                let fetched = futures::future::try_join_all(
+            let groups = &read_groups(&files);
+            // The bytes of group `i`'s files, in order (none past the last group).
+            let fetch_group = |i: usize| {
+                let group = groups.get(i).copied().unwrap_or_default();
+                futures::future::try_join_all(
                     group.iter().map(|(offset, file)| self.fetch(file, *offset)),
                 )
-                .await
-                .map_err(wrap)?;
+            };
+            let mut fetched = fetch_group(0).await.map_err(wrap)?;
+            for (i, group) in groups.iter().enumerate() {
                 let (decoding, evolution) = (self.decoding(), opened.evolution);
                 let schema = Arc::clone(&schema);
                 let columns = columns.map(<[String]>::to_vec);
-                let files: Vec<((i64, RecordedFile), Bytes)> =
-                    group.iter().cloned().zip(fetched).collect();
-                let decoded: Vec<Result<SourceRead>> = cpu_bound(move || {
+                let files: Vec<((i64, RecordedFile), Bytes)> = group
+                    .iter()
+                    .cloned()
+                    .zip(std::mem::take(&mut fetched))
+                    .collect();
+                let decode = cpu_bound(move || -> Vec<Result<SourceRead>> {
                     files
                         .into_par_iter()
                         .map(|((offset, file), bytes)| {
@@ -562,13 +569,16 @@ impl FilesSource {
                             decoding.decode(&schema, columns, evolution, &file, offset, bytes)
                         })
                         .collect()
-                })
-                .await;
+                });
+                // The next group is fetched while this one decodes: reading a file is a core's
+                // work too (the kernel's copy), which would otherwise leave the other idle.
+                let (decoded, next) = futures::join!(decode, fetch_group(i + 1));
                 for part in decoded {
                     let part = part.map_err(wrap)?;
                     read.batches.extend(part.batches);
                     read.dead_letters.extend(part.dead_letters);
                 }
+                fetched = next.map_err(wrap)?;
             }
             let new = fields_to_add(opened.evolution, &schema, &read.dead_letters, &[]);
             let Some(new) = new.map_err(wrap)? else {
@@ -610,18 +620,6 @@ impl Decoding {
         offset: i64,
         bytes: Bytes,
     ) -> Result<SourceRead> {
-        let lines_of = |bytes: &Bytes, skip_header: bool| -> Vec<Line> {
-            let mut lines = split_lines(bytes);
-            if skip_header && !lines.is_empty() {
-                lines.remove(0);
-            }
-            lines.retain(|l| {
-                !without_bom(&bytes[l.start..l.end])
-                    .iter()
-                    .all(u8::is_ascii_whitespace)
-            });
-            lines
-        };
         // A truncated or corrupt `.gz`: its complete lines are kept, the cut-off rest is one
         // dead letter.
         let (bytes, cut_off) = match decompress(&file.name, bytes) {
@@ -637,7 +635,7 @@ impl Decoding {
         };
         let (decoded, bad) = match self.format {
             FileFormat::Json => {
-                let lines = lines_of(&bytes, false);
+                let lines = data_lines(&bytes, false);
                 let strict = evolution.strict();
                 let (good, bad) = decode_json_lines(schema, &bytes, &lines, strict);
                 if evolution == SchemaEvolution::Rescue {
@@ -648,7 +646,7 @@ impl Decoding {
                 }
             }
             FileFormat::Csv => {
-                let lines = lines_of(&bytes, self.header);
+                let lines = data_lines(&bytes, self.header);
                 decode_csv_lines(schema, self.delimiter, &bytes, &lines)
             }
             FileFormat::Parquet => match decode_parquet(schema, columns, bytes) {
@@ -691,10 +689,11 @@ impl Decoding {
     }
 }
 
-/// File bytes a read holds at once: a read's files are fetched and decoded in groups of at
+/// File bytes a read decodes at once: a read's files are fetched and decoded in groups of at
 /// most this many bytes of text (a larger file alone), each group's bytes released once it is
-/// decoded, so a batch of large files holds about one file's text beside its rows, while small
-/// files are still fetched together and decoded in parallel.
+/// decoded, the next group fetched meanwhile — so a batch of large files holds about two
+/// files' text beside its rows, while small files are still fetched together and decoded in
+/// parallel.
 const READ_GROUP_BYTES: u64 = 8 * 1024 * 1024;
 
 /// How many bytes of text a compressed file is taken to hold, per byte, when grouping a read
