@@ -624,7 +624,8 @@ fn decode_json_parsed(
 }
 
 /// `line` with each `\uD8xx\uDCxx` surrogate pair in its strings written as the UTF-8 of the
-/// character it stands for, or `None` if it has none (most lines: one `memchr` tells).
+/// character it stands for, or `None` if it has none before the first escape the decoder
+/// refuses (most lines have no backslash at all: one `memchr` tells).
 ///
 /// Arrow's JSON decoder (arrow-json 59) ORs 0x1_0000 into a pair's code point where it should
 /// add it, so for half the high surrogates (those with bit 0x40 of `high - 0xD800` set:
@@ -2517,8 +2518,10 @@ mod tests {
             proptest::prop_assert_eq!(is_one_json_object(line.as_bytes()), decodes, "{}", line);
         }
 
-        /// Mending a line's surrogate pairs changes no failure: a line Arrow's decoder refuses
-        /// is refused with the same reason once mended, and a line it takes is still taken.
+        /// Mending a line's surrogate pairs changes no parse failure: into a text column, a
+        /// line Arrow's decoder refuses is refused with the same reason once mended, and a
+        /// line it takes is still taken. (What depends on the decoded text may differ — a
+        /// value quoted in a reason, a key matched under strict decoding: the mend's point.)
         #[test]
         fn fuzz_mended_lines_fail_as_the_originals_fail(
             pieces in proptest::collection::vec(proptest::prop_oneof![
