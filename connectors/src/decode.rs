@@ -517,24 +517,32 @@ fn string_end(line: &[u8], mut at: usize) -> Option<usize> {
         at += 2;
         match *line.get(at - 1)? {
             b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => {}
-            b'u' => {
-                let unit = hex4(line, at)?;
-                at += 4;
-                if (0xD800..=0xDFFF).contains(&unit) {
-                    (line.get(at..at + 2) == Some(b"\\u")).then_some(())?;
-                    let low = hex4(line, at + 2)?;
-                    at += 6;
-                    ((0xD800..=0xDBFF).contains(&unit) && (0xDC00..=0xDFFF).contains(&low))
-                        .then_some(())?;
-                }
-            }
+            b'u' => at = unicode_escape(line, at)?.1,
             _ => return None,
         }
     }
 }
 
+/// The character of the `\u` escape whose hex digits start at `at` — a surrogate pair
+/// (`\uD8xx\uDCxx`) as the one character it stands for — and the index after it; `None` where
+/// Arrow's decoder refuses the escape (bad hex digits, a surrogate not in a high-low pair).
+/// The escape grammar of [`string_end`], the flat reader's unescaping and
+/// [`surrogate_pairs_as_utf8`].
+pub(crate) fn unicode_escape(line: &[u8], at: usize) -> Option<(char, usize)> {
+    let unit = hex4(line, at)?;
+    if let Some(c) = char::from_u32(unit) {
+        return Some((c, at + 4));
+    }
+    (line.get(at + 4..at + 6)? == b"\\u").then_some(())?;
+    let low = hex4(line, at + 6)?;
+    let pair = (0xD800..=0xDBFF).contains(&unit) && (0xDC00..=0xDFFF).contains(&low);
+    pair.then_some(())?;
+    let c = char::from_u32(0x1_0000 + ((unit - 0xD800) << 10) + (low - 0xDC00))?;
+    Some((c, at + 10))
+}
+
 /// The four hex digits at `at`, as a number.
-pub(crate) fn hex4(line: &[u8], at: usize) -> Option<u32> {
+fn hex4(line: &[u8], at: usize) -> Option<u32> {
     let digits = std::str::from_utf8(line.get(at..at + 4)?).ok()?;
     u32::from_str_radix(digits, 16)
         .ok()
@@ -655,25 +663,17 @@ fn surrogate_pairs_as_utf8(line: &[u8]) -> Option<Vec<u8>> {
             (true, Some(b'u')) => {}
             _ => break,
         }
-        let Some(unit) = hex4(line, i + 2) else {
+        let Some((c, end)) = unicode_escape(line, i + 2) else {
             break;
         };
-        if !(0xD800..=0xDFFF).contains(&unit) {
-            at = i + 6;
-            continue;
+        at = end;
+        if end - i == 12 {
+            // A pair (twelve bytes; one `\uXXXX` is six).
+            let out = mended.get_or_insert_with(|| Vec::with_capacity(line.len()));
+            out.extend_from_slice(&line[copied..i]);
+            out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes());
+            copied = end;
         }
-        let low = (line.get(i + 6..i + 8), hex4(line, i + 8));
-        let (0xD800..=0xDBFF, (Some(b"\\u"), Some(low @ 0xDC00..=0xDFFF))) = (unit, low) else {
-            break;
-        };
-        let Some(c) = char::from_u32(0x1_0000 + ((unit - 0xD800) << 10) + (low - 0xDC00)) else {
-            break;
-        };
-        let out = mended.get_or_insert_with(|| Vec::with_capacity(line.len()));
-        out.extend_from_slice(&line[copied..i]);
-        out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes());
-        at = i + 12;
-        copied = at;
     }
     let mut out = mended?;
     out.extend_from_slice(&line[copied..]);

@@ -22,7 +22,7 @@ use arrow::array::{
 };
 use arrow::datatypes::{DataType, SchemaRef};
 
-use crate::decode::{Line, hex4, literal_end, skip_whitespace};
+use crate::decode::{Line, literal_end, skip_whitespace, unicode_escape};
 
 /// A reader of flat JSON objects into a schema of text columns.
 pub(crate) struct FlatJson {
@@ -337,21 +337,9 @@ fn unescape(line: &str, from: usize, out: &mut String) -> Option<usize> {
             b'r' => '\r',
             b't' => '\t',
             b'u' => {
-                let unit = hex4(bytes, at)?;
-                at += 4;
-                match char::from_u32(unit) {
-                    Some(c) => c,
-                    None => {
-                        // A surrogate: only a high one followed by `\u` and a low one.
-                        (bytes.get(at..at + 2)? == b"\\u").then_some(())?;
-                        let low = hex4(bytes, at + 2)?;
-                        at += 6;
-                        let pair =
-                            (0xD800..=0xDBFF).contains(&unit) && (0xDC00..=0xDFFF).contains(&low);
-                        pair.then_some(())?;
-                        char::from_u32(0x1_0000 + ((unit - 0xD800) << 10) + (low - 0xDC00))?
-                    }
-                }
+                let (c, end) = unicode_escape(bytes, at)?;
+                at = end;
+                c
             }
             _ => return None,
         };
