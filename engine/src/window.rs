@@ -444,37 +444,56 @@ mod tests {
     fn hop_starts_list_each_rows_windows_oldest_first() {
         use datafusion::config::ConfigOptions;
 
-        let starts = HopStarts::new(20, 3);
-        let last =
-            TimestampMicrosecondArray::from(vec![Some(100), None, Some(-40)]).with_timezone("UTC");
-        let list_type = starts.return_type(&[]).unwrap();
-        let args = ScalarFunctionArgs {
-            args: vec![ColumnarValue::Array(Arc::new(last))],
-            arg_fields: vec![Arc::new(Field::new(
-                "t",
-                crate::event_time::event_time_type(),
-                true,
-            ))],
-            number_rows: 3,
-            return_field: Arc::new(Field::new("starts", list_type.clone(), true)),
-            config_options: Arc::new(ConfigOptions::default()),
-        };
-        let ColumnarValue::Array(lists) = starts.invoke_with_args(args).unwrap() else {
-            panic!("an array of lists");
-        };
-        assert_eq!(lists.data_type(), &list_type);
-        let lists = lists.as_list::<i32>();
-        let row = |i: usize| -> Vec<Option<i64>> {
-            lists
-                .value(i)
-                .as_primitive::<TimestampMicrosecondType>()
-                .iter()
+        let time = crate::event_time::event_time_type();
+        // What `make_array` of event times gave: a list of nullable "item"s.
+        let list_type = DataType::List(Arc::new(Field::new("item", time.clone(), true)));
+        let run = |count: i64, last: ColumnarValue, rows: usize| -> Vec<Vec<Option<i64>>> {
+            let starts = HopStarts::new(20, count);
+            assert_eq!(starts.return_type(&[]).unwrap(), list_type);
+            let args = ScalarFunctionArgs {
+                args: vec![last],
+                arg_fields: vec![Arc::new(Field::new("t", time.clone(), true))],
+                number_rows: rows,
+                return_field: Arc::new(Field::new("starts", list_type.clone(), true)),
+                config_options: Arc::new(ConfigOptions::default()),
+            };
+            let ColumnarValue::Array(lists) = starts.invoke_with_args(args).unwrap() else {
+                panic!("an array of lists");
+            };
+            assert_eq!(lists.data_type(), &list_type);
+            assert_eq!(lists.null_count(), 0);
+            let lists = lists.as_list::<i32>();
+            (0..lists.len())
+                .map(|i| {
+                    let starts = lists.value(i);
+                    starts
+                        .as_primitive::<TimestampMicrosecondType>()
+                        .iter()
+                        .collect()
+                })
                 .collect()
         };
-        assert_eq!(row(0), [Some(60), Some(80), Some(100)]);
-        assert_eq!(row(1), [None, None, None]);
-        assert_eq!(row(2), [Some(-80), Some(-60), Some(-40)]);
-        assert_eq!(lists.null_count(), 0);
+        // A slice (its offset not 0), with a null time.
+        let last = TimestampMicrosecondArray::from(vec![Some(7), Some(100), None, Some(-40)])
+            .with_timezone("UTC")
+            .slice(1, 3);
+        assert_eq!(
+            run(3, ColumnarValue::Array(Arc::new(last.clone())), 3),
+            [
+                vec![Some(60), Some(80), Some(100)],
+                vec![None, None, None],
+                vec![Some(-80), Some(-60), Some(-40)],
+            ]
+        );
+        assert_eq!(
+            run(1, ColumnarValue::Array(Arc::new(last)), 3),
+            [vec![Some(100)], vec![None], vec![Some(-40)]]
+        );
+        let scalar = ScalarValue::TimestampMicrosecond(Some(40), Some("UTC".into()));
+        assert_eq!(
+            run(2, ColumnarValue::Scalar(scalar), 2),
+            [vec![Some(20), Some(40)], vec![Some(20), Some(40)]]
+        );
     }
 
     #[test]
