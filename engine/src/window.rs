@@ -78,13 +78,20 @@ impl WindowKind {
         match *self {
             WindowKind::Tumble { size } => vec![ts - ts.rem_euclid(size)],
             WindowKind::Hop { slide, size } => {
-                let last = ts - ts.rem_euclid(slide);
-                let count = size / slide;
-                (0..count).rev().map(|i| last - i * slide).collect()
+                hop_starts(ts - ts.rem_euclid(slide), slide, size / slide).collect()
             }
             WindowKind::Session { .. } => vec![ts],
         }
     }
+}
+
+/// The starts of the `count` hopping windows, `slide` apart, that end with the one starting at
+/// `last`, oldest first: the one rule both [`WindowKind::starts`] and the `hop` view's
+/// [`HopStarts`] list a row's windows by.
+fn hop_starts(last: i64, slide: i64, count: i64) -> impl Iterator<Item = i64> {
+    (0..count)
+        .rev()
+        .map(move |i| last.wrapping_sub(i.wrapping_mul(slide)))
 }
 
 /// The longest window (size, slide or gap): 1000 years in µs. With event times within years
@@ -296,9 +303,7 @@ impl ScalarUDFImpl for HopStarts {
         };
         let mut starts = Vec::with_capacity(last.len() * self.count);
         for &latest in last.values() {
-            for i in (0..self.count as i64).rev() {
-                starts.push(latest.wrapping_sub(i.wrapping_mul(self.slide)));
-            }
+            starts.extend(hop_starts(latest, self.slide, self.count as i64));
         }
         let nulls = last.nulls().map(|nulls| {
             NullBuffer::new(BooleanBuffer::collect_bool(starts.len(), |i| {
