@@ -33,6 +33,20 @@
 //! ORDER BY are broken as DataFusion meets the rows, which may differ between runs, as in batch
 //! SQL: a unique last sort key makes the result replay identically.
 //!
+//! **The first rows per key.** Where the SQL above keeps each key's first `n` rows by a ranking
+//! window function — `WHERE rn <= n` over `ROW_NUMBER()` (also `RANK()`, `DENSE_RANK()`, `rn < n`,
+//! `rn = n`), q9's shape — a held pair ranked after `n` can never be written, whatever pairs come
+//! later: a later pair only ranks it lower. So each batch's pairs are pruned as the join yields
+//! them, and the held pairs with them: per closing-side row and partition, every pair with `n` or
+//! more distinct better orderings is let go (ties with the `n`-th are kept, so any tie-break the
+//! SQL makes is still open to it). State then holds about `n` pairs per open key rather than every
+//! pair, and no batch holds all its pairs at once. Pruned is only a plan where nothing else can
+//! see the let-go pairs or fail on them: the filter is that one condition, the window holds that
+//! one function, ordered and partitioned by plain columns, and between the filter and the joined
+//! rows there are only renames. Pruning again after a restart (which restores pairs let go after
+//! they were written) lets go of the same pairs: the first `n` orderings of a key's pairs are
+//! among the pairs kept.
+//!
 //! **Restart.** The held pairs are state rows of the join (a batch's delta holds its new pairs
 //! still held at its end: those whose row already left run at once and are never written); a
 //! restart drops the pairs whose closing-side row the restored watermark let go: the committed
@@ -47,10 +61,13 @@ use std::collections::{BTreeSet, HashSet};
 use std::sync::Arc;
 
 use arrow::array::{ArrayRef, AsArray, BooleanArray, RecordBatch};
-use arrow::compute::{SortColumn, concat_batches, filter_record_batch, lexsort_to_indices};
+use arrow::buffer::BooleanBuffer;
+use arrow::compute::{
+    SortColumn, SortOptions, concat_batches, filter_record_batch, lexsort_to_indices,
+};
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef, UInt64Type};
 use arrow::row::{RowConverter, SortField};
-use datafusion::common::tree_node::TreeNodeRecursion;
+use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::logical_expr::{Expr, Join, JoinType, LogicalPlan};
 
 use crate::error::Result;
@@ -228,9 +245,289 @@ fn joined_column(plan: &LogicalPlan, index: usize, joined_table: &str) -> Option
     column.strip_prefix('c')?.parse().ok()
 }
 
+/// The first rows per key the SQL above keeps (see the module doc): a pair ranked after
+/// `limit` in its closing-side row and partition is let go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct TopPerKey {
+    /// The last rank a pair can have and be written.
+    limit: usize,
+    /// The joined columns the window partitions by.
+    partition_by: Vec<usize>,
+    /// The joined columns it orders by, each with its order.
+    order_by: Vec<(usize, SortOptions)>,
+}
+
+/// The first rows per key the SQL above a join keeps, where pruning the pairs to them changes
+/// nothing it writes or fails on (see the module doc): `upper` reads the pairs from
+/// `joined_table`, once, through a filter on a ranking window function over them.
+pub(crate) fn top_per_key(upper: &LogicalPlan, joined_table: &str) -> Option<TopPerKey> {
+    let mut scans = 0;
+    let _ = upper.apply_with_subqueries(|node| {
+        if let LogicalPlan::TableScan(scan) = node
+            && scan.table_name.table() == joined_table
+        {
+            scans += 1;
+        }
+        Ok(TreeNodeRecursion::Continue)
+    });
+    if scans != 1 {
+        return None;
+    }
+    let mut found = None;
+    let _ = upper.apply(|node| {
+        if let LogicalPlan::Filter(filter) = node {
+            found = ranked_pairs(&filter.predicate, &filter.input, joined_table);
+            if found.is_some() {
+                return Ok(TreeNodeRecursion::Stop);
+            }
+        }
+        Ok(TreeNodeRecursion::Continue)
+    });
+    found
+}
+
+/// The filter `predicate` over `input` as first rows per key of the joined pairs: a rank bound
+/// alone, on the one ranking function of a window reading the pairs through renames only.
+fn ranked_pairs(predicate: &Expr, input: &LogicalPlan, joined_table: &str) -> Option<TopPerKey> {
+    let (name, limit) = super::rank_bound(predicate)?;
+    let limit = usize::try_from(limit).ok().filter(|&n| n > 0)?;
+    let window = super::ranking_window(input, &name, &super::RANKINGS)?;
+    if *below_renames(input) != window {
+        return None;
+    }
+    let LogicalPlan::Window(window) = window else {
+        return None;
+    };
+    let [expr] = window.window_expr.as_slice() else {
+        return None;
+    };
+    let Expr::WindowFunction(function) = expr.clone().unalias() else {
+        return None;
+    };
+    match below_renames(&window.input) {
+        LogicalPlan::TableScan(scan)
+            if scan.table_name.table() == joined_table
+                && scan.filters.is_empty()
+                && scan.fetch.is_none() => {}
+        _ => return None,
+    }
+    if !function.params.args.is_empty() {
+        return None;
+    }
+    let joined = |expr: &Expr| match expr {
+        Expr::Column(c) => {
+            let index = window.input.schema().index_of_column(c).ok()?;
+            joined_column(&window.input, index, joined_table)
+        }
+        _ => None,
+    };
+    let partition_by = function
+        .params
+        .partition_by
+        .iter()
+        .map(joined)
+        .collect::<Option<Vec<usize>>>()?;
+    let order_by = function
+        .params
+        .order_by
+        .iter()
+        .map(|sort| {
+            let options = SortOptions {
+                descending: !sort.asc,
+                nulls_first: sort.nulls_first,
+            };
+            Some((joined(&sort.expr)?, options))
+        })
+        .collect::<Option<Vec<_>>>()?;
+    Some(TopPerKey {
+        limit,
+        partition_by,
+        order_by,
+    })
+}
+
+/// The first node below `plan` that is not a subquery alias or a projection of bare columns
+/// (renamed or not): what `plan`'s rows are, row for row, with nothing computed on the way.
+fn below_renames(plan: &LogicalPlan) -> &LogicalPlan {
+    match plan {
+        LogicalPlan::SubqueryAlias(alias) => below_renames(&alias.input),
+        LogicalPlan::Projection(p)
+            if p.expr
+                .iter()
+                .all(|e| matches!(e.clone().unalias(), Expr::Column(_))) =>
+        {
+            below_renames(&p.input)
+        }
+        _ => plan,
+    }
+}
+
+/// Pairs ranked against each other as they come (see [`TopPerKey`]): each group's (closing-side
+/// row and partition) best `limit` distinct orderings seen so far. A pair kept when it came may
+/// be outranked by a later one: [`FirstRows::filter`] under the final orderings lets it go.
+pub(crate) struct FirstRows {
+    limit: usize,
+    /// The group columns (the closing-side row's id, then the partition's) and the order
+    /// columns, in the pairs' batches.
+    group_columns: Vec<usize>,
+    order_columns: Vec<usize>,
+    groups: RowConverter,
+    orders: RowConverter,
+    /// Per group (its row bytes), its best distinct orderings (row bytes, best first): at most
+    /// `limit`.
+    best: hashbrown::HashMap<Box<[u8]>, Vec<Box<[u8]>>>,
+}
+
+impl FirstRows {
+    /// Ranks pairs of `schema` (the joined columns first, the id of each pair's closing-side
+    /// row in column `id`) by `top`.
+    ///
+    /// # Errors
+    /// If the columns cannot be compared (not expected of columns a window ordered by).
+    pub(crate) fn new(top: &TopPerKey, schema: &Schema, id: usize) -> Result<FirstRows> {
+        let group_columns: Vec<usize> = std::iter::once(id)
+            .chain(top.partition_by.iter().copied())
+            .collect();
+        let groups = RowConverter::new(
+            group_columns
+                .iter()
+                .map(|&i| SortField::new(schema.field(i).data_type().clone()))
+                .collect(),
+        )?;
+        let orders = RowConverter::new(
+            top.order_by
+                .iter()
+                .map(|&(i, options)| {
+                    SortField::new_with_options(schema.field(i).data_type().clone(), options)
+                })
+                .collect(),
+        )?;
+        Ok(FirstRows {
+            limit: top.limit,
+            group_columns,
+            order_columns: top.order_by.iter().map(|&(i, _)| i).collect(),
+            groups,
+            orders,
+            best: hashbrown::HashMap::new(),
+        })
+    }
+
+    /// `batch`'s group and order rows.
+    fn rows(&self, batch: &RecordBatch) -> Result<(arrow::row::Rows, arrow::row::Rows)> {
+        let columns = |indices: &[usize]| -> Vec<ArrayRef> {
+            indices
+                .iter()
+                .map(|&i| Arc::clone(batch.column(i)))
+                .collect()
+        };
+        Ok((
+            self.groups.convert_columns(&columns(&self.group_columns))?,
+            self.orders.convert_columns(&columns(&self.order_columns))?,
+        ))
+    }
+
+    /// Ranks `batch`'s pairs with those seen before.
+    fn see(&mut self, groups: &arrow::row::Rows, orders: &arrow::row::Rows) {
+        for (group, order) in groups.iter().zip(orders.iter()) {
+            let (group, order) = (group.as_ref(), order.as_ref());
+            let Some(list) = self.best.get_mut(group) else {
+                self.best.insert(group.into(), vec![order.into()]);
+                continue;
+            };
+            if let Err(at) = list.binary_search_by(|o| o.as_ref().cmp(order))
+                && at < self.limit
+            {
+                list.insert(at, order.into());
+                list.truncate(self.limit);
+            }
+        }
+    }
+
+    /// `batch` with only its pairs ranked among the first `limit` of their group so far; `None`
+    /// if none is.
+    fn kept(
+        &self,
+        batch: RecordBatch,
+        groups: &arrow::row::Rows,
+        orders: &arrow::row::Rows,
+    ) -> Result<Option<RecordBatch>> {
+        let keep: BooleanBuffer = groups
+            .iter()
+            .zip(orders.iter())
+            .map(|(group, order)| {
+                self.best.get(group.as_ref()).is_none_or(|list| {
+                    list.len() < self.limit
+                        || list
+                            .last()
+                            .is_none_or(|last| order.as_ref() <= last.as_ref())
+                })
+            })
+            .collect();
+        Ok(match keep.count_set_bits() {
+            0 => None,
+            n if n == batch.num_rows() => Some(batch),
+            _ => Some(filter_record_batch(&batch, &BooleanArray::new(keep, None))?),
+        })
+    }
+
+    /// Ranks `batch`'s pairs with those seen before, and returns those among the first
+    /// `limit` so far (`None` if none is).
+    ///
+    /// # Errors
+    /// If its columns cannot be compared, or filtered.
+    pub(crate) fn push(&mut self, batch: RecordBatch) -> Result<Option<RecordBatch>> {
+        let (groups, orders) = self.rows(&batch)?;
+        self.see(&groups, &orders);
+        self.kept(batch, &groups, &orders)
+    }
+
+    /// Ranks `batch`'s pairs with those seen before.
+    ///
+    /// # Errors
+    /// If its columns cannot be compared.
+    pub(crate) fn see_batch(&mut self, batch: &RecordBatch) -> Result<()> {
+        let (groups, orders) = self.rows(batch)?;
+        self.see(&groups, &orders);
+        Ok(())
+    }
+
+    /// `batch` (of pairs seen) with only those still among the first `limit` of their group;
+    /// `None` if none is.
+    ///
+    /// # Errors
+    /// If its columns cannot be compared, or filtered.
+    pub(crate) fn filter(&self, batch: RecordBatch) -> Result<Option<RecordBatch>> {
+        let (groups, orders) = self.rows(&batch)?;
+        self.kept(batch, &groups, &orders)
+    }
+
+    /// `batches` (of pairs seen) with only those still among the first `limit` of their
+    /// group, in order, in one batch (none if none is): the SQL above runs its window function
+    /// per batch and per key, which costs for every batch.
+    ///
+    /// # Errors
+    /// If their columns cannot be compared, filtered or concatenated.
+    pub(crate) fn filter_all(&self, batches: Vec<RecordBatch>) -> Result<Vec<RecordBatch>> {
+        let Some(schema) = batches.first().map(RecordBatch::schema) else {
+            return Ok(batches);
+        };
+        let mut kept = Vec::with_capacity(batches.len());
+        for batch in batches {
+            kept.extend(self.filter(batch)?);
+        }
+        Ok(match kept.len() {
+            0 | 1 => kept,
+            _ => vec![concat_batches(&schema, &kept)?],
+        })
+    }
+}
+
 /// The pairs held until their closing-side row leaves.
 pub(crate) struct HeldPairs {
     key: ClosingKey,
+    /// Where the SQL above keeps only the first rows per key: the pairs that can still be
+    /// written are all that is held.
+    top: Option<TopPerKey>,
     converter: RowConverter,
     /// The held pairs: the joined columns, then the id of the pair's closing-side row (a null
     /// id closes at once; none is null, as a join keeping the other side's unmatched rows is
@@ -257,8 +554,13 @@ pub(crate) struct ClosedPairs {
 }
 
 impl HeldPairs {
-    /// Holds pairs closing by `key`, whose columns are those of `joined`.
-    pub(crate) fn new(key: ClosingKey, joined: &SchemaRef) -> Result<HeldPairs> {
+    /// Holds pairs closing by `key`, whose columns are those of `joined`; with `top`, only
+    /// those that can still be written.
+    pub(crate) fn new(
+        key: ClosingKey,
+        top: Option<TopPerKey>,
+        joined: &SchemaRef,
+    ) -> Result<HeldPairs> {
         let converter = RowConverter::new(
             key.joined
                 .iter()
@@ -269,6 +571,7 @@ impl HeldPairs {
         fields.push(Field::new("closing_row", DataType::UInt64, true));
         Ok(HeldPairs {
             key,
+            top,
             converter,
             schema: Arc::new(Schema::new(fields)),
             rows: Vec::new(),
@@ -278,6 +581,11 @@ impl HeldPairs {
     /// Which side's rows close their pairs, and its key columns.
     pub(crate) fn key(&self) -> &ClosingKey {
         &self.key
+    }
+
+    /// The first rows per key the SQL above keeps, if that is all it keeps.
+    pub(crate) fn top(&self) -> Option<&TopPerKey> {
+        self.top.as_ref()
     }
 
     /// The number of pairs held.
@@ -306,12 +614,12 @@ impl HeldPairs {
         Ok(())
     }
 
-    /// This batch's `joined` pairs, `closing_rows` the ids of their closing-side rows: those
-    /// whose row is not among `open` (the ids of that side's kept rows) are returned closed, in
-    /// the joined rows' schema; the rest are held, and returned as held (joined columns, then
-    /// the id) — the new state rows.
-    pub(crate) fn hold_new(
-        &mut self,
+    /// This batch's `joined` pairs, `closing_rows` the ids of their closing-side rows, split:
+    /// those whose row is not among `open` (the ids of that side's kept rows), closed, in the
+    /// joined rows' schema; the rest as held pairs (joined columns, then the id), to be held
+    /// with [`HeldPairs::hold_new`].
+    pub(crate) fn split_new(
+        &self,
         joined: &RecordBatch,
         closing_rows: ArrayRef,
         open: &HashSet<u64>,
@@ -320,10 +628,40 @@ impl HeldPairs {
         columns.push(closing_rows);
         let pairs = RecordBatch::try_new(Arc::clone(&self.schema), columns)?;
         let (closed, held) = self.split(pairs, open)?;
-        if let Some(held) = &held {
-            self.rows.push(held.clone());
-        }
         Ok((closed.map(|c| self.joined_part(&c)).transpose()?, held))
+    }
+
+    /// Holds this batch's `new` pairs (from [`HeldPairs::split_new`]) and returns those held —
+    /// the new state rows. With first rows per key, the pairs held before and the new ones are
+    /// pruned together.
+    pub(crate) fn hold_new(&mut self, new: Vec<RecordBatch>) -> Result<Vec<RecordBatch>> {
+        let Some(top) = &self.top else {
+            self.rows.extend(new.iter().cloned());
+            return Ok(new);
+        };
+        let mut ranked = FirstRows::new(top, &self.schema, self.schema.fields().len() - 1)?;
+        for batch in self.rows.iter().chain(&new) {
+            ranked.see_batch(batch)?;
+        }
+        let mut held = Vec::new();
+        for batch in std::mem::take(&mut self.rows) {
+            held.extend(ranked.filter(batch)?);
+        }
+        let mut kept_new = Vec::new();
+        for batch in new {
+            kept_new.extend(ranked.filter(batch)?);
+        }
+        held.extend(kept_new.iter().cloned());
+        self.rows = super::merge_small_batches(&self.schema, held)?;
+        Ok(kept_new)
+    }
+
+    /// With first rows per key, lets go of the held pairs that can no longer be written (after
+    /// a restore, which holds every pair the state files have).
+    pub(crate) fn prune(&mut self) -> Result<()> {
+        let rows = std::mem::take(&mut self.rows);
+        self.hold_new(rows)?;
+        Ok(())
     }
 
     /// Takes out the held pairs whose closing-side row is not among `open` (the ids of that
@@ -414,5 +752,185 @@ impl HeldPairs {
             .iter()
             .map(|&i| Arc::clone(batch.column(i)))
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use arrow::array::{Int64Array, RecordBatch, StringArray, UInt64Array};
+    use arrow::compute::SortOptions;
+    use arrow::datatypes::{DataType, Field, Schema};
+    use datafusion::catalog::MemTable;
+    use datafusion::prelude::SessionContext;
+
+    use super::{FirstRows, TopPerKey, top_per_key};
+
+    /// `top_per_key` of `sql`'s optimised plan over a table `j` of pairs (c0 key, c1 and c2
+    /// numbers, c3 text).
+    async fn found(sql: &str) -> Option<TopPerKey> {
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("c0", DataType::Utf8, true),
+            Field::new("c1", DataType::Int64, true),
+            Field::new("c2", DataType::Int64, true),
+            Field::new("c3", DataType::Utf8, true),
+        ]));
+        let ctx = SessionContext::new();
+        let table = MemTable::try_new(schema, vec![vec![]]).unwrap();
+        ctx.register_table("j", Arc::new(table)).unwrap();
+        let plan = ctx.sql(sql).await.unwrap().into_optimized_plan().unwrap();
+        top_per_key(&plan, "j")
+    }
+
+    /// A rank bound alone over the window's one ranking function, partitioned and ordered by
+    /// plain columns through renames, is first rows per key; anything that could see or fail
+    /// on a pruned pair is not.
+    #[tokio::test]
+    async fn first_rows_per_key_are_found_only_where_pruning_changes_nothing() {
+        let over = |function: &str, bound: &str| {
+            format!(
+                "SELECT k, v FROM (SELECT c0 AS k, c1 AS v, c3, {function} OVER (PARTITION BY c0 \
+                 ORDER BY c1 DESC, c2) AS rn FROM j) WHERE {bound}"
+            )
+        };
+        let descending = SortOptions {
+            descending: true,
+            nulls_first: true,
+        };
+        let ascending = SortOptions {
+            descending: false,
+            nulls_first: false,
+        };
+        for (function, bound, limit) in [
+            ("ROW_NUMBER()", "rn <= 1", 1),
+            ("ROW_NUMBER()", "rn < 4", 3),
+            ("RANK()", "2 >= rn", 2),
+            ("DENSE_RANK()", "rn = 5", 5),
+        ] {
+            let sql = over(function, bound);
+            assert_eq!(
+                found(&sql).await,
+                Some(TopPerKey {
+                    limit,
+                    partition_by: vec![0],
+                    order_by: vec![(1, descending), (2, ascending)],
+                }),
+                "{sql}"
+            );
+        }
+        // A column computed beside the ranking is computed above the filter, on the rows it
+        // keeps: pruning changes nothing there either.
+        let computed = "SELECT k, x FROM (SELECT c0 AS k, 10 / c2 AS x, ROW_NUMBER() OVER \
+                        (PARTITION BY c0 ORDER BY c1) AS rn FROM j) WHERE rn <= 1";
+        assert!(found(computed).await.is_some());
+        for sql in [
+            // Not a ranking, or no bound, or one that keeps nothing.
+            over("count(*)", "rn <= 1"),
+            over("ROW_NUMBER()", "rn >= 2"),
+            over("ROW_NUMBER()", "rn < 1"),
+            // Another condition beside the bound (which could fail on a pruned pair).
+            over("ROW_NUMBER()", "rn <= 1 AND c3 <> 'x'"),
+            // Another window function over the same pairs sees them all.
+            "SELECT k, n FROM (SELECT c0 AS k, count(*) OVER (PARTITION BY c0) AS n, \
+             ROW_NUMBER() OVER (PARTITION BY c0 ORDER BY c1) AS rn FROM j) WHERE rn <= 1"
+                .to_string(),
+            // Ordered by a computation (which could fail on a pruned pair).
+            "SELECT k FROM (SELECT c0 AS k, ROW_NUMBER() OVER (PARTITION BY c0 \
+             ORDER BY c1 * 2) AS rn FROM j) WHERE rn <= 1"
+                .to_string(),
+            // A filter below the window: its pairs are not all of them.
+            "SELECT k FROM (SELECT c0 AS k, ROW_NUMBER() OVER (PARTITION BY c0 \
+             ORDER BY c1) AS rn FROM j WHERE c2 > 0) WHERE rn <= 1"
+                .to_string(),
+        ] {
+            assert_eq!(found(&sql).await, None, "{sql}");
+        }
+    }
+
+    /// Per closing-side row (column 2 here) and partition: the rows with fewer than `limit`
+    /// distinct better orderings, ties kept, across batches; a batch kept whole is not copied.
+    #[test]
+    fn pairs_ranked_after_the_limit_are_let_go() {
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("c0", DataType::Utf8, true),
+            Field::new("c1", DataType::Int64, true),
+            Field::new("id", DataType::UInt64, true),
+        ]));
+        let batch = |keys: Vec<&str>, values: Vec<Option<i64>>, ids: Vec<u64>| {
+            RecordBatch::try_new(
+                Arc::clone(&schema),
+                vec![
+                    Arc::new(StringArray::from(keys)),
+                    Arc::new(Int64Array::from(values)),
+                    Arc::new(UInt64Array::from(ids)),
+                ],
+            )
+            .unwrap()
+        };
+        let top = TopPerKey {
+            limit: 2,
+            partition_by: vec![0],
+            order_by: vec![(
+                1,
+                SortOptions {
+                    descending: true,
+                    nulls_first: false,
+                },
+            )],
+        };
+        let batches = vec![
+            batch(
+                vec!["a", "a", "b"],
+                vec![Some(5), Some(9), Some(1)],
+                vec![1, 1, 1],
+            ),
+            batch(
+                vec!["a", "a", "a", "a", "a"],
+                vec![Some(9), Some(7), None, Some(8), Some(3)],
+                vec![1, 1, 1, 2, 2],
+            ),
+        ];
+        // As they come: the second batch's 9 ties the first's; its 7 is then second (the
+        // first batch's 5 is kept when it comes, let go by the final ranking).
+        let mut ranked = FirstRows::new(&top, &schema, 2).unwrap();
+        let mut kept = Vec::new();
+        for b in &batches {
+            kept.extend(ranked.push(b.clone()).unwrap());
+        }
+        let kept = ranked.filter_all(kept).unwrap();
+        assert_eq!(kept.len(), 1);
+        let rows: Vec<(String, Option<i64>, u64)> = kept
+            .iter()
+            .flat_map(|b| {
+                let keys = b.column(0).as_any().downcast_ref::<StringArray>().unwrap();
+                let values = b.column(1).as_any().downcast_ref::<Int64Array>().unwrap();
+                let ids = b.column(2).as_any().downcast_ref::<UInt64Array>().unwrap();
+                (0..b.num_rows())
+                    .map(|i| {
+                        let value =
+                            arrow::array::Array::is_valid(values, i).then(|| values.value(i));
+                        (keys.value(i).to_string(), value, ids.value(i))
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        // Row 1 key a: 9, 9 (tied first), 7 (second distinct); 5 and the null (last) go. Key b
+        // alone; row 2's two pairs are their own group.
+        assert_eq!(
+            rows,
+            [
+                ("a".to_string(), Some(9), 1),
+                ("b".to_string(), Some(1), 1),
+                ("a".to_string(), Some(9), 1),
+                ("a".to_string(), Some(7), 1),
+                ("a".to_string(), Some(8), 2),
+                ("a".to_string(), Some(3), 2),
+            ]
+        );
+        // Nothing to let go: the batch itself, not a copy.
+        let whole = ranked.filter(batches[0].slice(1, 2)).unwrap().unwrap();
+        let data = |b: &RecordBatch| b.column(0).to_data().buffers()[1].as_ptr();
+        assert_eq!(data(&whole), data(&batches[0]));
     }
 }

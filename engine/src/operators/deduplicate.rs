@@ -48,9 +48,7 @@ use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::common::{Column, ScalarValue};
 use datafusion::datasource::provider_as_source;
 use datafusion::logical_expr::utils::split_conjunction;
-use datafusion::logical_expr::{
-    BinaryExpr, Distinct, Expr, LogicalPlan, LogicalPlanBuilder, Operator, lit,
-};
+use datafusion::logical_expr::{Distinct, Expr, LogicalPlan, LogicalPlanBuilder, lit};
 use datafusion::prelude::SessionContext;
 
 use super::aggregate::StateSize;
@@ -118,8 +116,9 @@ pub(crate) fn find(plan: &LogicalPlan, statics: &BTreeSet<String>) -> Vec<DedupN
         match node {
             LogicalPlan::Filter(filter) => {
                 for conjunct in split_conjunction(&filter.predicate) {
-                    if let Some(name) = first_row_test(conjunct)
-                        && let Some(window) = row_number_window(&filter.input, &name)
+                    if let Some((name, 1)) = super::rank_bound(conjunct)
+                        && let Some(window) =
+                            super::ranking_window(&filter.input, &name, &["row_number"])
                         && let LogicalPlan::Window(w) = &window
                         && stateless_stream(&w.input)
                         && !found.iter().any(|f| f.node == window)
@@ -142,83 +141,6 @@ pub(crate) fn find(plan: &LogicalPlan, statics: &BTreeSet<String>) -> Vec<DedupN
         Ok(TreeNodeRecursion::Continue)
     });
     found
-}
-
-/// The column `conjunct` keeps at 1: `c = 1`, `c <= 1`, `c < 2` (either way round).
-fn first_row_test(conjunct: &Expr) -> Option<String> {
-    let Expr::BinaryExpr(BinaryExpr { left, op, right }) = conjunct else {
-        return None;
-    };
-    let int = |e: &Expr| match e {
-        Expr::Literal(v, _) => match v {
-            ScalarValue::Int8(Some(n)) => Some(i64::from(*n)),
-            ScalarValue::Int16(Some(n)) => Some(i64::from(*n)),
-            ScalarValue::Int32(Some(n)) => Some(i64::from(*n)),
-            ScalarValue::Int64(Some(n)) => Some(*n),
-            ScalarValue::UInt8(Some(n)) => Some(i64::from(*n)),
-            ScalarValue::UInt16(Some(n)) => Some(i64::from(*n)),
-            ScalarValue::UInt32(Some(n)) => Some(i64::from(*n)),
-            ScalarValue::UInt64(Some(n)) => i64::try_from(*n).ok(),
-            _ => None,
-        },
-        _ => None,
-    };
-    let column = |e: &Expr| match e {
-        Expr::Column(c) => Some(c.name.clone()),
-        Expr::Cast(c) => match c.expr.as_ref() {
-            Expr::Column(c) => Some(c.name.clone()),
-            _ => None,
-        },
-        Expr::TryCast(c) => match c.expr.as_ref() {
-            Expr::Column(c) => Some(c.name.clone()),
-            _ => None,
-        },
-        _ => None,
-    };
-    let (name, op, n) = match (column(left), int(right), column(right), int(left)) {
-        (Some(name), Some(n), _, _) => (name, *op, n),
-        (_, _, Some(name), Some(n)) => (name, op.swap()?, n),
-        _ => return None,
-    };
-    match (op, n) {
-        (Operator::Eq | Operator::LtEq, 1) | (Operator::Lt, 2) => Some(name),
-        _ => None,
-    }
-}
-
-/// The `Window` node below `plan` whose `ROW_NUMBER()` the column `name` carries, through
-/// projections (`… AS rn`) and subquery aliases.
-fn row_number_window(plan: &LogicalPlan, name: &str) -> Option<LogicalPlan> {
-    match plan {
-        LogicalPlan::SubqueryAlias(alias) => row_number_window(&alias.input, name),
-        LogicalPlan::Projection(p) => {
-            let index = p.schema.fields().iter().position(|f| f.name() == name)?;
-            let inner = match &p.expr[index] {
-                Expr::Column(c) => c.name.clone(),
-                Expr::Alias(a) => match a.expr.as_ref() {
-                    Expr::Column(c) => c.name.clone(),
-                    _ => return None,
-                },
-                _ => return None,
-            };
-            row_number_window(&p.input, &inner)
-        }
-        LogicalPlan::Window(w) => {
-            let inputs = w.input.schema().fields().len();
-            let index = w.schema.fields().iter().position(|f| f.name() == name)?;
-            let expr = w.window_expr.get(index.checked_sub(inputs)?)?;
-            is_row_number(expr).then(|| plan.clone())
-        }
-        _ => None,
-    }
-}
-
-fn is_row_number(expr: &Expr) -> bool {
-    match expr {
-        Expr::Alias(a) => is_row_number(&a.expr),
-        Expr::WindowFunction(f) => f.fun.name() == "row_number",
-        _ => false,
-    }
 }
 
 /// How [`plan_deduplication`] plans the operator.

@@ -82,9 +82,10 @@ use datafusion::logical_expr::{
     BinaryExpr, Expr, Join, JoinType, LogicalPlan, LogicalPlanBuilder, Operator, lit,
 };
 use datafusion::prelude::SessionContext;
+use futures::StreamExt;
 
 use super::aggregate::StateSize;
-use super::closing::{ClosedPairs, HeldPairs, closing_key};
+use super::closing::{ClosedPairs, FirstRows, HeldPairs, closing_key, top_per_key};
 use super::state_store::{StateLog, StateWrite};
 use super::{
     FailedRow, QueryOutput, is_data_error, merge_small_batches, reads_stream, single_source,
@@ -98,6 +99,10 @@ use crate::sink::OutputMode;
 
 /// The table the upper part reads the joined pairs from.
 const JOINED_TABLE: &str = "__sluice_joined";
+/// With first rows per key, the fewest pairs kept as they came before those outranked since
+/// are let go (more once more are kept): each pair is ranked as it comes, and pairs a later one
+/// outranks add up only where later pairs keep ranking higher.
+const PRUNE_AFTER_PAIRS: usize = 65_536;
 /// The state's column telling its rows apart: 0 a left row, 1 a right row, 2 and 3 a left or
 /// right row that matched, [`HELD`] a pair held until its key closes.
 const SIDE: &str = "__sluice_side";
@@ -911,7 +916,11 @@ pub(crate) fn plan_stream_join(
                 closing.source, closing.name, other.source, closing.source, closing.source
             )));
         }
-        Ok(Some(key)) => Some(HeldPairs::new(key, &joined_schema)?),
+        Ok(Some(key)) => Some(HeldPairs::new(
+            key,
+            top_per_key(&upper, JOINED_TABLE),
+            &joined_schema,
+        )?),
         Err(node) => {
             return Err(Error::UnsupportedQuery(format!(
                 "{node} over the joined rows needs state of its own. Above a join of two \
@@ -1188,16 +1197,77 @@ impl StreamJoin {
         *right.new_rows.batches[0].write().await = new_rows[1].clone();
         *right.probed.batches[0].write().await =
             right.rows.iter().chain(&new_rows[1]).cloned().collect();
-        let mut pairs = Vec::new();
+        // Each pair's columns, then the ids of both its rows. With first rows per key (see
+        // `operators/closing.rs`), each pair is ranked against those before it as it comes and
+        // let go if outranked: no batch holds all its pairs.
+        let width = self.joined_schema.fields().len();
+        let closing_side = self.closing.as_ref().map(|h| h.key().side);
+        let top = self.closing.as_ref().and_then(HeldPairs::top);
+        let mut pairs: Vec<RecordBatch> = Vec::new();
+        let mut ranked: Option<FirstRows> = None;
+        // Pairs held since the last time the held ones were ranked again, and after it.
+        let (mut pair_rows, mut kept_rows) = (0, 0);
+        // The ids of the preserved sides' rows that matched (let-go pairs matched too).
+        let mut matched_ids: [Vec<u64>; 2] = [Vec::new(), Vec::new()];
         let mut failure = None;
         for plan in &self.pairs {
-            match ctx.execute_logical_plan(plan.clone()).await {
-                Ok(df) => match df.collect().await {
-                    Ok(batches) => pairs.extend(batches),
-                    Err(e) => failure = Some(e),
+            let mut stream = match ctx.execute_logical_plan(plan.clone()).await {
+                Ok(df) => match df.execute_stream().await {
+                    Ok(stream) => stream,
+                    Err(e) => {
+                        failure = Some(e);
+                        break;
+                    }
                 },
-                Err(e) => failure = Some(e),
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            };
+            while let Some(pair) = stream.next().await {
+                let pair = match pair {
+                    Ok(pair) => pair,
+                    Err(e) => {
+                        failure = Some(e);
+                        break;
+                    }
+                };
+                if pair.num_rows() == 0 {
+                    continue;
+                }
+                for (s, side) in self.sides.iter().enumerate() {
+                    if side.preserved {
+                        let ids = pair.column(width + s).as_primitive::<UInt64Type>();
+                        matched_ids[s].extend(ids.values().iter().copied());
+                    }
+                }
+                let (Some(top), Some(c)) = (top, closing_side) else {
+                    pairs.push(pair);
+                    continue;
+                };
+                if ranked.is_none() {
+                    ranked = Some(FirstRows::new(top, &pair.schema(), width + c)?);
+                }
+                let Some(ranked) = &mut ranked else {
+                    continue;
+                };
+                if let Some(kept) = ranked.push(pair)? {
+                    pair_rows += kept.num_rows();
+                    pairs.push(kept);
+                }
+                // Pairs kept when they came but outranked since: let go once they add up.
+                if pair_rows - kept_rows >= kept_rows.max(PRUNE_AFTER_PAIRS) {
+                    pairs = ranked.filter_all(pairs)?;
+                    pair_rows = pairs.iter().map(RecordBatch::num_rows).sum();
+                    kept_rows = pair_rows;
+                }
             }
+            if failure.is_some() {
+                break;
+            }
+        }
+        if let Some(ranked) = &ranked {
+            pairs = ranked.filter_all(pairs)?;
         }
         for table in [&left.new_rows, &left.probed, &right.new_rows, &right.probed] {
             table.batches[0].write().await.clear();
@@ -1218,16 +1288,9 @@ impl StreamJoin {
                  join)"
             )));
         }
-        // Each pair's columns, and the ids of the preserved sides' rows that matched.
-        let width = self.joined_schema.fields().len();
-        let closing_side = self.closing.as_ref().map(|h| h.key().side);
         // Each joined batch, with the ids of its rows of the closing side, if any.
         let mut joined: Vec<(RecordBatch, Option<ArrayRef>)> = Vec::new();
-        let mut matched_now: [Vec<u64>; 2] = [Vec::new(), Vec::new()];
         for pair in pairs {
-            if pair.num_rows() == 0 {
-                continue;
-            }
             joined.push((
                 RecordBatch::try_new(
                     Arc::clone(&self.joined_schema),
@@ -1235,14 +1298,12 @@ impl StreamJoin {
                 )?,
                 closing_side.map(|c| Arc::clone(pair.column(width + c))),
             ));
-            for (s, side) in self.sides.iter_mut().enumerate() {
-                if side.preserved {
-                    let ids = pair.column(width + s).as_primitive::<UInt64Type>();
-                    for &id in ids.values() {
-                        if side.matched.insert(id) {
-                            matched_now[s].push(id);
-                        }
-                    }
+        }
+        let mut matched_now: [Vec<u64>; 2] = [Vec::new(), Vec::new()];
+        for (s, side) in self.sides.iter_mut().enumerate() {
+            for &id in &matched_ids[s] {
+                if side.matched.insert(id) {
+                    matched_now[s].push(id);
                 }
             }
         }
@@ -1285,14 +1346,16 @@ impl StreamJoin {
             let c = held.key().side;
             let open = self.sides[c].ids();
             let mut closed = held.take_closed(&open)?;
+            let mut new_held = Vec::new();
             for (batch, ids) in joined {
                 let ids = ids.ok_or_else(|| Error::InvalidJob("a pair without its row".into()))?;
-                let (now_closed, kept) = held.hold_new(&batch, ids, &open)?;
+                let (now_closed, still_held) = held.split_new(&batch, ids, &open)?;
                 closed.extend(now_closed);
-                if let Some(kept) = kept {
-                    self.changes
-                        .push(held_state_rows(&self.sides, &self.state_schema, c, &kept)?);
-                }
+                new_held.extend(still_held);
+            }
+            for kept in held.hold_new(new_held)? {
+                self.changes
+                    .push(held_state_rows(&self.sides, &self.state_schema, c, &kept)?);
             }
             if !closed.is_empty() {
                 let (batches, failed) = self.upper_by_key(ctx, closed).await?;
@@ -1590,6 +1653,7 @@ impl StreamJoin {
         // The held pairs whose row that watermark let go were run by the committed batch.
         if let Some(held) = &mut self.closing {
             held.take_closed(&self.sides[held.key().side].ids())?;
+            held.prune()?;
         }
         self.changes.clear();
         self.log = Some(log);
@@ -2293,7 +2357,7 @@ mod tests {
     ) -> (Vec<(i64, i64, i64)>, Vec<(i64, i64, i64)>) {
         let sources = [("l".to_string(), schema()), ("r".to_string(), schema())];
         let (inputs, watermarks, closed) = per_key_model(batches, inner);
-        let expected = closed.into_iter().map(|(key, _)| key).collect();
+        let expected = closed.into_iter().map(|(key, _, _)| key).collect();
         let streamed = stream(
             sql,
             &sources,
@@ -2322,6 +2386,10 @@ mod tests {
         (out, expected)
     }
 
+    /// A key closed by the model: `(l offset, pairs, last r offset or -1)`, the batch that
+    /// closes it, and its pairs' `r` rows (offset, event time s).
+    type ClosedKey = ((i64, i64, i64), usize, Vec<(i64, i64)>);
+
     /// The sources' batches of `batches`, the watermark after each, and what per-key closing
     /// gives: `(l offset, pairs, last r offset or -1)` for each on-time `l` row the last
     /// watermark let go, with its on-time matches (`inner`: only those with a match), and the
@@ -2334,7 +2402,7 @@ mod tests {
     ) -> (
         Vec<BTreeMap<String, RecordBatch>>,
         Vec<Option<i64>>,
-        Vec<((i64, i64, i64), usize)>,
+        Vec<ClosedKey>,
     ) {
         let (mut inputs, mut watermarks) = (Vec::new(), Vec::new());
         let mut on_time_l: Vec<(i64, i64, i64, usize)> = Vec::new();
@@ -2388,16 +2456,16 @@ mod tests {
             else {
                 continue;
             };
-            let joined: Vec<i64> = on_time_r
+            let joined: Vec<(i64, i64)> = on_time_r
                 .iter()
                 .filter(|&&(_, rts, k)| k == lo && ts <= rts && rts <= until)
-                .map(|r| r.0)
+                .map(|r| (r.0, r.1))
                 .collect();
             if inner && joined.is_empty() {
                 continue;
             }
-            let last = joined.iter().copied().max().unwrap_or(-1);
-            expected.push(((lo, joined.len() as i64, last), closing));
+            let last = joined.iter().map(|j| j.0).max().unwrap_or(-1);
+            expected.push(((lo, joined.len() as i64, last), closing, joined));
         }
         expected.sort_unstable();
         (inputs, watermarks, expected)
@@ -2424,7 +2492,7 @@ mod tests {
         let mut expected: BTreeMap<i64, (i64, i64)> = BTreeMap::new();
         for (batch, watermark) in watermarks.iter().enumerate() {
             let time = watermark.unwrap_or(i64::MAX);
-            for &((_, n, last), _) in closed.iter().filter(|(_, c)| *c == batch) {
+            for &((_, n, last), _, _) in closed.iter().filter(|(_, c, _)| *c == batch) {
                 let group = groups.entry(n).or_insert((0, 0, i64::MIN));
                 *group = (group.0 + 1, group.1 + last, group.2.max(time));
                 expected.insert(n, (group.0, group.1));
@@ -2525,6 +2593,148 @@ mod tests {
                 prop_assert_eq!(table, expected, "state_ttl {} s", ttl);
             }
         }
+    }
+
+    /// How the model picks a closed key's first rows from its pairs `(r offset, r event
+    /// time)`: the `r` offsets kept.
+    type FirstRows = fn(&[(i64, i64)]) -> Vec<i64>;
+
+    /// The first rows per key, each query with how the model picks them.
+    const TOP_PER_KEY: [(&str, FirstRows); 3] = [
+        (
+            "SELECT k, ro FROM (SELECT l.k, r._source_offset AS ro, ROW_NUMBER() OVER \
+             (PARTITION BY l.k ORDER BY r._source_offset DESC) AS rn FROM l JOIN r \
+             ON l.k = r.k AND r.ts BETWEEN l.ts AND l.until) WHERE rn <= 2",
+            |pairs| {
+                let mut offsets: Vec<i64> = pairs.iter().map(|p| p.0).collect();
+                offsets.sort_unstable_by(|a, b| b.cmp(a));
+                offsets.truncate(2);
+                offsets
+            },
+        ),
+        (
+            "SELECT k, ro FROM (SELECT l.k, r._source_offset AS ro, RANK() OVER \
+             (PARTITION BY l.k ORDER BY r.ts DESC) AS rn FROM r JOIN l \
+             ON l.k = r.k AND r.ts BETWEEN l.ts AND l.until) WHERE rn < 3",
+            |pairs| {
+                let better = |ts: i64| pairs.iter().filter(|p| p.1 > ts).count();
+                pairs
+                    .iter()
+                    .filter(|p| better(p.1) < 2)
+                    .map(|p| p.0)
+                    .collect()
+            },
+        ),
+        (
+            "SELECT k, ro FROM (SELECT l.k, r._source_offset AS ro, DENSE_RANK() OVER \
+             (PARTITION BY l.k ORDER BY r.ts) AS rn FROM l JOIN r \
+             ON l.k = r.k AND r.ts BETWEEN l.ts AND l.until) WHERE rn = 2",
+            |pairs| {
+                let earlier = |ts: i64| {
+                    let times: BTreeSet<i64> =
+                        pairs.iter().filter(|p| p.1 < ts).map(|p| p.1).collect();
+                    times.len()
+                };
+                pairs
+                    .iter()
+                    .filter(|p| earlier(p.1) == 1)
+                    .map(|p| p.0)
+                    .collect()
+            },
+        ),
+    ];
+
+    /// `sql` (one of [`TOP_PER_KEY`]) streamed over `batches` with a restart after batch
+    /// `restart_after`, and the model: the sorted `(l offset, r offset)` rows written.
+    async fn top_per_key_streamed(
+        (sql, first_rows): (&str, FirstRows),
+        batches: &[Keyed],
+        restart_after: usize,
+    ) -> (Vec<(i64, i64)>, Vec<(i64, i64)>) {
+        let sources = [("l".to_string(), schema()), ("r".to_string(), schema())];
+        let (inputs, watermarks, closed) = per_key_model(batches, true);
+        let mut expected = Vec::new();
+        for ((lo, _, _), _, pairs) in closed {
+            expected.extend(first_rows(&pairs).into_iter().map(|ro| (lo, ro)));
+        }
+        expected.sort_unstable();
+        let streamed = stream(
+            sql,
+            &sources,
+            &settings(false),
+            &inputs,
+            &watermarks,
+            restart_after,
+        )
+        .await;
+        let mut out = Vec::new();
+        for b in &streamed.outputs {
+            let keys = b.column(0).as_string::<i32>();
+            let ro = b.column(1).as_primitive::<Int64Type>();
+            for i in 0..b.num_rows() {
+                out.push((keys.value(i)[1..].parse().unwrap(), ro.value(i)));
+            }
+        }
+        out.sort_unstable();
+        (out, expected)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+
+        /// Above a join, the first rows per key by ROW_NUMBER, RANK and DENSE_RANK (pruned
+        /// to as the pairs come, see `operators/closing.rs`) are what the model ranks from
+        /// all of a closed key's pairs — ties included — straight through and across a
+        /// restart from the state files at any batch.
+        #[test]
+        fn the_first_rows_per_key_are_those_of_all_its_pairs(
+            batches in keyed_events(),
+            restart in 0usize..8,
+        ) {
+            let runtime = tokio::runtime::Runtime::new().unwrap();
+            for query in TOP_PER_KEY {
+                let (out, expected) =
+                    runtime.block_on(top_per_key_streamed(query, &batches, restart));
+                prop_assert_eq!(&out, &expected, "{}", query.0);
+            }
+        }
+    }
+
+    /// With first rows per key, a key's held pairs are its first rows only; the same ranking
+    /// beside another window function over the pairs holds every pair.
+    #[tokio::test]
+    async fn first_rows_per_key_hold_only_those_pairs() {
+        let sources = [("l".to_string(), schema()), ("r".to_string(), schema())];
+        // One key open throughout (until 1000 s), bid on 50 times in each of three batches.
+        let l = vec![(0, "k0".to_string(), 1000)];
+        let mut inputs = Vec::new();
+        let mut watermarks = Vec::new();
+        for b in 0..3i64 {
+            let r: Vec<(i64, String, i64)> = (0..50)
+                .map(|i| (b * 50 + i + 1, "k0".to_string(), 0))
+                .collect();
+            let l = if b == 0 { l.clone() } else { Vec::new() };
+            inputs.push(BTreeMap::from([
+                ("l".to_string(), keyed_batch(&l, 0)),
+                ("r".to_string(), keyed_batch(&r, b * 50)),
+            ]));
+            watermarks.push(Some((b * 50 + 50 - OUT_OF_ORDERNESS) * SECOND));
+        }
+        let first_rows = "SELECT k, ro{outer} FROM (SELECT l.k, r._source_offset AS ro, \
+                          ROW_NUMBER() OVER (PARTITION BY l.k ORDER BY r._source_offset DESC) \
+                          AS rn{inner} FROM l JOIN r ON l.k = r.k \
+                          AND r.ts BETWEEN l.ts AND l.until) WHERE rn <= 2";
+        let mut held = Vec::new();
+        for (outer, inner) in [("", ""), (", n", ", count(*) OVER (PARTITION BY l.k) AS n")] {
+            let sql = first_rows
+                .replace("{outer}", outer)
+                .replace("{inner}", inner);
+            let streamed = stream(&sql, &sources, &settings(false), &inputs, &watermarks, 9).await;
+            assert!(streamed.outputs.iter().all(|b| b.num_rows() == 0));
+            held.push(streamed.state_rows);
+        }
+        // 150 pairs held without pruning, 2 with: the sides' rows are the same.
+        assert_eq!(held[1] - held[0], 148, "{held:?}");
     }
 
     /// A key whose pairs the SQL above fails on (by their values) is found by halving over

@@ -36,10 +36,12 @@ use arrow::datatypes::{Field, Schema, SchemaRef};
 use arrow::error::ArrowError;
 use datafusion::catalog::MemTable;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
-use datafusion::common::{Column, DFSchema};
+use datafusion::common::{Column, DFSchema, ScalarValue};
 use datafusion::datasource::provider_as_source;
 use datafusion::error::DataFusionError;
-use datafusion::logical_expr::{Expr, JoinType, LogicalPlan, LogicalPlanBuilder, Projection};
+use datafusion::logical_expr::{
+    BinaryExpr, Expr, JoinType, LogicalPlan, LogicalPlanBuilder, Operator, Projection,
+};
 use datafusion::prelude::SessionContext;
 
 use crate::error::Error;
@@ -705,6 +707,90 @@ fn external_data_error(error: &(dyn std::error::Error + Send + Sync + 'static)) 
     }
 }
 
+/// The ranking window functions: each numbers a partition's rows from 1 in the window's order.
+pub(crate) const RANKINGS: [&str; 3] = ["row_number", "rank", "dense_rank"];
+
+/// The column a filter conjunct compares with an integer, and the highest number it keeps:
+/// `c = n` and `c <= n` keep up to `n`, `c < n` up to `n - 1` (either way round; `c` may be
+/// cast). Over a ranking (see [`ranking_window`]) that is the last rank a row can have and stay.
+pub(crate) fn rank_bound(conjunct: &Expr) -> Option<(String, i64)> {
+    let Expr::BinaryExpr(BinaryExpr { left, op, right }) = conjunct else {
+        return None;
+    };
+    let int = |e: &Expr| match e {
+        Expr::Literal(v, _) => match v {
+            ScalarValue::Int8(Some(n)) => Some(i64::from(*n)),
+            ScalarValue::Int16(Some(n)) => Some(i64::from(*n)),
+            ScalarValue::Int32(Some(n)) => Some(i64::from(*n)),
+            ScalarValue::Int64(Some(n)) => Some(*n),
+            ScalarValue::UInt8(Some(n)) => Some(i64::from(*n)),
+            ScalarValue::UInt16(Some(n)) => Some(i64::from(*n)),
+            ScalarValue::UInt32(Some(n)) => Some(i64::from(*n)),
+            ScalarValue::UInt64(Some(n)) => i64::try_from(*n).ok(),
+            _ => None,
+        },
+        _ => None,
+    };
+    let column = |e: &Expr| match e {
+        Expr::Column(c) => Some(c.name.clone()),
+        Expr::Cast(c) => match c.expr.as_ref() {
+            Expr::Column(c) => Some(c.name.clone()),
+            _ => None,
+        },
+        Expr::TryCast(c) => match c.expr.as_ref() {
+            Expr::Column(c) => Some(c.name.clone()),
+            _ => None,
+        },
+        _ => None,
+    };
+    let (name, op, n) = match (column(left), int(right), column(right), int(left)) {
+        (Some(name), Some(n), _, _) => (name, *op, n),
+        (_, _, Some(name), Some(n)) => (name, op.swap()?, n),
+        _ => return None,
+    };
+    match op {
+        Operator::Eq | Operator::LtEq => Some((name, n)),
+        Operator::Lt => Some((name, n.checked_sub(1)?)),
+        _ => None,
+    }
+}
+
+/// The `Window` node below `plan` whose window function — one of `functions` (by name, e.g.
+/// [`RANKINGS`]) — the column `name` carries, through projections (`… AS rn`) and subquery
+/// aliases.
+pub(crate) fn ranking_window(
+    plan: &LogicalPlan,
+    name: &str,
+    functions: &[&str],
+) -> Option<LogicalPlan> {
+    match plan {
+        LogicalPlan::SubqueryAlias(alias) => ranking_window(&alias.input, name, functions),
+        LogicalPlan::Projection(p) => {
+            let index = p.schema.fields().iter().position(|f| f.name() == name)?;
+            let inner = match &p.expr[index] {
+                Expr::Column(c) => c.name.clone(),
+                Expr::Alias(a) => match a.expr.as_ref() {
+                    Expr::Column(c) => c.name.clone(),
+                    _ => return None,
+                },
+                _ => return None,
+            };
+            ranking_window(&p.input, &inner, functions)
+        }
+        LogicalPlan::Window(w) => {
+            let inputs = w.input.schema().fields().len();
+            let index = w.schema.fields().iter().position(|f| f.name() == name)?;
+            let expr = w.window_expr.get(index.checked_sub(inputs)?)?;
+            let is_ranking = match expr.clone().unalias() {
+                Expr::WindowFunction(f) => functions.contains(&f.fun.name()),
+                _ => false,
+            };
+            is_ranking.then(|| plan.clone())
+        }
+        _ => None,
+    }
+}
+
 /// The first node that makes the plan's result depend on how the stream is split into batches
 /// (an aggregate, join, sort, limit, distinct, window function over a stream), as text, and
 /// why; `None` if there is none. `statics` names the static tables (lowercase), read whole at
@@ -838,6 +924,8 @@ pub(crate) mod test_support {
         pub(crate) late: Vec<(String, RecordBatch)>,
         /// The operator ids the last batch's state was written under.
         pub(crate) operator_ids: Vec<String>,
+        /// The rows in state after the last batch.
+        pub(crate) state_rows: u64,
     }
 
     /// Streams `batches` (each: every source's rows) through `sql` planned over `sources`, the
@@ -865,6 +953,7 @@ pub(crate) mod test_support {
             outputs: Vec::new(),
             late: Vec::new(),
             operator_ids: Vec::new(),
+            state_rows: 0,
         };
         let mut watermark = None;
         for (i, (inputs, &after)) in batches.iter().zip(watermarks).enumerate() {
@@ -899,6 +988,7 @@ pub(crate) mod test_support {
                     .unwrap();
             }
         }
+        streamed.state_rows = query.state_size().map_or(0, |s| s.rows);
         streamed
     }
 }
