@@ -42,8 +42,10 @@
 //! SQL makes is still open to it). State then holds about `n` pairs per open key rather than every
 //! pair, and no batch holds all its pairs at once. Pruned is only a plan where nothing else can
 //! see the let-go pairs or fail on them: the filter is that one condition, the window holds that
-//! one function, ordered and partitioned by plain columns, and between the filter and the joined
-//! rows there are only renames. Pruning again after a restart (which restores pairs let go after
+//! one function, ordered (an unordered one lets nothing go) and partitioned by plain columns,
+//! and between the filter and the joined rows there are only renames. What the SQL writes is
+//! unchanged; a key it fails on (above the filter, on a row it keeps) is dead-lettered with the
+//! pairs it still held, not with the pairs let go before. Pruning again after a restart (which restores pairs let go after
 //! they were written) lets go of the same pairs: the first `n` orderings of a key's pairs are
 //! among the pairs kept.
 //!
@@ -258,8 +260,9 @@ pub(crate) struct TopPerKey {
 }
 
 /// The first rows per key the SQL above a join keeps, where pruning the pairs to them changes
-/// nothing it writes or fails on (see the module doc): `upper` reads the pairs from
-/// `joined_table`, once, through a filter on a ranking window function over them.
+/// nothing it writes, and where it fails only which of a failing key's pairs are its dead
+/// letters (see the module doc): `upper` reads the pairs from `joined_table`, once, through a
+/// filter on a ranking window function over them.
 pub(crate) fn top_per_key(upper: &LogicalPlan, joined_table: &str) -> Option<TopPerKey> {
     let mut scans = 0;
     let _ = upper.apply_with_subqueries(|node| {
@@ -339,6 +342,11 @@ fn ranked_pairs(predicate: &Expr, input: &LogicalPlan, joined_table: &str) -> Op
             Some((joined(&sort.expr)?, options))
         })
         .collect::<Option<Vec<_>>>()?;
+    // Unordered, every pair ranks first (`RANK()`) or is picked at random (`ROW_NUMBER()`):
+    // nothing to let go.
+    if order_by.is_empty() {
+        return None;
+    }
     Some(TopPerKey {
         limit,
         partition_by,
@@ -635,7 +643,7 @@ impl HeldPairs {
     /// the new state rows. With first rows per key, the pairs held before and the new ones are
     /// pruned together.
     pub(crate) fn hold_new(&mut self, new: Vec<RecordBatch>) -> Result<Vec<RecordBatch>> {
-        let Some(top) = &self.top else {
+        let Some(top) = self.top.as_ref().filter(|_| !new.is_empty()) else {
             self.rows.extend(new.iter().cloned());
             return Ok(new);
         };
@@ -834,6 +842,10 @@ mod tests {
             // Another window function over the same pairs sees them all.
             "SELECT k, n FROM (SELECT c0 AS k, count(*) OVER (PARTITION BY c0) AS n, \
              ROW_NUMBER() OVER (PARTITION BY c0 ORDER BY c1) AS rn FROM j) WHERE rn <= 1"
+                .to_string(),
+            // Unordered: every pair ranks first.
+            "SELECT k FROM (SELECT c0 AS k, RANK() OVER (PARTITION BY c0) AS rn FROM j) \
+             WHERE rn <= 1"
                 .to_string(),
             // Ordered by a computation (which could fail on a pruned pair).
             "SELECT k FROM (SELECT c0 AS k, ROW_NUMBER() OVER (PARTITION BY c0 \

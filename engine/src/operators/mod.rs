@@ -781,7 +781,7 @@ pub(crate) fn ranking_window(
             let inputs = w.input.schema().fields().len();
             let index = w.schema.fields().iter().position(|f| f.name() == name)?;
             let expr = w.window_expr.get(index.checked_sub(inputs)?)?;
-            let is_ranking = match expr.clone().unalias() {
+            let is_ranking = match expr.clone().unalias_nested().data {
                 Expr::WindowFunction(f) => functions.contains(&f.fun.name()),
                 _ => false,
             };
