@@ -1316,8 +1316,9 @@ impl StreamJoin {
 
     /// This batch's pairs from the join's plans (over the stand-in tables `run` fills): each
     /// pair's columns, then the ids of both its rows; the ids of the preserved sides' rows that
-    /// matched, each once; and the error a plan failed with, if one did (the pairs up to it
-    /// returned). With first rows per key (see `operators/closing.rs`), each pair is ranked
+    /// matched, each once (a set would do, but a list keeps the state files' order the same
+    /// between runs); and the error a plan failed with, if one did (then the pairs are
+    /// incomplete, and only the error is used). With first rows per key (see `operators/closing.rs`), each pair is ranked
     /// against those before it as it comes and let go if outranked — its match still counts —
     /// so no batch holds all its pairs.
     ///
@@ -2607,11 +2608,11 @@ mod tests {
 
     /// How the model picks a closed key's first rows from its pairs `(r offset, r event
     /// time)`: the `r` offsets kept.
-    type FirstRows = fn(&[(i64, i64)]) -> Vec<i64>;
+    type ModelPick = fn(&[(i64, i64)]) -> Vec<i64>;
 
     /// The first rows per key, each query with how the model picks them (a LEFT JOIN's key
     /// without a pair writes its row alone: `r` offset -1).
-    const TOP_PER_KEY: [(&str, FirstRows); 4] = [
+    const TOP_PER_KEY: [(&str, ModelPick); 4] = [
         (
             "SELECT k, ro FROM (SELECT l.k, r._source_offset AS ro, ROW_NUMBER() OVER \
              (PARTITION BY l.k ORDER BY r._source_offset DESC) AS rn FROM l JOIN r \
@@ -2667,7 +2668,7 @@ mod tests {
     /// `sql` (one of [`TOP_PER_KEY`]) streamed over `batches` with a restart after batch
     /// `restart_after`, and the model: the sorted `(l offset, r offset)` rows written.
     async fn top_per_key_streamed(
-        (sql, first_rows): (&str, FirstRows),
+        (sql, first_rows): (&str, ModelPick),
         batches: &[Keyed],
         restart_after: usize,
     ) -> (Vec<(i64, i64)>, Vec<(i64, i64)>) {
