@@ -1922,7 +1922,7 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::operators::test_support::stream;
+    use crate::operators::test_support::{Streamed, stream};
     use crate::query::{BatchWatermark, QuerySettings, StreamingQuery};
     use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION};
 
@@ -2355,6 +2355,29 @@ mod tests {
         .unwrap()
     }
 
+    /// `sql` streamed over the sources' batches of `batches` with a restart after batch
+    /// `restart_after`, and the keys the model closes (`inner`: those without a pair left
+    /// out).
+    async fn per_key_streamed(
+        sql: &str,
+        batches: &[Keyed],
+        restart_after: usize,
+        inner: bool,
+    ) -> (Streamed, Vec<ClosedKey>) {
+        let sources = [("l".to_string(), schema()), ("r".to_string(), schema())];
+        let (inputs, watermarks, closed) = per_key_model(batches, inner);
+        let streamed = stream(
+            sql,
+            &sources,
+            &settings(false),
+            &inputs,
+            &watermarks,
+            restart_after,
+        )
+        .await;
+        (streamed, closed)
+    }
+
     /// Per key of `l` (its offset): the number of `r` rows joined and the largest `r` offset
     /// among them — from `sql`'s output streamed over `batches` with a restart after batch
     /// `restart_after`, and from the model: every `l` row that was on time and has left the
@@ -2366,18 +2389,8 @@ mod tests {
         restart_after: usize,
         inner: bool,
     ) -> (Vec<(i64, i64, i64)>, Vec<(i64, i64, i64)>) {
-        let sources = [("l".to_string(), schema()), ("r".to_string(), schema())];
-        let (inputs, watermarks, closed) = per_key_model(batches, inner);
+        let (streamed, closed) = per_key_streamed(sql, batches, restart_after, inner).await;
         let expected = closed.into_iter().map(|(key, _, _)| key).collect();
-        let streamed = stream(
-            sql,
-            &sources,
-            &settings(false),
-            &inputs,
-            &watermarks,
-            restart_after,
-        )
-        .await;
         let mut out = Vec::new();
         for b in &streamed.outputs {
             let keys = b.column(0).as_string::<i32>();
@@ -2672,23 +2685,13 @@ mod tests {
         batches: &[Keyed],
         restart_after: usize,
     ) -> (Vec<(i64, i64)>, Vec<(i64, i64)>) {
-        let sources = [("l".to_string(), schema()), ("r".to_string(), schema())];
         let inner = !sql.contains("LEFT JOIN");
-        let (inputs, watermarks, closed) = per_key_model(batches, inner);
+        let (streamed, closed) = per_key_streamed(sql, batches, restart_after, inner).await;
         let mut expected = Vec::new();
         for ((lo, _, _), _, pairs) in closed {
             expected.extend(first_rows(&pairs).into_iter().map(|ro| (lo, ro)));
         }
         expected.sort_unstable();
-        let streamed = stream(
-            sql,
-            &sources,
-            &settings(false),
-            &inputs,
-            &watermarks,
-            restart_after,
-        )
-        .await;
         let mut out = Vec::new();
         for b in &streamed.outputs {
             let keys = b.column(0).as_string::<i32>();
