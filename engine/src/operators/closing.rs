@@ -509,16 +509,6 @@ impl FirstRows {
         self.kept(batch, &groups, &orders)
     }
 
-    /// Ranks `batch`'s pairs with those seen before.
-    ///
-    /// # Errors
-    /// If its columns cannot be compared.
-    pub(crate) fn see_batch(&mut self, batch: &RecordBatch) -> Result<()> {
-        let (groups, orders) = self.group_and_order_rows(batch)?;
-        self.see(&groups, &orders);
-        Ok(())
-    }
-
     /// `batch` (of pairs seen) with only those still among the first `limit` of their group;
     /// `None` if none is.
     ///
@@ -668,18 +658,30 @@ impl HeldPairs {
             return Ok(new);
         };
         let mut ranked = FirstRows::new(top, &self.schema, self.schema.fields().len() - 1)?;
-        for batch in self.rows.iter().chain(&new) {
-            ranked.see_batch(batch)?;
+        // Each batch's rows converted once: all seen, then each batch filtered by the whole.
+        let rows = self
+            .rows
+            .iter()
+            .chain(&new)
+            .map(|batch| ranked.group_and_order_rows(batch))
+            .collect::<Result<Vec<_>>>()?;
+        for (groups, orders) in &rows {
+            ranked.see(groups, orders);
         }
+        let old = self.rows.len();
         let mut held = Vec::new();
-        for batch in &self.rows {
-            held.extend(ranked.filter(batch.clone())?);
-        }
         let mut kept_new = Vec::new();
-        for batch in new {
-            kept_new.extend(ranked.filter(batch)?);
+        for (n, (batch, (groups, orders))) in
+            self.rows.iter().cloned().chain(new).zip(&rows).enumerate()
+        {
+            let Some(kept) = ranked.kept(batch, groups, orders)? else {
+                continue;
+            };
+            if n >= old {
+                kept_new.push(kept.clone());
+            }
+            held.push(kept);
         }
-        held.extend(kept_new.iter().cloned());
         self.rows = super::merge_small_batches(&self.schema, held)?;
         Ok(kept_new)
     }

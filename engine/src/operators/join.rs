@@ -1318,9 +1318,9 @@ impl StreamJoin {
     /// pair's columns, then the ids of both its rows; the ids of the preserved sides' rows that
     /// matched, each once (a set would do, but a list keeps the state files' order the same
     /// between runs); and the error a plan failed with, if one did (then the pairs are
-    /// incomplete, and only the error is used). With first rows per key (see `operators/closing.rs`), each pair is ranked
-    /// against those before it as it comes and let go if outranked — its match still counts —
-    /// so no batch holds all its pairs.
+    /// incomplete, and only the error is used). With first rows per key (see
+    /// `operators/closing.rs`), each pair is ranked against those before it as it comes and let
+    /// go if outranked — its match still counts — so no batch holds all its pairs.
     ///
     /// # Errors
     /// If pairs cannot be ranked (their columns compared, filtered or concatenated).
