@@ -88,6 +88,23 @@ pub fn late_schema_of_sources(sources: &[(&str, &SchemaRef)]) -> Result<SchemaRe
     Ok(Arc::new(Schema::new(fields)))
 }
 
+/// Whether any of `rows` has no event time (in `time_column`) or one below `limit`: a row a
+/// join's on-time filter leaves out (those with a time [`below_watermark`] calls late).
+///
+/// # Errors
+/// If `time_column` is missing or not a timestamp (a planning bug, not a data problem).
+pub fn any_below(rows: &[RecordBatch], time_column: &str, limit: i64) -> Result<bool> {
+    for chunk in rows {
+        let times = event_times(chunk, time_column, "join")?;
+        if arrow::array::Array::null_count(times) > 0
+            || arrow::compute::min(times).is_some_and(|t| t < limit)
+        {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
 /// The rows of `rows` (of `source`, event time in `time_column`) below `limit` — late for a
 /// join of streams under `watermark` — as rows of the late table `schema` (see
 /// [`late_schema_of_sources`]); `None` if there are none.

@@ -855,6 +855,16 @@ impl StreamingQuery {
         self.stateful.as_ref().map(StatefulOperator::state_size)
     }
 
+    /// The rows a join of streams keeps (both sides'), to check what they hold.
+    #[cfg(test)]
+    pub(crate) fn join_rows(&self) -> Vec<RecordBatch> {
+        self.stateful
+            .as_ref()
+            .and_then(StatefulOperator::stream_join)
+            .map(|join| join.kept_rows())
+            .unwrap_or_default()
+    }
+
     /// Runs the query over one batch of input per source (stateless queries).
     ///
     /// # Errors
@@ -1014,7 +1024,7 @@ async fn join_streams(
     inputs: &SourceInputs,
     watermark: BatchWatermark,
 ) -> Result<QueryOutput> {
-    join.run(&tables.ctx, watermark, |plan| async move {
+    join.run(&tables.ctx, watermark, inputs, |plan| async move {
         tables.isolate(&plan, inputs, Run::Collect).await
     })
     .await

@@ -95,7 +95,7 @@ use super::{
 use crate::error::{Error, Result};
 use crate::event_time::event_time_type;
 use crate::offsets::BatchId;
-use crate::query::BatchWatermark;
+use crate::query::{BatchWatermark, SourceInputs};
 use crate::sink::OutputMode;
 
 /// The table the upper part reads the joined pairs from.
@@ -1150,12 +1150,12 @@ impl StreamJoin {
         watermark.map(|w| w.saturating_sub(self.allowed_lateness))
     }
 
-    /// One batch: runs each side's plan over its source's rows (rows late under the watermark
-    /// in force left out: see [`crate::late::below_watermark`]), joins the new rows with the
-    /// kept ones and with each other, keeps the new rows, lets go of the rows the batch's new
-    /// watermark says can no longer match (a preserved side's unmatched ones emitted with the
-    /// other side null), and runs the upper part over the pairs. `side_rows` runs a side's plan
-    /// (isolating the rows it fails on).
+    /// One batch: runs each side's plan over its source's rows in `inputs` (rows late under
+    /// the watermark in force left out: see [`crate::late::below_watermark`]), joins the new
+    /// rows with the kept ones and with each other, keeps the new rows, lets go of the rows the
+    /// batch's new watermark says can no longer match (a preserved side's unmatched ones emitted
+    /// with the other side null), and runs the upper part over the pairs. `side_rows` runs a
+    /// side's plan (isolating the rows it fails on).
     ///
     /// Letting go under the *new* watermark is letting go before the next batch under the
     /// watermark in force for it; done here, an unmatched row is emitted by the batch whose
@@ -1168,6 +1168,7 @@ impl StreamJoin {
         &mut self,
         ctx: &SessionContext,
         watermark: BatchWatermark,
+        inputs: &SourceInputs,
         side_rows: F,
     ) -> Result<QueryOutput>
     where
@@ -1181,7 +1182,16 @@ impl StreamJoin {
         let mut failed_here = HashSet::new();
         let first_new_id = [self.sides[0].next_id, self.sides[1].next_id];
         for (s, side) in self.sides.iter_mut().enumerate() {
-            let rows = side_rows(side.lower_plan(limit)?).await?;
+            // The on-time filter only if a row is late: DataFusion's filter re-batches the
+            // rows it passes into copies (after the first short batch it meets, every one), and
+            // the new rows are kept as state — they would be held twice, the read's and the
+            // copy, through the batch.
+            let read = inputs.get(&side.source).map_or(&[][..], Vec::as_slice);
+            let late = match limit {
+                Some(limit) => crate::late::any_below(read, &side.time_column, limit)?,
+                None => false,
+            };
+            let rows = side_rows(side.lower_plan(limit.filter(|_| late))?).await?;
             for failed in rows.failed {
                 // A self-join reads each row twice: one dead letter for it.
                 if !self_join || failed_here.insert(lineage_of(&failed.row)) {
@@ -1556,6 +1566,12 @@ impl StreamJoin {
     }
 
     /// Rows and in-memory bytes of the state (both sides' kept rows).
+    /// Both sides' kept rows, to check what they hold.
+    #[cfg(test)]
+    pub(crate) fn kept_rows(&self) -> Vec<RecordBatch> {
+        self.sides.iter().flat_map(|s| s.rows.clone()).collect()
+    }
+
     pub(crate) fn state_size(&self) -> StateSize {
         let held = self.closing.as_ref().map_or(&[][..], HeldPairs::rows);
         let rows: usize = self.sides.iter().map(Side::num_rows).sum::<usize>()
@@ -2727,6 +2743,70 @@ mod tests {
                     runtime.block_on(top_per_key_streamed(query, &batches, restart));
                 prop_assert_eq!(&out, &expected, "{}", query.0);
             }
+        }
+    }
+
+    /// A side's new rows, when none of them is late, are kept as the read made them: what the
+    /// join keeps of a batch shares the read's buffers, only the rows' ids are new.
+    /// (DataFusion's filter re-batches the rows it passes into copies once it has met a short
+    /// batch, and the copies were held beside the read through the batch.) A batch with a
+    /// late row still leaves that row out.
+    #[tokio::test]
+    async fn new_rows_are_kept_uncopied_unless_one_is_late() {
+        let sql = "SELECT l.k, r.ts FROM l JOIN r ON l.k = r.k AND r.ts BETWEEN l.ts AND l.until";
+        let sources = [("l".to_string(), schema()), ("r".to_string(), schema())];
+        let mut query = StreamingQuery::plan(sql, &sources, &settings(false))
+            .await
+            .unwrap();
+        // Long keys, so that a copy of the rows shows beside their ids.
+        let key = |i: i64| format!("{:0>100}", i % 7);
+        // Right rows at 100..150 s in chunks of 10 000 (DataFusion cuts them into batches of
+        // 8 192 and short rests); the watermark stays below them, so none leaves.
+        let chunk = |first: i64, late: bool| {
+            let rows: Vec<(i64, String, i64)> = (0..10_000)
+                .map(|i| {
+                    let ts = if late && i == 0 { 1 } else { 100 + i % 50 };
+                    (ts, key(i), ts)
+                })
+                .collect();
+            keyed_batch(&rows, first)
+        };
+        let mut kept_rows = 0;
+        for (b, late) in [(0, false), (1, false), (2, true)] {
+            let read: Vec<RecordBatch> =
+                (0..3).map(|c| chunk((b * 3 + c) * 10_000, late)).collect();
+            let inputs = BTreeMap::from([
+                (
+                    "l".to_string(),
+                    vec![keyed_batch(&[(100, key(0), 1000)], b)],
+                ),
+                ("r".to_string(), read.clone()),
+            ]);
+            let watermark = BatchWatermark {
+                before: (b > 0).then_some(40 * SECOND),
+                after: Some(50 * SECOND),
+            };
+            let before = query.join_rows();
+            query.execute_read(&inputs, watermark).await.unwrap();
+            let kept = query.join_rows();
+            // One left row and 30 000 right ones a batch; a late one (at 1 s) left out.
+            kept_rows += 30_001 - if late { 3 } else { 0 };
+            assert_eq!(
+                kept.iter().map(RecordBatch::num_rows).sum::<usize>(),
+                kept_rows
+            );
+            if late {
+                continue;
+            }
+            // What keeping this batch added beside its read and what was kept before it.
+            use crate::memory::held_bytes;
+            let added =
+                held_bytes(read.iter().chain(&kept)) - held_bytes(&read) - held_bytes(&before);
+            let ids = 30_001 * size_of::<u64>();
+            assert!(
+                added < 2 * ids,
+                "batch {b}: keeping its rows added {added} bytes (their ids: {ids})"
+            );
         }
     }
 
