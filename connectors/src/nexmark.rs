@@ -735,8 +735,10 @@ impl NexmarkSource {
         // 64-byte aligned, which Rust's `realloc` serves by a copy, so a column only rounded
         // up to that alignment is left as it is.
         for array in &mut arrays {
-            let used = array.to_data().get_slice_memory_size()?;
-            if array.get_array_memory_size() - used > used / 64 + 4096
+            let Ok(used) = array.to_data().get_slice_memory_size() else {
+                continue;
+            };
+            if array.get_array_memory_size().saturating_sub(used) > used / 64 + 4096
                 && let Some(only) = Arc::get_mut(array)
             {
                 only.shrink_to_fit();
