@@ -88,21 +88,36 @@ pub fn late_schema_of_sources(sources: &[(&str, &SchemaRef)]) -> Result<SchemaRe
     Ok(Arc::new(Schema::new(fields)))
 }
 
-/// Whether any of `rows` has no event time (in `time_column`) or one below `limit`: a row a
-/// join's on-time filter leaves out (those with a time [`below_watermark`] calls late).
+/// `rows` without those a join of streams leaves out as late: without an event time (in
+/// `time_column`; such a row is a dead letter before this) or with one below `limit` — the rows
+/// [`below_watermark`] puts in the late table. A chunk without one is kept as it is, not copied.
 ///
 /// # Errors
 /// If `time_column` is missing or not a timestamp (a planning bug, not a data problem).
-pub fn any_below(rows: &[RecordBatch], time_column: &str, limit: i64) -> Result<bool> {
+pub fn on_time_rows(
+    rows: &[RecordBatch],
+    time_column: &str,
+    limit: i64,
+) -> Result<Vec<RecordBatch>> {
+    let mut on_time = Vec::with_capacity(rows.len());
     for chunk in rows {
         let times = event_times(chunk, time_column, "join")?;
-        if arrow::array::Array::null_count(times) > 0
-            || arrow::compute::min(times).is_some_and(|t| t < limit)
+        if arrow::array::Array::null_count(times) == 0
+            && arrow::compute::min(times).is_none_or(|t| t >= limit)
         {
-            return Ok(true);
+            on_time.push(chunk.clone());
+            continue;
+        }
+        let keep: BooleanArray = times
+            .iter()
+            .map(|t| Some(t.is_some_and(|t| t >= limit)))
+            .collect();
+        let kept = filter_record_batch(chunk, &keep)?;
+        if kept.num_rows() > 0 {
+            on_time.push(kept);
         }
     }
-    Ok(false)
+    Ok(on_time)
 }
 
 /// The rows of `rows` (of `source`, event time in `time_column`) below `limit` — late for a

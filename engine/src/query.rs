@@ -1024,8 +1024,8 @@ async fn join_streams(
     inputs: &SourceInputs,
     watermark: BatchWatermark,
 ) -> Result<QueryOutput> {
-    join.run(&tables.ctx, watermark, inputs, |plan| async move {
-        tables.isolate(&plan, inputs, Run::Collect).await
+    join.run(&tables.ctx, watermark, inputs, |plan, rows| async move {
+        tables.isolate(&plan, &rows, Run::Collect).await
     })
     .await
 }
