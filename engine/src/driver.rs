@@ -900,8 +900,7 @@ impl Pipeline {
             before: self.watermark.current(),
             after: watermark.current(),
         };
-        let output = self.query.execute_read(&inputs, step).await?;
-        drop(inputs);
+        let output = self.query.execute_read(inputs, step).await?;
         let mut failed_by_source: BTreeMap<&str, Vec<&FailedRow>> = BTreeMap::new();
         for failed in &output.failed {
             failed_by_source

@@ -865,6 +865,28 @@ impl StreamingQuery {
             .unwrap_or_default()
     }
 
+    /// [`StreamingQuery::execute_read`] of a join of two streams, calling `before_side` with a
+    /// side's source before its plan runs: to see what the join holds by then.
+    #[cfg(test)]
+    pub(crate) async fn join_observed(
+        &mut self,
+        inputs: SourceInputs,
+        watermark: BatchWatermark,
+        before_side: impl Fn(&str),
+    ) -> Result<QueryOutput> {
+        let Some(StatefulOperator::Join(join)) = self.stateful.as_mut() else {
+            return Err(Error::InvalidJob("not a join of two streams".into()));
+        };
+        let tables = &self.tables;
+        join.run(&tables.ctx, watermark, inputs, |plan, rows| {
+            for source in rows.keys() {
+                before_side(source);
+            }
+            async move { tables.isolate(&plan, &rows, Run::Collect).await }
+        })
+        .await
+    }
+
     /// Runs the query over one batch of input per source (stateless queries).
     ///
     /// # Errors
@@ -892,23 +914,25 @@ impl StreamingQuery {
         inputs: &BTreeMap<String, RecordBatch>,
         watermark: BatchWatermark,
     ) -> Result<QueryOutput> {
-        self.execute_read(&one_batch_each(inputs), watermark).await
+        self.execute_read(one_batch_each(inputs), watermark).await
     }
 
     /// [`StreamingQuery::execute_isolating`] over each source's rows as its read produced them
-    /// (several batches, in order): the live loop's input, never copied into one batch.
+    /// (several batches, in order): the live loop's input, never copied into one batch. The
+    /// rows are taken, so that a join of two streams lets go of the columns its sides do not
+    /// use once their plans have run, rather than hold the whole read through the join.
     ///
     /// # Errors
     /// As [`StreamingQuery::execute_isolating`].
     pub async fn execute_read(
         &mut self,
-        inputs: &SourceInputs,
+        inputs: SourceInputs,
         watermark: BatchWatermark,
     ) -> Result<QueryOutput> {
         let stateful = match self.stateful.as_mut() {
-            None => return self.tables.isolate(&self.plan, inputs, Run::Collect).await,
+            None => return self.tables.isolate(&self.plan, &inputs, Run::Collect).await,
             Some(StatefulOperator::Deduplication(dedup)) => {
-                return deduplicate(&self.tables, dedup, inputs, watermark.before).await;
+                return deduplicate(&self.tables, dedup, &inputs, watermark.before).await;
             }
             Some(StatefulOperator::Join(join)) => {
                 return join_streams(&self.tables, join, inputs, watermark).await;
@@ -921,7 +945,7 @@ impl StreamingQuery {
             }
             Some(StatefulOperator::WindowJoin(join)) => {
                 let failed =
-                    accumulate_windows(&self.tables, join, inputs, watermark.before).await?;
+                    accumulate_windows(&self.tables, join, &inputs, watermark.before).await?;
                 let mut out = join.emit(&self.tables.ctx, watermark.after).await?;
                 out.failed.splice(0..0, failed);
                 return Ok(out);
@@ -931,7 +955,7 @@ impl StreamingQuery {
         let plan = stateful.partial_plan(watermark.before)?;
         let partials = self
             .tables
-            .isolate(&plan, inputs, Run::Partial(stateful.operator()))
+            .isolate(&plan, &inputs, Run::Partial(stateful.operator()))
             .await?;
         stateful.accumulate(partials.batches).await?;
         let mut emitted = stateful.emit(&self.tables.ctx, watermark.after).await?;
@@ -964,7 +988,7 @@ async fn deduplicate(
 async fn join_then_aggregate(
     tables: &SourceTables,
     chain: &mut JoinAggregate,
-    inputs: &SourceInputs,
+    inputs: SourceInputs,
     watermark: BatchWatermark,
 ) -> Result<Vec<FailedRow>> {
     let joined = join_streams(tables, &mut chain.join, inputs, watermark).await?;
@@ -1017,11 +1041,12 @@ async fn accumulate_windows(
 
 /// One batch of a query joining two streams: each side's plan over its source's rows (late
 /// rows under the watermark in force left out, rows it fails on isolated), then the join,
-/// which runs the upper part over the pairs and lets go of what the new watermark says.
+/// which runs the upper part over the pairs and lets go of what the new watermark says. The
+/// read is let go once the sides' plans have run: the join holds only the columns they keep.
 async fn join_streams(
     tables: &SourceTables,
     join: &mut StreamJoin,
-    inputs: &SourceInputs,
+    inputs: SourceInputs,
     watermark: BatchWatermark,
 ) -> Result<QueryOutput> {
     join.run(&tables.ctx, watermark, inputs, |plan, rows| async move {
@@ -1054,14 +1079,15 @@ impl StreamingQuery {
                     before: watermark,
                     after: watermark,
                 };
-                return join_streams(&self.tables, join, inputs, watermark).await;
+                return join_streams(&self.tables, join, inputs.clone(), watermark).await;
             }
             Some(StatefulOperator::JoinAggregate(chain)) => {
                 let watermark = BatchWatermark {
                     before: watermark,
                     after: watermark,
                 };
-                let failed = join_then_aggregate(&self.tables, chain, inputs, watermark).await?;
+                let failed =
+                    join_then_aggregate(&self.tables, chain, inputs.clone(), watermark).await?;
                 return Ok(QueryOutput {
                     batches: Vec::new(),
                     failed,
@@ -1782,7 +1808,7 @@ mod tests {
                 .await
                 .unwrap()
                 .execute_read(
-                    &BTreeMap::from([("t".to_string(), chunks)]),
+                    BTreeMap::from([("t".to_string(), chunks)]),
                     BatchWatermark::default(),
                 )
                 .await

@@ -520,8 +520,20 @@ impl FirstRows {
     }
 
     /// `batches` (of pairs seen) with only those still among the first `limit` of their
-    /// group, in order, in one batch (none if none is): the SQL above runs its window function
-    /// per batch and per key, which costs for every batch.
+    /// group, in order; a batch all of whose pairs are still among them is kept as it is.
+    ///
+    /// # Errors
+    /// If their columns cannot be compared, or filtered.
+    pub(crate) fn filter_each(&self, batches: Vec<RecordBatch>) -> Result<Vec<RecordBatch>> {
+        let mut kept = Vec::with_capacity(batches.len());
+        for batch in batches {
+            kept.extend(self.filter(batch)?);
+        }
+        Ok(kept)
+    }
+
+    /// [`FirstRows::filter_each`], in one batch (none if no pair is kept): the SQL above runs
+    /// its window function per batch and per key, which costs for every batch.
     ///
     /// # Errors
     /// If their columns cannot be compared, filtered or concatenated.
@@ -529,10 +541,7 @@ impl FirstRows {
         let Some(schema) = batches.first().map(RecordBatch::schema) else {
             return Ok(batches);
         };
-        let mut kept = Vec::with_capacity(batches.len());
-        for batch in batches {
-            kept.extend(self.filter(batch)?);
-        }
+        let kept = self.filter_each(batches)?;
         Ok(match kept.len() {
             0 | 1 => kept,
             _ => vec![concat_batches(&schema, &kept)?],
