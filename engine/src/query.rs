@@ -855,6 +855,14 @@ impl StreamingQuery {
         self.stateful.as_ref().map(StatefulOperator::state_size)
     }
 
+    /// The join of two streams the query runs, if it runs one.
+    #[cfg(test)]
+    pub(crate) fn stream_join(&self) -> Option<&crate::operators::join::StreamJoin> {
+        self.stateful
+            .as_ref()
+            .and_then(StatefulOperator::stream_join)
+    }
+
     /// The rows a join of streams keeps (both sides'), to check what they hold.
     #[cfg(test)]
     pub(crate) fn join_rows(&self) -> Vec<RecordBatch> {

@@ -259,6 +259,34 @@ pub(crate) struct TopPerKey {
     order_by: Vec<(usize, SortOptions)>,
 }
 
+impl TopPerKey {
+    /// The joined columns the ranking reads (partition, then order columns), each once.
+    pub(crate) fn columns(&self) -> Vec<usize> {
+        let mut columns = Vec::new();
+        for i in self
+            .partition_by
+            .iter()
+            .chain(self.order_by.iter().map(|(i, _)| i))
+        {
+            if !columns.contains(i) {
+                columns.push(*i);
+            }
+        }
+        columns
+    }
+
+    /// The same ranking over rows holding only [`TopPerKey::columns`], in that order.
+    pub(crate) fn over_its_columns(&self) -> TopPerKey {
+        let columns = self.columns();
+        let at = |i: &usize| columns.iter().position(|c| c == i).unwrap_or(*i);
+        TopPerKey {
+            limit: self.limit,
+            partition_by: self.partition_by.iter().map(at).collect(),
+            order_by: self.order_by.iter().map(|(i, o)| (at(i), *o)).collect(),
+        }
+    }
+}
+
 /// The first rows per key the SQL above a join keeps, where pruning the pairs to them changes
 /// nothing it writes, and where it fails only which of a failing key's pairs are its dead
 /// letters (see the module doc): `upper` reads the pairs from `joined_table`, once, through a

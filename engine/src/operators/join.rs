@@ -86,7 +86,7 @@ use datafusion::prelude::SessionContext;
 use futures::StreamExt;
 
 use super::aggregate::StateSize;
-use super::closing::{ClosedPairs, FirstRows, HeldPairs, closing_key, top_per_key};
+use super::closing::{ClosedPairs, FirstRows, HeldPairs, TopPerKey, closing_key, top_per_key};
 use super::state_store::{StateLog, StateWrite};
 use super::{
     FailedRow, QueryOutput, is_data_error, merge_small_batches, reads_stream, single_source,
@@ -291,6 +291,40 @@ impl Side {
     }
 }
 
+/// The rows of `side` among `batches` whose ids are `ids`, in that order, in one batch.
+///
+/// # Errors
+/// If an id is not among the rows (not expected), or the rows cannot be gathered.
+fn rows_by_id(batches: &[RecordBatch], side: &Side, ids: &[u64]) -> Result<RecordBatch> {
+    if ids.is_empty() {
+        return Ok(RecordBatch::new_empty(Arc::clone(&side.schema)));
+    }
+    // Where each id is: (batch, row); found in one pass over the ids column.
+    let mut at: hashbrown::HashMap<u64, Option<(usize, usize)>> =
+        ids.iter().map(|&id| (id, None)).collect();
+    for (b, batch) in batches.iter().enumerate() {
+        let column = batch.column(side.id_index()).as_primitive::<UInt64Type>();
+        for (r, id) in column.values().iter().enumerate() {
+            if let Some(slot) = at.get_mut(id) {
+                *slot = Some((b, r));
+            }
+        }
+    }
+    let indices = ids
+        .iter()
+        .map(|id| {
+            at.get(id).copied().flatten().ok_or_else(|| {
+                Error::InvalidJob(format!(
+                    "a pair's {} row (id {id}) is not among the join's rows",
+                    side.name
+                ))
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let batches: Vec<&RecordBatch> = batches.iter().collect();
+    Ok(arrow::compute::interleave_record_batch(&batches, &indices)?)
+}
+
 /// A join of two streams, its state, and what runs above it.
 pub(crate) struct StreamJoin {
     /// The join as written, for messages.
@@ -313,9 +347,25 @@ pub(crate) struct StreamJoin {
     /// Where the SQL above groups or partitions by one side's key: the pairs held until their
     /// row of that side leaves (see `operators/closing.rs`).
     closing: Option<HeldPairs>,
+    /// Where that SQL keeps only the first rows per key: the pairs as they are ranked.
+    ranked_pairs: Option<RankedPairs>,
     log: Option<StateLog>,
     /// The whole query as it runs: optimised, with the bounds `state_ttl` added.
     plan: LogicalPlan,
+}
+
+/// A join's pairs where the SQL above keeps only the first rows per key (Nexmark q9's highest
+/// bid per auction): the pairs' plans yield only the columns the ranking reads and the two
+/// rows' ids, and a pair's other columns are gathered from its two rows once it is among the
+/// first. Yielded whole, every pair the join makes carried a copy of both rows' columns (q9:
+/// an auction's text with each of its bids), and so did the join's build side.
+struct RankedPairs {
+    /// As [`StreamJoin::pairs`], narrowed.
+    plans: [LogicalPlan; 2],
+    /// The ranking over the narrowed pairs' columns.
+    top: TopPerKey,
+    /// The pairs widened: the join's columns, then the two rows' ids.
+    wide: SchemaRef,
 }
 
 impl std::fmt::Debug for StreamJoin {
@@ -823,7 +873,7 @@ pub(crate) fn plan_stream_join(
             "__sluice_{side}_row"
         ))));
     }
-    let pairs = |l: LogicalPlan, r: LogicalPlan| -> Result<LogicalPlan> {
+    let pairs_of = |columns: &[Expr], l: LogicalPlan, r: LogicalPlan| -> Result<LogicalPlan> {
         let inner = Join::try_new(
             Arc::new(l),
             Arc::new(r),
@@ -835,17 +885,24 @@ pub(crate) fn plan_stream_join(
             join.null_aware,
         )?;
         Ok(LogicalPlanBuilder::from(LogicalPlan::Join(inner))
-            .project(pair_columns.clone())?
+            .project(columns.to_vec())?
             .build()?)
     };
-    let new_left_with_right = pairs(
-        stand_in(&left, &left.new_rows, "__sluice_left_new")?,
-        stand_in(&right, &right.probed, "__sluice_right_all")?,
-    )?;
-    let left_state_with_new_right = pairs(
-        stand_in(&left, &left.probed, "__sluice_left_state")?,
-        stand_in(&right, &right.new_rows, "__sluice_right_new")?,
-    )?;
+    // New left ⋈ (right state + new right), left state ⋈ new right.
+    let pairs = |columns: &[Expr]| -> Result<[LogicalPlan; 2]> {
+        Ok([
+            pairs_of(
+                columns,
+                stand_in(&left, &left.new_rows, "__sluice_left_new")?,
+                stand_in(&right, &right.probed, "__sluice_right_all")?,
+            )?,
+            pairs_of(
+                columns,
+                stand_in(&left, &left.probed, "__sluice_left_state")?,
+                stand_in(&right, &right.new_rows, "__sluice_right_new")?,
+            )?,
+        ])
+    };
 
     // The upper part reads the pairs from a table with the join's columns.
     let joined_schema = Arc::new(Schema::new(
@@ -917,6 +974,38 @@ pub(crate) fn plan_stream_join(
         }
     };
 
+    // With first rows per key, the pairs' plans narrowed to the ranking's columns and the ids.
+    let ranked_pairs = match closing.as_ref().and_then(HeldPairs::top) {
+        None => None,
+        Some(top) => {
+            let (join_columns, ids) = pair_columns.split_at(pair_columns.len() - 2);
+            let columns: Vec<Expr> = top
+                .columns()
+                .iter()
+                .map(|&i| join_columns[i].clone())
+                .chain(ids.iter().cloned())
+                .collect();
+            let mut wide: Vec<Field> = joined_schema
+                .fields()
+                .iter()
+                .map(|f| f.as_ref().clone())
+                .collect();
+            for side in ["left", "right"] {
+                wide.push(Field::new(
+                    format!("__sluice_{side}_row"),
+                    DataType::UInt64,
+                    true,
+                ));
+            }
+            Some(RankedPairs {
+                plans: pairs(&columns)?,
+                top: top.over_its_columns(),
+                wide: Arc::new(Schema::new(wide)),
+            })
+        }
+    };
+
+    let pairs = pairs(&pair_columns)?;
     let mut state_fields = vec![Field::new(SIDE, DataType::UInt8, false)];
     for (prefix, side) in [("l", &left), ("r", &right)] {
         for (i, f) in side.schema.fields().iter().enumerate() {
@@ -939,7 +1028,7 @@ pub(crate) fn plan_stream_join(
         display,
         condition,
         sides: [left, right],
-        pairs: [new_left_with_right, left_state_with_new_right],
+        pairs,
         upper,
         joined,
         joined_schema,
@@ -947,6 +1036,7 @@ pub(crate) fn plan_stream_join(
         state_schema: Arc::new(Schema::new(state_fields)),
         changes: Vec::new(),
         closing,
+        ranked_pairs,
         log: None,
         plan: optimized,
     })
@@ -1324,32 +1414,41 @@ impl StreamJoin {
     /// matched, each once (a set would do, but a list keeps the state files' order the same
     /// between runs); and the error a plan failed with, if one did (then the pairs are
     /// incomplete, and only the error is used). With first rows per key (see
-    /// `operators/closing.rs`), each pair is ranked against those before it as it comes and let
-    /// go if outranked — its match still counts — so no batch holds all its pairs.
+    /// `operators/closing.rs`), the narrowed plans' pairs are ranked against those before them
+    /// as they come and let go if outranked — their match still counts — and only those kept
+    /// are widened to all the join's columns: no batch holds all its pairs, nor a copy of the
+    /// rows' columns for each.
     ///
     /// # Errors
-    /// If pairs cannot be ranked (their columns compared, filtered or concatenated).
+    /// If pairs cannot be ranked (their columns compared, filtered or concatenated), or
+    /// widened.
     async fn joined_pairs(
         &self,
         ctx: &SessionContext,
     ) -> Result<(Vec<RecordBatch>, [Vec<u64>; 2], Option<DataFusionError>)> {
-        let width = self.joined_schema.fields().len();
-        let top = self.closing.as_ref().and_then(|held| {
-            let c = held.key().side;
-            Some((held.top()?, c))
-        });
-        let mut ranked = match (top, self.pairs.first()) {
-            (Some((top, c)), Some(plan)) => {
-                Some(FirstRows::new(top, plan.schema().as_arrow(), width + c)?)
-            }
+        let ranking = match (&self.ranked_pairs, &self.closing) {
+            (Some(ranked), Some(held)) => Some((ranked, held.key().side)),
             _ => None,
+        };
+        // The plans, and where each pair's two ids are.
+        let (plans, ids_at) = match ranking {
+            Some((ranked, _)) => (&ranked.plans, ranked.top.columns().len()),
+            None => (&self.pairs, self.joined_schema.fields().len()),
+        };
+        let mut ranked = match ranking {
+            Some((pairs, c)) => Some(FirstRows::new(
+                &pairs.top,
+                pairs.plans[0].schema().as_arrow(),
+                ids_at + c,
+            )?),
+            None => None,
         };
         let mut pairs: Vec<RecordBatch> = Vec::new();
         // The pairs' rows after the last time all were ranked again, and since.
         let (mut kept_rows, mut since) = (0, 0);
         let mut matched_ids: [Vec<u64>; 2] = [Vec::new(), Vec::new()];
         let mut matched_seen: [HashSet<u64>; 2] = [HashSet::new(), HashSet::new()];
-        for plan in &self.pairs {
+        for plan in plans {
             let stream = match ctx.execute_logical_plan(plan.clone()).await {
                 Ok(df) => df.execute_stream().await,
                 Err(e) => Err(e),
@@ -1365,7 +1464,7 @@ impl StreamJoin {
                 };
                 for (s, side) in self.sides.iter().enumerate() {
                     if side.preserved {
-                        let ids = pair.column(width + s).as_primitive::<UInt64Type>();
+                        let ids = pair.column(ids_at + s).as_primitive::<UInt64Type>();
                         for &id in ids.values() {
                             if matched_seen[s].insert(id) {
                                 matched_ids[s].push(id);
@@ -1383,9 +1482,7 @@ impl StreamJoin {
                     since += kept.num_rows();
                     pairs.push(kept);
                 }
-                // Pairs kept as they came but outranked since: let go once they add up (not
-                // put in one batch yet: the copy would be held beside them, with the join's
-                // build side and the read, at the batch's peak).
+                // Pairs kept as they came but outranked since: let go once they add up.
                 if since >= kept_rows.max(RANK_AGAIN_AFTER) {
                     pairs = ranked.filter_each(pairs)?;
                     kept_rows = pairs.iter().map(RecordBatch::num_rows).sum();
@@ -1393,10 +1490,46 @@ impl StreamJoin {
                 }
             }
         }
-        if let Some(ranked) = &ranked {
-            pairs = ranked.filter_all(pairs)?;
+        if let (Some(ranked), Some((ranked_pairs, _))) = (&ranked, ranking) {
+            let first = ranked.filter_all(pairs)?;
+            pairs = Vec::with_capacity(first.len());
+            for narrow in first {
+                pairs.push(self.widen(&narrow, ids_at, &ranked_pairs.wide).await?);
+            }
         }
         Ok((pairs, matched_ids, None))
+    }
+
+    /// Narrowed pairs (the ranking's columns, then the two rows' ids at `ids_at`) with all
+    /// the join's columns, gathered from their two rows in the stand-in tables (still filled):
+    /// the pairs the whole plans yield, in `wide`'s schema.
+    ///
+    /// # Errors
+    /// If a pair's row is not among its side's rows (not expected), or the rows cannot be
+    /// gathered.
+    async fn widen(
+        &self,
+        narrow: &RecordBatch,
+        ids_at: usize,
+        wide: &SchemaRef,
+    ) -> Result<RecordBatch> {
+        let [left, right] = &self.sides;
+        // Every left row is new or kept; the right side's probed table holds both.
+        let mut left_rows = left.probed.batches[0].read().await.clone();
+        left_rows.extend(left.new_rows.batches[0].read().await.iter().cloned());
+        let right_rows = right.probed.batches[0].read().await.clone();
+        let mut columns = Vec::with_capacity(wide.fields().len());
+        for (s, (side, rows)) in [(left, &left_rows), (right, &right_rows)]
+            .into_iter()
+            .enumerate()
+        {
+            let ids = narrow.column(ids_at + s).as_primitive::<UInt64Type>();
+            let gathered = rows_by_id(rows, side, ids.values())?;
+            columns.extend_from_slice(&gathered.columns()[..side.id_index()]);
+        }
+        columns.push(Arc::clone(narrow.column(ids_at)));
+        columns.push(Arc::clone(narrow.column(ids_at + 1)));
+        Ok(RecordBatch::try_new(Arc::clone(wide), columns)?)
     }
 
     /// The upper part over closed pairs, one run for all keys; if it fails on values, the keys
@@ -2928,6 +3061,48 @@ mod tests {
         }
         // 150 pairs held without pruning, 2 with: the sides' rows are the same.
         assert_eq!(held[1] - held[0], 148, "{held:?}");
+    }
+
+    /// With first rows per key, the join yields only the columns the ranking reads and the
+    /// two rows' ids (a pair's other columns are gathered once it is kept: the proptest above
+    /// checks what is written); otherwise every column.
+    #[tokio::test]
+    async fn first_rows_pairs_are_yielded_with_the_ranking_columns_only() {
+        let sources = [("l".to_string(), schema()), ("r".to_string(), schema())];
+        // Partitioned by l.k, ordered by r.ts; `ro` is written but not ranked.
+        let sql = TOP_PER_KEY[1].0;
+        let query = StreamingQuery::plan(sql, &sources, &settings(false))
+            .await
+            .unwrap();
+        let join = query.stream_join().unwrap();
+        let ranked = join.ranked_pairs.as_ref().unwrap();
+        let width = join.joined_schema.fields().len();
+        assert!(width > 4, "{width}");
+        for plan in ranked.plans.iter() {
+            let names: Vec<&str> = plan
+                .schema()
+                .fields()
+                .iter()
+                .map(|f| f.name().as_str())
+                .collect();
+            assert_eq!(
+                names,
+                ["k", "ts", "__sluice_left_row", "__sluice_right_row"]
+            );
+        }
+        assert_eq!(ranked.wide.fields().len(), width + 2);
+        // Every pair beside another window function: nothing ranked, every column.
+        let all = "SELECT l.k, count(*) OVER (PARTITION BY l.k) AS n FROM l JOIN r \
+                   ON l.k = r.k AND r.ts BETWEEN l.ts AND l.until";
+        let query = StreamingQuery::plan(all, &sources, &settings(false))
+            .await
+            .unwrap();
+        let join = query.stream_join().unwrap();
+        assert!(join.ranked_pairs.is_none());
+        assert_eq!(
+            join.pairs[0].schema().fields().len(),
+            join.joined_schema.fields().len() + 2
+        );
     }
 
     /// A key whose pairs the SQL above fails on (by their values) is found by halving over
