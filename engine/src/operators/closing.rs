@@ -275,15 +275,20 @@ impl TopPerKey {
         columns
     }
 
-    /// The same ranking over rows holding only [`TopPerKey::columns`], in that order.
-    pub(crate) fn over_its_columns(&self) -> TopPerKey {
+    /// The same ranking over rows holding only [`TopPerKey::columns`], in that order (`None`
+    /// only if a column it ranks by were not among them).
+    pub(crate) fn over_its_columns(&self) -> Option<TopPerKey> {
         let columns = self.columns();
-        let at = |i: &usize| columns.iter().position(|c| c == i).unwrap_or(*i);
-        TopPerKey {
+        let at = |i: &usize| columns.iter().position(|c| c == i);
+        Some(TopPerKey {
             limit: self.limit,
-            partition_by: self.partition_by.iter().map(at).collect(),
-            order_by: self.order_by.iter().map(|(i, o)| (at(i), *o)).collect(),
-        }
+            partition_by: self.partition_by.iter().map(at).collect::<Option<_>>()?,
+            order_by: self
+                .order_by
+                .iter()
+                .map(|(i, o)| Some((at(i)?, *o)))
+                .collect::<Option<_>>()?,
+        })
     }
 }
 
@@ -432,8 +437,8 @@ pub(crate) struct FirstRows {
 }
 
 impl FirstRows {
-    /// Ranks pairs of `schema` (the joined columns first, the id of each pair's closing-side
-    /// row in column `id`) by `top`.
+    /// Ranks pairs of `schema` (the columns `top` ranks by where it says, the id of each
+    /// pair's closing-side row in column `id`) by `top`.
     ///
     /// # Errors
     /// If the columns cannot be compared (not expected of columns a window ordered by).

@@ -310,18 +310,27 @@ fn rows_by_id(batches: &[RecordBatch], side: &Side, ids: &[u64]) -> Result<Recor
             }
         }
     }
-    let indices = ids
-        .iter()
-        .map(|id| {
-            at.get(id).copied().flatten().ok_or_else(|| {
-                Error::InvalidJob(format!(
-                    "a pair's {} row (id {id}) is not among the join's rows",
-                    side.name
-                ))
-            })
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let batches: Vec<&RecordBatch> = batches.iter().collect();
+    // Only the batches the rows are in are gathered from: `interleave` reads (for dictionaries,
+    // merges) every batch it is given.
+    let mut used: Vec<usize> = Vec::new();
+    let mut indices = Vec::with_capacity(ids.len());
+    for id in ids {
+        let (b, r) = at.get(id).copied().flatten().ok_or_else(|| {
+            Error::InvalidJob(format!(
+                "a pair's {} row (id {id}) is not among the join's rows",
+                side.name
+            ))
+        })?;
+        let u = match used.iter().position(|&u| u == b) {
+            Some(u) => u,
+            None => {
+                used.push(b);
+                used.len() - 1
+            }
+        };
+        indices.push((u, r));
+    }
+    let batches: Vec<&RecordBatch> = used.iter().map(|&b| &batches[b]).collect();
     Ok(arrow::compute::interleave_record_batch(&batches, &indices)?)
 }
 
@@ -975,9 +984,13 @@ pub(crate) fn plan_stream_join(
     };
 
     // With first rows per key, the pairs' plans narrowed to the ranking's columns and the ids.
-    let ranked_pairs = match closing.as_ref().and_then(HeldPairs::top) {
+    let ranking = closing
+        .as_ref()
+        .and_then(HeldPairs::top)
+        .and_then(|top| Some((top, top.over_its_columns()?)));
+    let ranked_pairs = match ranking {
         None => None,
-        Some(top) => {
+        Some((top, narrow_top)) => {
             let (join_columns, ids) = pair_columns.split_at(pair_columns.len() - 2);
             let columns: Vec<Expr> = top
                 .columns()
@@ -999,7 +1012,7 @@ pub(crate) fn plan_stream_join(
             }
             Some(RankedPairs {
                 plans: pairs(&columns)?,
-                top: top.over_its_columns(),
+                top: narrow_top,
                 wide: Arc::new(Schema::new(wide)),
             })
         }
@@ -1413,7 +1426,8 @@ impl StreamJoin {
     /// pair's columns, then the ids of both its rows; the ids of the preserved sides' rows that
     /// matched, each once (a set would do, but a list keeps the state files' order the same
     /// between runs); and the error a plan failed with, if one did (then the pairs are
-    /// incomplete, and only the error is used). With first rows per key (see
+    /// incomplete — with first rows per key, not widened — and only the error is used). With
+    /// first rows per key (see
     /// `operators/closing.rs`), the narrowed plans' pairs are ranked against those before them
     /// as they come and let go if outranked — their match still counts — and only those kept
     /// are widened to all the join's columns: no batch holds all its pairs, nor a copy of the
@@ -1436,9 +1450,9 @@ impl StreamJoin {
             None => (&self.pairs, self.joined_schema.fields().len()),
         };
         let mut ranked = match ranking {
-            Some((pairs, c)) => Some(FirstRows::new(
-                &pairs.top,
-                pairs.plans[0].schema().as_arrow(),
+            Some((ranked_pairs, c)) => Some(FirstRows::new(
+                &ranked_pairs.top,
+                ranked_pairs.plans[0].schema().as_arrow(),
                 ids_at + c,
             )?),
             None => None,
@@ -2784,8 +2798,8 @@ mod tests {
             },
         ),
         (
-            "SELECT k, ro FROM (SELECT l.k, r._source_offset AS ro, RANK() OVER \
-             (PARTITION BY l.k ORDER BY r.ts DESC) AS rn FROM r JOIN l \
+            "SELECT k, ro, lo FROM (SELECT l.k, r._source_offset AS ro, l._source_offset AS lo, \
+             RANK() OVER (PARTITION BY l.k ORDER BY r.ts DESC) AS rn FROM r JOIN l \
              ON l.k = r.k AND r.ts BETWEEN l.ts AND l.until) WHERE rn < 3",
             |pairs| {
                 let better = |ts: i64| pairs.iter().filter(|p| p.1 > ts).count();
@@ -2842,13 +2856,19 @@ mod tests {
         for b in &streamed.outputs {
             let keys = b.column(0).as_string::<i32>();
             let ro = b.column(1).as_primitive::<Int64Type>();
+            // A left column the ranking does not read, where written: the key's own offset.
+            let lo = (b.num_columns() > 2).then(|| b.column(2).as_primitive::<Int64Type>());
             for i in 0..b.num_rows() {
                 let ro = if arrow::array::Array::is_valid(ro, i) {
                     ro.value(i)
                 } else {
                     -1
                 };
-                out.push((keys.value(i)[1..].parse().unwrap(), ro));
+                let key: i64 = keys.value(i)[1..].parse().unwrap();
+                if let Some(lo) = lo {
+                    assert_eq!(lo.value(i), key, "{sql}");
+                }
+                out.push((key, ro));
             }
         }
         out.sort_unstable();
@@ -2874,6 +2894,46 @@ mod tests {
                 prop_assert_eq!(&out, &expected, "{}", query.0);
             }
         }
+    }
+
+    /// A self-join keeping the first row per key: its pairs are widened from each side's own
+    /// rows (a pair's two rows have ids of their own sides).
+    #[tokio::test]
+    async fn a_self_join_keeps_its_first_rows_per_key() {
+        let sql = "SELECT ao, bo, au FROM (SELECT a._source_offset AS ao, b._source_offset AS bo, \
+                   a.until AS au, ROW_NUMBER() OVER (PARTITION BY a.k ORDER BY b.ts DESC, \
+                   a._source_offset) AS rn FROM l a JOIN l b \
+                   ON a.k = b.k AND b.ts BETWEEN a.ts AND a.until) WHERE rn <= 1";
+        let sources = [("l".to_string(), schema())];
+        let mut query = StreamingQuery::plan(sql, &sources, &settings(false))
+            .await
+            .unwrap();
+        assert!(query.stream_join().unwrap().ranked_pairs.is_some());
+        // Pairs (0, 0), (0, 1), (1, 1), (2, 2); k0's rows both close in this batch: (0, 1)
+        // ranks first (the latest b, then the first a); k1's one pair.
+        let rows = [
+            (10, "k0".to_string(), 30),
+            (20, "k0".to_string(), 30),
+            (15, "k1".to_string(), 35),
+        ];
+        let inputs = BTreeMap::from([("l".to_string(), keyed_batch(&rows, 0))]);
+        let watermark = BatchWatermark {
+            before: None,
+            after: Some(40 * SECOND),
+        };
+        let out = query.execute_isolating(&inputs, watermark).await.unwrap();
+        assert!(out.failed.is_empty());
+        let mut written = Vec::new();
+        for batch in &out.batches {
+            let column = |i: usize| batch.column(i).as_primitive::<Int64Type>().clone();
+            let (ao, bo) = (column(0), column(1));
+            let au = batch.column(2).as_primitive::<TimestampMicrosecondType>();
+            for i in 0..batch.num_rows() {
+                written.push((ao.value(i), bo.value(i), au.value(i) / SECOND));
+            }
+        }
+        written.sort_unstable();
+        assert_eq!(written, [(0, 1, 30), (2, 2, 35)]);
     }
 
     /// A self-join leaves a late row out of both sides (its read is taken once for both),
