@@ -313,6 +313,8 @@ fn rows_by_id(batches: &[RecordBatch], side: &Side, ids: &[u64]) -> Result<Recor
     // Only the batches the rows are in are gathered from: `interleave` reads (for dictionaries,
     // merges) every batch it is given.
     let mut used: Vec<usize> = Vec::new();
+    // Each batch's place among those used, once used.
+    let mut place: Vec<Option<usize>> = vec![None; batches.len()];
     let mut indices = Vec::with_capacity(ids.len());
     for id in ids {
         let (b, r) = at.get(id).copied().flatten().ok_or_else(|| {
@@ -321,13 +323,10 @@ fn rows_by_id(batches: &[RecordBatch], side: &Side, ids: &[u64]) -> Result<Recor
                 side.name
             ))
         })?;
-        let u = match used.iter().position(|&u| u == b) {
-            Some(u) => u,
-            None => {
-                used.push(b);
-                used.len() - 1
-            }
-        };
+        let u = *place[b].get_or_insert_with(|| {
+            used.push(b);
+            used.len() - 1
+        });
         indices.push((u, r));
     }
     let batches: Vec<&RecordBatch> = used.iter().map(|&b| &batches[b]).collect();
