@@ -1310,7 +1310,7 @@ impl SourceTables {
                     Err(e) if !is_data_error(&e) => return Err(e),
                     Err(e) if len == 1 => out.failed.push(FailedRow {
                         source: name.clone(),
-                        row: slice_rows(rows, offset, 1).remove(0),
+                        row: row_copy(rows, offset)?,
                         error: e.to_string(),
                     }),
                     Err(_) => {
@@ -1336,6 +1336,19 @@ fn one_batch_each(inputs: &BTreeMap<String, RecordBatch>) -> SourceInputs {
         .iter()
         .map(|(name, rows)| (name.clone(), vec![rows.clone()]))
         .collect()
+}
+
+/// Row `offset` of `batches` taken as one sequence, copied into a batch of its own: a failed
+/// row held as a slice would hold its whole chunk of the read (every column) until the batch's
+/// dead letters are written — through a join, after the read is let go.
+fn row_copy(batches: &[RecordBatch], offset: usize) -> Result<RecordBatch> {
+    let row = slice_rows(batches, offset, 1)
+        .pop()
+        .ok_or_else(|| Error::InvalidJob(format!("no row {offset} in the read")))?;
+    Ok(arrow::compute::take_record_batch(
+        &row,
+        &arrow::array::UInt32Array::from(vec![0u32]),
+    )?)
 }
 
 /// The rows of `batches`.

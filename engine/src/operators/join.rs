@@ -3085,6 +3085,50 @@ mod tests {
         );
     }
 
+    /// A row a side's plan fails on is a dead letter holding only itself, not its chunk of the
+    /// read (which the join has let go of).
+    #[tokio::test]
+    async fn a_sides_dead_letter_does_not_hold_its_chunk() {
+        let sql = "SELECT l.ts, r.k FROM l JOIN r ON CAST(substr(l.k, 2) AS BIGINT) = \
+                   CAST(substr(r.k, 2) AS BIGINT) AND l.ts BETWEEN r.ts AND r.until";
+        let sources = [("l".to_string(), schema()), ("r".to_string(), schema())];
+        let mut query = StreamingQuery::plan(sql, &sources, &settings(false))
+            .await
+            .unwrap();
+        // 2 000 left rows, one of whose keys does not cast.
+        let left: Vec<(i64, String, i64)> = (0..2_000)
+            .map(|i| {
+                (
+                    10,
+                    if i == 700 {
+                        "kx".into()
+                    } else {
+                        format!("k{i}")
+                    },
+                    20,
+                )
+            })
+            .collect();
+        let chunk = keyed_batch(&left, 0);
+        let inputs = BTreeMap::from([
+            ("l".to_string(), vec![chunk.clone()]),
+            ("r".to_string(), vec![batch(&[(5, 1)], 0)]),
+        ]);
+        let out = query
+            .execute_read(inputs, BatchWatermark::default())
+            .await
+            .unwrap();
+        let [failed] = out.failed.as_slice() else {
+            panic!("{:?}", out.failed);
+        };
+        use crate::memory::held_bytes;
+        let (row, whole) = (held_bytes([&failed.row]), held_bytes([&chunk]));
+        assert!(
+            row * 20 < whole,
+            "the dead letter holds {row} of its chunk's {whole} bytes"
+        );
+    }
+
     /// With first rows per key, a key's held pairs are its first rows only; the same ranking
     /// beside another window function over the pairs holds every pair.
     #[tokio::test]
