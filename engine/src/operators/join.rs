@@ -1439,22 +1439,22 @@ impl StreamJoin {
         &self,
         ctx: &SessionContext,
     ) -> Result<(Vec<RecordBatch>, [Vec<u64>; 2], Option<DataFusionError>)> {
-        let ranking = match (&self.ranked_pairs, &self.closing) {
-            (Some(ranked), Some(held)) => Some((ranked, held.key().side)),
+        // With first rows per key: the pairs ranked as they come, and their narrowed plans.
+        let mut ranked = match (&self.ranked_pairs, &self.closing) {
+            (Some(ranked_pairs), Some(held)) => Some((
+                FirstRows::new(
+                    &ranked_pairs.top,
+                    ranked_pairs.plans[0].schema().as_arrow(),
+                    ranked_pairs.top.columns().len() + held.key().side,
+                )?,
+                ranked_pairs,
+            )),
             _ => None,
         };
         // The plans, and where each pair's two ids are.
-        let (plans, ids_at) = match ranking {
-            Some((ranked, _)) => (&ranked.plans, ranked.top.columns().len()),
+        let (plans, ids_at) = match ranked.as_ref().map(|(_, ranked_pairs)| *ranked_pairs) {
+            Some(ranked_pairs) => (&ranked_pairs.plans, ranked_pairs.top.columns().len()),
             None => (&self.pairs, self.joined_schema.fields().len()),
-        };
-        let mut ranked = match ranking {
-            Some((ranked_pairs, c)) => Some(FirstRows::new(
-                &ranked_pairs.top,
-                ranked_pairs.plans[0].schema().as_arrow(),
-                ids_at + c,
-            )?),
-            None => None,
         };
         let mut pairs: Vec<RecordBatch> = Vec::new();
         // The pairs' rows after the last time all were ranked again, and since.
@@ -1485,7 +1485,7 @@ impl StreamJoin {
                         }
                     }
                 }
-                let Some(ranked) = &mut ranked else {
+                let Some((ranked, _)) = &mut ranked else {
                     if pair.num_rows() > 0 {
                         pairs.push(pair);
                     }
@@ -1503,7 +1503,7 @@ impl StreamJoin {
                 }
             }
         }
-        if let (Some(ranked), Some((ranked_pairs, _))) = (&ranked, ranking) {
+        if let Some((ranked, ranked_pairs)) = &ranked {
             let first = ranked.filter_all(pairs)?;
             pairs = Vec::with_capacity(first.len());
             for narrow in first {
