@@ -565,9 +565,11 @@ fn state_base_write(c: &mut Criterion) {
             let mut log = StateLog::new(&checkpoint, next);
             next += 1;
             let rows = std::slice::from_ref(&state);
-            rt.block_on(log.write(BatchId(0), &schema, rows, GROUPS as u64, || {
-                Ok(rows.to_vec())
-            }))
+            rt.block_on(
+                log.write(BatchId(0), &schema, rows, None, GROUPS as u64, || {
+                    Ok(rows.to_vec())
+                }),
+            )
             .unwrap()
         })
     });

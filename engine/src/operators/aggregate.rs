@@ -152,6 +152,12 @@ pub(crate) struct StatefulAggregate {
     groups: GroupTable,
     /// This batch's partial rows: the state delta to write.
     changes: Vec<RecordBatch>,
+    /// The watermark the state was last purged under (by [`StatefulAggregate::emit`] or a
+    /// restore).
+    purged_under: Option<i64>,
+    /// `purged_under` when this batch's partial rows were merged in: written with the delta,
+    /// so a restore purges the files before it as the state was before merging it.
+    changes_purged_under: Option<i64>,
     /// The merged state rows of the groups this batch changed (not for sessions): what update
     /// mode emits.
     changed: Vec<RecordBatch>,
@@ -480,6 +486,8 @@ pub(crate) async fn plan_stateful(
             GroupTable::keyed(Arc::clone(&state_schema), group_count, purge_index)?
         },
         changes: Vec::new(),
+        purged_under: None,
+        changes_purged_under: None,
         changed: Vec::new(),
         upper,
         finished,
@@ -777,6 +785,7 @@ impl StatefulAggregate {
     /// whole state (O(state) a batch), as is an aggregate without group columns (one row).
     pub(crate) async fn accumulate(&mut self, partials: Vec<RecordBatch>) -> Result<()> {
         self.changed.clear();
+        self.changes_purged_under = self.purged_under;
         if partials.iter().all(|b| b.num_rows() == 0) {
             self.changes.clear();
             return Ok(());
@@ -916,19 +925,22 @@ impl StatefulAggregate {
                 let Some(watermark) = watermark else {
                     return Ok(QueryOutput::default());
                 };
-                self.groups.remove_below(self.purge_bound(watermark))?
+                self.purge(watermark)?
             }
             OutputMode::Update => {
                 let changed = std::mem::take(&mut self.changed);
                 if let Some(watermark) = watermark {
-                    self.groups.remove_below(self.purge_bound(watermark))?;
+                    self.purge(watermark)?;
                 }
                 changed
             }
         };
-        // The delta to write keeps only rows of live groups — except for sessions, where a
-        // closed one-row session may be part of a merged session still open.
+        // The delta to write keeps only rows of windows still open: a window's partial row
+        // leaves with its window. Not so for sessions (a closed one-row session may be part of
+        // a merged session still open) nor running groups (a partial row's newest event is
+        // not its group's: an old event merged into a fresh group stays counted).
         if let Some(watermark) = watermark
+            && let Grouping::Window { .. } = self.grouping
             && !self.is_session()
         {
             let changes = std::mem::take(&mut self.changes);
@@ -938,6 +950,12 @@ impl StatefulAggregate {
             return Ok(QueryOutput::default());
         }
         self.finish_isolating(ctx, emitted).await
+    }
+
+    /// Removes the groups `watermark` closes or expires from the state, and returns them.
+    fn purge(&mut self, watermark: i64) -> Result<Vec<RecordBatch>> {
+        self.purged_under = self.purged_under.max(Some(watermark));
+        self.groups.remove_below(self.purge_bound(watermark))
     }
 
     /// The end of a bounded run: every group in the state is finished and emitted, whatever
@@ -1167,24 +1185,32 @@ impl StatefulAggregate {
         }
     }
 
-    /// Restores the state from the files a committed manifest lists: merged, and without what
-    /// the restored `watermark` has closed or expired.
+    /// Restores the state from the files a committed manifest lists, replayed as they were
+    /// written: each delta merged into the state the files before it hold, purged under the
+    /// watermark the state had then ([`RestoredFile::purged_under`]); at the end, without
+    /// what the restored `watermark` has closed or expired.
+    ///
+    /// Merging every file at once would be the same for windows, which never reopen once
+    /// closed, but not for a running aggregate's key: expired by `state_ttl` and back later,
+    /// its rows from before it left (still in an older file) would be counted again.
+    ///
+    /// [`RestoredFile::purged_under`]: super::state_store::RestoredFile::purged_under
     pub(crate) async fn restore(
         &mut self,
         mut log: StateLog,
         files: &[String],
         watermark: Option<i64>,
     ) -> Result<()> {
-        let rows = log.restore(files).await?;
-        let state = if rows.is_empty() {
-            Vec::new()
-        } else {
-            let merged = self.operator.merge(rows).await?;
-            self.merge_sessions(merged).await?
-        };
-        self.groups.reset(state)?;
+        self.groups.reset(Vec::new())?;
+        self.purged_under = None;
+        for file in log.restore(files).await? {
+            if let Some(purged_under) = file.purged_under {
+                self.purge(purged_under)?;
+            }
+            self.accumulate(file.rows).await?;
+        }
         if let Some(watermark) = watermark {
-            self.groups.remove_below(self.purge_bound(watermark))?;
+            self.purge(watermark)?;
         }
         self.changes.clear();
         self.changed.clear();
@@ -1204,6 +1230,7 @@ impl StatefulAggregate {
             batch_id,
             &self.operator.state_schema(),
             &self.changes,
+            self.changes_purged_under,
             groups.live_rows() as u64,
             || groups.rows(),
         )
@@ -1573,6 +1600,35 @@ mod tests {
         }
     }
 
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+        /// A running aggregate whose keys expire and come back (a TTL far shorter than the gaps
+        /// between a key's events, events up to 20 s out of order): a restart after any batch
+        /// emits, batch by batch, what the run without one does.
+        #[test]
+        fn a_running_aggregate_with_a_short_ttl_restarts_where_it_was(
+            events in proptest::collection::vec((0..OUT_OF_ORDERNESS, 0..16u8, -40..40i64), 1..150),
+            cuts in proptest::collection::vec(0..150usize, 0..8),
+            restart_after in 0..8usize,
+        ) {
+            let (_, chunks) = arrange(&events, &cuts);
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let settings = QuerySettings {
+                output_mode: OutputMode::Update,
+                state_ttl: Some(Duration::from_secs(1)),
+                ..settings(Duration::ZERO)
+            };
+            let sql = "SELECT k, count(*) AS n, sum(n) AS total FROM t GROUP BY k";
+            let unbroken = rt.block_on(streamed_with(sql, &chunks, usize::MAX, &settings));
+            let restarted = rt.block_on(streamed_with(sql, &chunks, restart_after, &settings));
+            let emitted = |run: &StreamedRun| -> Vec<Vec<Vec<String>>> {
+                run.outputs.iter().map(|b| displayed(b)).collect()
+            };
+            prop_assert_eq!(emitted(&restarted), emitted(&unbroken));
+            prop_assert_eq!(restarted.state_rows, unbroken.state_rows);
+        }
+    }
+
     #[tokio::test]
     async fn a_running_aggregate_forgets_a_key_state_ttl_after_its_newest_event() {
         // Key 0 speaks at 0 s and 10 s, key 1 from 0 s to 200 s; a 60 s TTL.
@@ -1614,6 +1670,56 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(refused.contains("unless state_ttl is set"), "{refused}");
+    }
+
+    /// A restart after any batch leaves a running aggregate with `state_ttl` where it was: a
+    /// key that expired and came back counts from its return (its rows from before, still in
+    /// an older state file, stay gone), and an old event merged into a live key stays counted
+    /// (its partial row is older than the TTL allows, the key it joined is not).
+    #[tokio::test]
+    async fn a_restart_anywhere_keeps_a_running_aggregate_with_state_ttl_as_it_was() {
+        let at = |seconds: i64, key: u8| (BASE + seconds * SECOND, key, 1);
+        // A 60 s TTL; the watermark trails the newest event by 20 s.
+        let chunks: Vec<Vec<Event>> = vec![
+            vec![at(0, 0), at(0, 1)],
+            vec![at(100, 1)], // watermark 80 s: k0 (newest 0 s) expires
+            vec![at(110, 0)], // k0 is back: 1
+            vec![at(125, 1)],
+            vec![at(50, 1), at(130, 0), at(200, 2)], // watermark 180 s: k1 lives on (125 s)
+            vec![at(190, 0), at(190, 1)],
+        ];
+        let settings = QuerySettings {
+            output_mode: OutputMode::Update,
+            state_ttl: Some(Duration::from_secs(60)),
+            ..settings(Duration::ZERO)
+        };
+        let sql = "SELECT k, count(*) AS n FROM t GROUP BY k";
+        let unbroken = streamed_with(sql, &chunks, usize::MAX, &settings).await;
+        let counts = |run: &StreamedRun| -> Vec<Vec<Vec<String>>> {
+            run.outputs.iter().map(|b| displayed(b)).collect()
+        };
+        let k = |key: &str, n: &str| vec![key.to_string(), n.to_string()];
+        assert_eq!(
+            counts(&unbroken),
+            [
+                vec![k("k0", "1"), k("k1", "1")],
+                vec![k("k1", "2")],
+                vec![k("k0", "1")],
+                vec![k("k1", "3")],
+                vec![k("k0", "2"), k("k1", "4"), k("k2", "1")],
+                vec![k("k0", "3"), k("k1", "5")],
+                vec![],
+            ]
+        );
+        for restart_after in 0..chunks.len() {
+            let run = streamed_with(sql, &chunks, restart_after, &settings).await;
+            assert_eq!(
+                counts(&run),
+                counts(&unbroken),
+                "restarted after batch {restart_after}"
+            );
+            assert_eq!(run.state_rows, unbroken.state_rows);
+        }
     }
 
     #[tokio::test]

@@ -816,7 +816,7 @@ impl Deduplication {
     ) -> Result<()> {
         self.seen.clear();
         self.expiry.clear();
-        for batch in log.restore(files).await? {
+        for batch in log.restore(files).await?.into_iter().flat_map(|f| f.rows) {
             let keys: Vec<ArrayRef> = batch.columns()[..self.key_indices.len()].to_vec();
             let rows = self.converter.convert_columns(&keys)?;
             let times = batch
@@ -861,7 +861,9 @@ impl Deduplication {
             .as_mut()
             .ok_or_else(|| Error::InvalidJob("state written before it was restored".into()))?;
         let live = seen.len() as u64;
-        log.write(batch_id, state_schema, changes, live, || {
+        // A key's rows are not merged: a restore keeps its newest first event time (see
+        // `restore`), so no purge is replayed between files.
+        log.write(batch_id, state_schema, changes, None, live, || {
             state_rows(seen, converter, state_schema)
         })
         .await

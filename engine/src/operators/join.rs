@@ -1748,7 +1748,7 @@ impl StreamJoin {
         if let Some(held) = &mut self.closing {
             held.clear();
         }
-        for batch in log.restore(files).await? {
+        for batch in log.restore(files).await?.into_iter().flat_map(|f| f.rows) {
             if batch.num_columns() != self.state_schema.fields().len() {
                 return Err(Error::InvalidJob(format!(
                     "a state file of the join has {} columns, not the {} its sides have",
@@ -1846,7 +1846,8 @@ impl StreamJoin {
         let held = closing.as_ref().map_or(0, HeldPairs::num_rows);
         let live = (sides.iter().map(Side::num_rows).sum::<usize>() + held) as u64;
         let written = log
-            .write(batch_id, state_schema, changes, live, || {
+            // Rows are not merged (each is its own), so no purge is replayed between files.
+            .write(batch_id, state_schema, changes, None, live, || {
                 let mut full = Vec::new();
                 if let Some(held) = closing {
                     for rows in held.rows() {

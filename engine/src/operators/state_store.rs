@@ -8,7 +8,12 @@
 //! Writing the whole state every batch would cost O(state) per batch, however little changed.
 //! So the files are a **base** snapshot plus **deltas**: a delta holds only the batch's partial
 //! aggregate rows (its changes), and since partial states merge associatively, the state is
-//! `merge(base, delta₁, …, deltaₙ)` — minus the windows the watermark has closed since. When the
+//! `merge(base, delta₁, …, deltaₙ)` — minus the windows the watermark has closed since. A group
+//! that can leave and come back (a running aggregate's key, expired by `state_ttl`) must not be
+//! merged with its rows from before it left, which an older file still holds: so each delta
+//! records the watermark the state had been purged under when its changes were merged in
+//! ([`RestoredFile::purged_under`], a Parquet key-value entry), and a restore replays the files
+//! in order, purging under it before merging each. When the
 //! deltas together hold more rows than the live state (so a restart would read more than twice
 //! what is live), or there are [`MAX_DELTA_FILES`] of them, the batch writes a fresh base instead
 //! (compaction): files per manifest stay bounded however the state grows or shrinks.
@@ -34,6 +39,7 @@ use parquet::arrow::ArrowWriter;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use parquet::arrow::arrow_writer::{ArrowLeafColumn, compute_leaves};
 use parquet::basic::{Compression, ZstdLevel};
+use parquet::file::metadata::KeyValue;
 use parquet::file::properties::WriterProperties;
 use rayon::prelude::*;
 
@@ -59,6 +65,21 @@ pub struct StateWrite {
     pub bytes_written: u64,
     /// Whether this batch wrote a new base snapshot.
     pub compacted: bool,
+}
+
+/// The Parquet key-value entry of a delta file holding [`RestoredFile::purged_under`].
+const PURGED_UNDER: &str = "sluice.state.purged_under";
+
+/// The rows of one state file, as a restore reads them.
+#[derive(Debug)]
+pub struct RestoredFile {
+    /// Partial state rows, to be merged by the caller.
+    pub rows: Vec<RecordBatch>,
+    /// For a delta: the watermark the state had last been purged under when the delta's
+    /// changes were merged into it. The state the delta applies to is the files before it
+    /// purged under this. `None` for a base (the whole state as it was) and for a delta
+    /// written before this was recorded.
+    pub purged_under: Option<i64>,
 }
 
 /// At most this many delta files are live; the next batch with changes writes a base.
@@ -107,13 +128,13 @@ impl StateLog {
         self.store.url().to_string()
     }
 
-    /// Reads the files a committed manifest lists, oldest first. The rows are partial states to
-    /// be merged by the caller.
+    /// Reads the files a committed manifest lists, oldest first: the base, then the deltas in
+    /// the order they were written.
     ///
     /// # Errors
     /// If a listed file is missing or unreadable — the committed state is gone, which must not
     /// be papered over.
-    pub async fn restore(&mut self, names: &[String]) -> Result<Vec<RecordBatch>> {
+    pub async fn restore(&mut self, names: &[String]) -> Result<Vec<RestoredFile>> {
         self.base = None;
         self.deltas.clear();
         let mut all = Vec::new();
@@ -124,8 +145,25 @@ impl StateLog {
                     self.store.url()
                 ))
             })?;
-            let reader = ParquetRecordBatchReaderBuilder::try_new(bytes)?.build()?;
-            let batches = reader.collect::<std::result::Result<Vec<_>, _>>()?;
+            let reader = ParquetRecordBatchReaderBuilder::try_new(bytes)?;
+            let purged_under = reader
+                .metadata()
+                .file_metadata()
+                .key_value_metadata()
+                .and_then(|entries| entries.iter().find(|e| e.key == PURGED_UNDER))
+                .and_then(|e| e.value.as_deref())
+                .map(|value| {
+                    value.parse::<i64>().map_err(|_| {
+                        Error::InvalidJob(format!(
+                            "state file {}/{name}: {PURGED_UNDER} is not a timestamp: {value:?}",
+                            self.store.url()
+                        ))
+                    })
+                })
+                .transpose()?;
+            let batches = reader
+                .build()?
+                .collect::<std::result::Result<Vec<_>, _>>()?;
             let file = StateFile {
                 name: name.clone(),
                 rows: batches.iter().map(|b| b.num_rows() as u64).sum(),
@@ -135,7 +173,10 @@ impl StateLog {
             } else {
                 self.deltas.push(file);
             }
-            all.extend(batches);
+            all.push(RestoredFile {
+                rows: batches,
+                purged_under,
+            });
         }
         Ok(all)
     }
@@ -172,9 +213,11 @@ impl StateLog {
         Ok(())
     }
 
-    /// Records batch `batch_id`'s state: its `changes` as a delta, or — when the deltas would
-    /// outweigh the `live_rows` of the state, or [`MAX_DELTA_FILES`] are live — the `full`
-    /// state as a new base (`full` is only called then: gathering the whole state is O(state)).
+    /// Records batch `batch_id`'s state: its `changes` as a delta (with the watermark the state
+    /// had been `purged_under` when they were merged in, see [`RestoredFile::purged_under`]),
+    /// or — when the deltas would outweigh the `live_rows` of the state, or
+    /// [`MAX_DELTA_FILES`] are live — the `full` state as a new base (`full` is only called
+    /// then: gathering the whole state is O(state)).
     ///
     /// # Errors
     /// If a file cannot be written, or `full` fails.
@@ -183,6 +226,7 @@ impl StateLog {
         batch_id: BatchId,
         schema: &SchemaRef,
         changes: &[RecordBatch],
+        purged_under: Option<i64>,
         live_rows: u64,
         full: impl FnOnce() -> Result<Vec<RecordBatch>>,
     ) -> Result<StateWrite> {
@@ -193,7 +237,7 @@ impl StateLog {
             self.base.is_none() || delta_rows > live_rows || self.deltas.len() >= MAX_DELTA_FILES;
         if change_rows > 0 && compact {
             let name = format!("{:020}-e{}-base.parquet", batch_id.0, self.epoch);
-            write.bytes_written = self.put(&name, schema, &full()?).await?;
+            write.bytes_written = self.put(&name, schema, &full()?, None).await?;
             write.compacted = true;
             self.base = Some(StateFile {
                 name,
@@ -202,7 +246,7 @@ impl StateLog {
             self.deltas.clear();
         } else if change_rows > 0 {
             let name = format!("{:020}-e{}-delta.parquet", batch_id.0, self.epoch);
-            write.bytes_written = self.put(&name, schema, changes).await?;
+            write.bytes_written = self.put(&name, schema, changes, purged_under).await?;
             self.deltas.push(StateFile {
                 name,
                 rows: change_rows,
@@ -241,9 +285,17 @@ impl StateLog {
         Ok(deleted)
     }
 
-    async fn put(&self, name: &str, schema: &SchemaRef, batches: &[RecordBatch]) -> Result<u64> {
+    async fn put(
+        &self,
+        name: &str,
+        schema: &SchemaRef,
+        batches: &[RecordBatch],
+        purged_under: Option<i64>,
+    ) -> Result<u64> {
         let (schema, batches) = (Arc::clone(schema), batches.to_vec());
-        let bytes = cpu_bound(move || encode(&schema, &batches, STATE_ROW_GROUP_ROWS)).await?;
+        let metadata = purged_under.map(|w| KeyValue::new(PURGED_UNDER.into(), w.to_string()));
+        let bytes =
+            cpu_bound(move || encode(&schema, &batches, metadata, STATE_ROW_GROUP_ROWS)).await?;
         let len = bytes.len() as u64;
         if !self.store.put_if_absent(name, bytes).await? {
             return Err(Error::InvalidJob(format!(
@@ -262,13 +314,19 @@ impl StateLog {
 /// groups).
 const STATE_ROW_GROUP_ROWS: usize = 1024 * 1024;
 
-/// `batches` as one Parquet file in row groups of `group_rows` (zstd: state is read back only at restart, so it is
+/// `batches` as one Parquet file (with `metadata` in its footer) in row groups of `group_rows` (zstd: state is read back only at restart, so it is
 /// compressed harder than tables are), each row group's columns encoded in parallel on the
 /// rayon pool — a state holds a few columns (keys, window, partial aggregates), so a base of a
 /// large state is written in about the time of its largest column.
-fn encode(schema: &SchemaRef, batches: &[RecordBatch], group_rows: usize) -> Result<Vec<u8>> {
+fn encode(
+    schema: &SchemaRef,
+    batches: &[RecordBatch],
+    metadata: Option<KeyValue>,
+    group_rows: usize,
+) -> Result<Vec<u8>> {
     let props = WriterProperties::builder()
         .set_compression(Compression::ZSTD(ZstdLevel::default()))
+        .set_key_value_metadata(metadata.map(|entry| vec![entry]))
         .build();
     let writer = ArrowWriter::try_new(Vec::new(), Arc::clone(schema), Some(props))?;
     let (mut file, column_writers) = writer.into_serialized_writer()?;
@@ -360,7 +418,7 @@ mod tests {
             batch(group + 7, group + 1),
         ];
         let schema = input[0].schema();
-        let bytes = encode(&schema, &input, rows).unwrap();
+        let bytes = encode(&schema, &input, None, rows).unwrap();
         let reader = ParquetRecordBatchReaderBuilder::try_new(bytes::Bytes::from(bytes)).unwrap();
         assert_eq!(reader.metadata().num_row_groups(), 3);
         let read: Vec<RecordBatch> = reader.build().unwrap().map(|b| b.unwrap()).collect();
@@ -388,14 +446,18 @@ mod tests {
         let full = [rows(&[1, 2, 3, 4])];
         // First batch: no base yet, so the full state is written.
         let w = log
-            .write(BatchId(0), &schema, &[rows(&[1])], 4, || Ok(full.to_vec()))
+            .write(BatchId(0), &schema, &[rows(&[1])], None, 4, || {
+                Ok(full.to_vec())
+            })
             .await
             .unwrap();
         assert!(w.compacted);
         // Small changes go to deltas while they hold no more rows than the live state.
         for b in 1..=3 {
             let w = log
-                .write(BatchId(b), &schema, &[rows(&[9])], 4, || Ok(full.to_vec()))
+                .write(BatchId(b), &schema, &[rows(&[9])], None, 4, || {
+                    Ok(full.to_vec())
+                })
                 .await
                 .unwrap();
             assert!(!w.compacted, "batch {b}");
@@ -403,13 +465,13 @@ mod tests {
         assert_eq!(log.live_files().len(), 4);
         // Nothing changed: nothing written.
         let w = log
-            .write(BatchId(4), &schema, &[], 4, || Ok(full.to_vec()))
+            .write(BatchId(4), &schema, &[], None, 4, || Ok(full.to_vec()))
             .await
             .unwrap();
         assert_eq!(w.bytes_written, 0);
         // 3 + 2 delta rows > 4 live rows: compaction.
         let w = log
-            .write(BatchId(5), &schema, &[rows(&[7, 8])], 4, || {
+            .write(BatchId(5), &schema, &[rows(&[7, 8])], None, 4, || {
                 Ok(full.to_vec())
             })
             .await
@@ -419,14 +481,44 @@ mod tests {
         assert_eq!(log.collect_garbage(BatchId(5)).await.unwrap(), 4);
 
         let mut restored = StateLog::new(&checkpoint, 1);
-        let batches = restored.restore(&w.live_files).await.unwrap();
-        assert_eq!(batches, full.to_vec());
+        let files = restored.restore(&w.live_files).await.unwrap();
+        assert_eq!(files.len(), 1);
+        assert_eq!(files[0].rows, full.to_vec());
         let missing = restored
             .restore(&["00000000000000000001-e0-delta.parquet".to_string()])
             .await
             .unwrap_err()
             .to_string();
         assert!(missing.contains("is missing"), "{missing}");
+    }
+
+    /// A delta carries the watermark the state had been purged under when its changes were
+    /// merged in; a base carries none (it is the whole state as it was).
+    #[tokio::test]
+    async fn a_delta_reads_back_with_the_watermark_its_changes_were_merged_under() {
+        let dir = tempfile::tempdir().unwrap();
+        let checkpoint = checkpoint(&dir);
+        let schema = rows(&[]).schema();
+        let mut log = StateLog::new(&checkpoint, 0);
+        let full = [rows(&[1, 2, 3, 4])];
+        log.write(BatchId(0), &schema, &full, Some(7), 4, || Ok(full.to_vec()))
+            .await
+            .unwrap();
+        let w = log
+            .write(BatchId(1), &schema, &[rows(&[9])], Some(-42), 4, || {
+                Ok(full.to_vec())
+            })
+            .await
+            .unwrap();
+        let files = StateLog::new(&checkpoint, 1)
+            .restore(&w.live_files)
+            .await
+            .unwrap();
+        let read: Vec<_> = files.iter().map(|f| (&f.rows, f.purged_under)).collect();
+        assert_eq!(
+            read,
+            [(&full.to_vec(), None), (&vec![rows(&[9])], Some(-42))]
+        );
     }
 
     /// A state that shrank (most windows closed) must not leave its old, large base deciding
@@ -447,6 +539,7 @@ mod tests {
                     BatchId(b),
                     &schema,
                     &[rows(&[b])],
+                    None,
                     live.len() as u64,
                     || Ok(vec![rows(live)]),
                 )
@@ -475,11 +568,11 @@ mod tests {
         let mut paused = StateLog::new(&checkpoint, 4);
         let mut twin = StateLog::new(&checkpoint, 3);
         let committed = paused
-            .write(BatchId(7), &schema, &full, 2, || Ok(full.to_vec()))
+            .write(BatchId(7), &schema, &full, None, 2, || Ok(full.to_vec()))
             .await
             .unwrap();
         let lost = twin
-            .write(BatchId(7), &schema, &full, 2, || Ok(full.to_vec()))
+            .write(BatchId(7), &schema, &full, None, 2, || Ok(full.to_vec()))
             .await
             .unwrap();
         assert_ne!(committed.live_files, lost.live_files);
@@ -487,7 +580,9 @@ mod tests {
         let mut next_run = StateLog::new(&checkpoint, 5);
         next_run.restore(&committed.live_files).await.unwrap();
         let eight = next_run
-            .write(BatchId(8), &schema, &[rows(&[3])], 2, || Ok(full.to_vec()))
+            .write(BatchId(8), &schema, &[rows(&[3])], None, 2, || {
+                Ok(full.to_vec())
+            })
             .await
             .unwrap();
         // The paused run wakes up and collects after its commit of 7.
