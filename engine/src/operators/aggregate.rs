@@ -784,10 +784,23 @@ impl StatefulAggregate {
     /// Sessions merge with every overlapping session of their key, so they are merged with the
     /// whole state (O(state) a batch), as is an aggregate without group columns (one row).
     pub(crate) async fn accumulate(&mut self, partials: Vec<RecordBatch>) -> Result<()> {
-        self.changed.clear();
         self.changes_purged_under = self.purged_under;
+        self.merge_partials(&partials, self.mode == OutputMode::Update)
+            .await?;
+        self.changes = partials;
+        Ok(())
+    }
+
+    /// Merges partial rows into the state (see [`StatefulAggregate::accumulate`]); with
+    /// `track_changed`, keeps the merged rows of the groups they changed in `changed`: what
+    /// update mode emits.
+    async fn merge_partials(
+        &mut self,
+        partials: &[RecordBatch],
+        track_changed: bool,
+    ) -> Result<()> {
+        self.changed.clear();
         if partials.iter().all(|b| b.num_rows() == 0) {
-            self.changes.clear();
             return Ok(());
         }
         if !self.groups.is_keyed() {
@@ -795,7 +808,7 @@ impl StatefulAggregate {
             all.extend(partials.iter().cloned());
             let merged = self.operator.merge(all).await?;
             let merged = self.merge_sessions(merged).await?;
-            if self.mode == OutputMode::Update {
+            if track_changed {
                 self.changed.clone_from(&merged);
             }
             self.groups.reset(merged)?;
@@ -804,7 +817,7 @@ impl StatefulAggregate {
             // the whole state: as cheap as looking the groups up, then, and no dead rows left.
             let partial_rows: usize = partials.iter().map(RecordBatch::num_rows).sum();
             let whole_state = self.groups.live_rows() <= partial_rows;
-            let mut pending = partials.clone();
+            let mut pending = partials.to_vec();
             let mut rounds = 0;
             while pending.iter().any(|b| b.num_rows() > 0) {
                 let mut touched = if rounds == 0 && whole_state {
@@ -814,20 +827,19 @@ impl StatefulAggregate {
                 };
                 touched.append(&mut pending);
                 let merged = self.operator.merge(touched).await?;
-                if self.mode == OutputMode::Update {
+                if track_changed {
                     self.changed.clone_from(&merged);
                 }
                 // A group DataFusion emitted twice comes back, to be merged with its first row.
                 pending = self.groups.insert(merged)?;
                 rounds += 1;
             }
-            if self.mode == OutputMode::Update && (rounds > 1 || whole_state) {
+            if track_changed && (rounds > 1 || whole_state) {
                 // A group merged again has its final row in the table, not in one round's rows;
                 // a whole-state merge's rows hold groups the batch did not change.
-                self.changed = self.groups.lookup(&partials)?;
+                self.changed = self.groups.lookup(partials)?;
             }
         }
-        self.changes = partials;
         Ok(())
     }
 
@@ -935,17 +947,20 @@ impl StatefulAggregate {
                 changed
             }
         };
-        // The delta to write keeps only rows of windows still open: a window's partial row
-        // leaves with its window. Not so for sessions (a closed one-row session may be part of
-        // a merged session still open) nor running groups (a partial row's newest event is
-        // not its group's: an old event merged into a fresh group stays counted).
-        if let Some(watermark) = watermark
-            && let Grouping::Window { .. } = self.grouping
-            && !self.is_session()
-        {
-            let changes = std::mem::take(&mut self.changes);
-            self.changes = self.split_purged(changes, watermark)?.1;
-        }
+        // The delta to write: a window's partial rows leave with their window, so rows of
+        // windows this watermark closed are not written. Not so for sessions (a closed one-row
+        // session may be part of a merged session still open) nor running groups (a partial
+        // row's newest event is not its group's: an old event merged into a group that lives
+        // on stays counted), whose rows all stay — but for a running aggregate's rows of no
+        // event (an aggregate without group columns over no rows).
+        let changes = std::mem::take(&mut self.changes);
+        self.changes = match (&self.grouping, watermark) {
+            (Grouping::Running { .. }, _) => self.with_events(changes)?,
+            (Grouping::Window { .. }, Some(watermark)) if !self.is_session() => {
+                self.split_purged(changes, watermark)?.1
+            }
+            _ => changes,
+        };
         if emitted.iter().all(|b| b.num_rows() == 0) {
             return Ok(QueryOutput::default());
         }
@@ -1162,6 +1177,24 @@ impl StatefulAggregate {
         Ok((gone, kept))
     }
 
+    /// The rows of a running aggregate's partial `rows` that hold an event (a newest event
+    /// time).
+    fn with_events(&self, rows: Vec<RecordBatch>) -> Result<Vec<RecordBatch>> {
+        let mut kept = Vec::new();
+        for b in rows {
+            let column = b.column(self.purge_index);
+            let b = if column.null_count() > 0 {
+                filter_record_batch(&b, &arrow::compute::is_not_null(column)?)?
+            } else {
+                b
+            };
+            if b.num_rows() > 0 {
+                kept.push(b);
+            }
+        }
+        Ok(kept)
+    }
+
     fn purge_mask(&self, batch: &RecordBatch, watermark: i64) -> Result<BooleanArray> {
         let column = batch
             .column(self.purge_index)
@@ -1190,9 +1223,15 @@ impl StatefulAggregate {
     /// watermark the state had then ([`RestoredFile::purged_under`]); at the end, without
     /// what the restored `watermark` has closed or expired.
     ///
-    /// Merging every file at once would be the same for windows, which never reopen once
-    /// closed, but not for a running aggregate's key: expired by `state_ttl` and back later,
-    /// its rows from before it left (still in an older file) would be counted again.
+    /// Merging every file at once would be the same for tumbling and hopping windows, which
+    /// never reopen once closed, but not for a running aggregate's key (expired by `state_ttl`
+    /// and back later, its rows from before it left, still in an older file, would be counted
+    /// again) nor a session's (closed, and a new session of the key begun before its end: the
+    /// two would be merged into one).
+    ///
+    /// The replay merges file by file: keyed lookups for windows and running aggregates, but
+    /// sessions (and an aggregate without group columns) merge with the whole state each
+    /// time — up to [`super::state_store::MAX_DELTA_FILES`] + 1 merges of it at a restart.
     ///
     /// [`RestoredFile::purged_under`]: super::state_store::RestoredFile::purged_under
     pub(crate) async fn restore(
@@ -1207,7 +1246,7 @@ impl StatefulAggregate {
             if let Some(purged_under) = file.purged_under {
                 self.purge(purged_under)?;
             }
-            self.accumulate(file.rows).await?;
+            self.merge_partials(&file.rows, false).await?;
         }
         if let Some(watermark) = watermark {
             self.purge(watermark)?;
@@ -1597,6 +1636,45 @@ mod tests {
             let run = rt.block_on(streamed_with(&running, &chunks, restart_after, &with_ttl));
             let want = rt.block_on(batch_result(&running, &all));
             assert_rows_close(&upserted(&run.outputs, 1), &want, &running);
+        }
+    }
+
+    /// A key's session closed, then a new session of the key begun before the closed one's end
+    /// (not late: its own end is past the watermark): a restart after that keeps the two apart,
+    /// as the run without one does, rather than merge them from the state files.
+    #[tokio::test]
+    async fn a_restart_keeps_a_closed_session_apart_from_the_next_one() {
+        let at = |seconds: i64, key: u8| (BASE + seconds * SECOND, key, 1);
+        let chunks: Vec<Vec<Event>> = vec![
+            // Keys 2 to 5 stay open, so that the state files stay a base and deltas.
+            (2..6).map(|key| at(110, key)).collect(),
+            vec![at(94, 0), at(120, 1)], // watermark 100 s: k0's session [94 s, 99 s) closes
+            vec![at(96, 0)],             // k0's next session [96 s, 101 s)
+            vec![at(121, 1)],
+        ];
+        let sql = "SELECT window_start, window_end, k, count(*) AS n \
+                   FROM session(t, ts, INTERVAL '5' SECOND) GROUP BY window_start, window_end, k";
+        let unbroken = streamed_with(sql, &chunks, usize::MAX, &settings(Duration::ZERO)).await;
+        let emitted = |run: &StreamedRun| -> Vec<Vec<String>> {
+            run.outputs
+                .iter()
+                .flat_map(|b| displayed(b))
+                .filter(|row| row[2] == "k0")
+                .map(|row| vec![row[0][11..19].to_string(), row[3].clone()])
+                .collect()
+        };
+        let session = |start: &str, n: &str| vec![start.to_string(), n.to_string()];
+        assert_eq!(
+            emitted(&unbroken),
+            [session("00:01:34", "1"), session("00:01:36", "1")]
+        );
+        for restart_after in 0..chunks.len() {
+            let run = streamed_with(sql, &chunks, restart_after, &settings(Duration::ZERO)).await;
+            assert_eq!(
+                emitted(&run),
+                emitted(&unbroken),
+                "restarted after batch {restart_after}"
+            );
         }
     }
 
