@@ -1229,9 +1229,10 @@ impl StatefulAggregate {
     /// again) nor a session's (closed, and a new session of the key begun before its end: the
     /// two would be merged into one).
     ///
-    /// The replay merges file by file: keyed lookups for windows and running aggregates, but
-    /// sessions (and an aggregate without group columns) merge with the whole state each
-    /// time — up to [`super::state_store::MAX_DELTA_FILES`] + 1 merges of it at a restart.
+    /// Where a purge between files removes something, the files after it are merged into the
+    /// state as a batch's partial rows are: keyed lookups for windows and running aggregates,
+    /// but sessions (and an aggregate without group columns) merge with the whole state —
+    /// at most [`super::state_store::MAX_DELTA_FILES`] + 1 merges of it at a restart.
     ///
     /// [`RestoredFile::purged_under`]: super::state_store::RestoredFile::purged_under
     pub(crate) async fn restore(
@@ -1242,12 +1243,22 @@ impl StatefulAggregate {
     ) -> Result<()> {
         self.groups.reset(Vec::new())?;
         self.purged_under = None;
+        // Files are merged in runs: the purge before a file is replayed only if it would remove
+        // something — a group in the state or a row not merged yet below its bound (merging
+        // raises a group's purge value, never lowers it) — so a replay that purges nothing
+        // merges once, as a merge of every file at once would.
+        let mut unmerged: Vec<RecordBatch> = Vec::new();
         for file in log.restore(files).await? {
             if let Some(purged_under) = file.purged_under {
-                self.purge(purged_under)?;
+                let bound = self.purge_bound(purged_under);
+                if self.groups.may_have_below(bound) || self.any_below(&unmerged, bound)? {
+                    self.merge_restored(std::mem::take(&mut unmerged)).await?;
+                    self.purge(purged_under)?;
+                }
             }
-            self.merge_partials(&file.rows, false).await?;
+            unmerged.extend(file.rows);
         }
+        self.merge_restored(unmerged).await?;
         if let Some(watermark) = watermark {
             self.purge(watermark)?;
         }
@@ -1255,6 +1266,33 @@ impl StatefulAggregate {
         self.changed.clear();
         self.log = Some(log);
         Ok(())
+    }
+
+    /// Merges restored state rows into the state: at once into an empty state (as a batch's
+    /// partial rows otherwise are).
+    async fn merge_restored(&mut self, rows: Vec<RecordBatch>) -> Result<()> {
+        if self.groups.live_rows() > 0 {
+            return self.merge_partials(&rows, false).await;
+        }
+        if rows.iter().all(|b| b.num_rows() == 0) {
+            return Ok(());
+        }
+        let merged = self.operator.merge(rows).await?;
+        let merged = self.merge_sessions(merged).await?;
+        self.groups.reset(merged)
+    }
+
+    /// Whether a row of `rows` (state rows) has a purge value below `bound`, or none.
+    fn any_below(&self, rows: &[RecordBatch], bound: i64) -> Result<bool> {
+        for b in rows {
+            let values = super::group_table::purge_values(b, self.purge_index)?;
+            if arrow::array::Array::null_count(values) > 0
+                || arrow::compute::min(values).is_some_and(|m| m < bound)
+            {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     /// Writes this batch's state (a delta, or a new base) and returns the live files for the

@@ -288,6 +288,15 @@ impl GroupTable {
         Ok(twice)
     }
 
+    /// Whether a group may have a purge value below `bound` (or null): what
+    /// [`GroupTable::remove_below`] would look at (`false` if it would remove nothing).
+    pub(crate) fn may_have_below(&self, bound: i64) -> bool {
+        self.chunks.iter().flatten().any(|chunk| {
+            chunk.live_rows > 0
+                && (chunk.null_purge || chunk.purge_floor.is_some_and(|floor| floor < bound))
+        })
+    }
+
     /// Removes the groups whose purge value is below `bound` (or null) and returns their rows.
     ///
     /// # Errors
@@ -675,7 +684,7 @@ fn key_of(chunk: &Chunk, row: usize) -> &[u8] {
     chunk.keys.as_ref().map_or(&[], |keys| keys.row(row).data())
 }
 
-fn purge_values(
+pub(crate) fn purge_values(
     rows: &RecordBatch,
     column: usize,
 ) -> Result<&PrimitiveArray<TimestampMicrosecondType>> {
