@@ -1229,7 +1229,7 @@ impl StatefulAggregate {
     /// again) nor a session's (closed, and a new session of the key begun before its end: the
     /// two would be merged into one).
     ///
-    /// Where a purge between files removes something, the files after it are merged into the
+    /// Where a purge between files may remove something, the files after it are merged into the
     /// state as a batch's partial rows are: keyed lookups for windows and running aggregates,
     /// but sessions (and an aggregate without group columns) merge with the whole state —
     /// at most [`super::state_store::MAX_DELTA_FILES`] + 1 merges of it at a restart.
@@ -1243,10 +1243,10 @@ impl StatefulAggregate {
     ) -> Result<()> {
         self.groups.reset(Vec::new())?;
         self.purged_under = None;
-        // Files are merged in runs: the purge before a file is replayed only if it would remove
+        // Files are merged in runs: the purge before a file is replayed only if it may remove
         // something — a group in the state or a row not merged yet below its bound (merging
-        // raises a group's purge value, never lowers it) — so a replay that purges nothing
-        // merges once, as a merge of every file at once would.
+        // raises a group's purge value, never lowers it) — so a replay where no row is below
+        // any file's bound merges once, as a merge of every file at once would.
         let mut unmerged: Vec<RecordBatch> = Vec::new();
         for file in log.restore(files).await? {
             if let Some(purged_under) = file.purged_under {

@@ -9,14 +9,15 @@
 //! So the files are a **base** snapshot plus **deltas**: a delta holds only the batch's partial
 //! aggregate rows (its changes), and since partial states merge associatively, the state is
 //! `merge(base, delta₁, …, deltaₙ)` — minus the windows the watermark has closed since. A group
-//! that can leave and come back (a running aggregate's key, expired by `state_ttl`) must not be
-//! merged with its rows from before it left, which an older file still holds: so each delta
-//! records the watermark the state had been purged under when its changes were merged in
-//! ([`RestoredFile::purged_under`], a Parquet key-value entry), and a restore replays the files
-//! in order, purging under it before merging each. When the
-//! deltas together hold more rows than the live state (so a restart would read more than twice
-//! what is live), or there are [`MAX_DELTA_FILES`] of them, the batch writes a fresh base instead
-//! (compaction): files per manifest stay bounded however the state grows or shrinks.
+//! that can leave and come back (a running aggregate's key expired by `state_ttl`, a key's
+//! session closed before its next began) must not be merged with its rows from before it left,
+//! which an older file still holds: so each delta records the watermark the state had been
+//! purged under when its changes were merged in ([`RestoredFile::purged_under`], a Parquet
+//! key-value entry), and a restore replays the files in order, purging under it before merging
+//! each. When the deltas together hold more rows than the live state (so a restart would read
+//! more than twice what is live), or there are [`MAX_DELTA_FILES`] of them, the batch writes a
+//! fresh base instead (compaction): files per manifest stay bounded however the state grows or
+//! shrinks.
 //!
 //! ```text
 //! state/00000000000000000007-e3-base.parquet    full state after batch 7 (run with lease epoch 3)
