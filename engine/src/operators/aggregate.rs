@@ -1251,14 +1251,17 @@ impl StatefulAggregate {
         for file in log.restore(files).await? {
             if let Some(purged_under) = file.purged_under {
                 let bound = self.purge_bound(purged_under);
-                if self.groups.may_have_below(bound) || self.any_below(&unmerged, bound)? {
-                    self.merge_restored(std::mem::take(&mut unmerged)).await?;
+                if self.groups.may_have_below(bound)
+                    || self.groups.any_row_below(&unmerged, bound)?
+                {
+                    self.merge_partials(&std::mem::take(&mut unmerged), false)
+                        .await?;
                     self.purge(purged_under)?;
                 }
             }
             unmerged.extend(file.rows);
         }
-        self.merge_restored(unmerged).await?;
+        self.merge_partials(&unmerged, false).await?;
         if let Some(watermark) = watermark {
             self.purge(watermark)?;
         }
@@ -1266,33 +1269,6 @@ impl StatefulAggregate {
         self.changed.clear();
         self.log = Some(log);
         Ok(())
-    }
-
-    /// Merges restored state rows into the state: at once into an empty state (as a batch's
-    /// partial rows otherwise are).
-    async fn merge_restored(&mut self, rows: Vec<RecordBatch>) -> Result<()> {
-        if self.groups.live_rows() > 0 {
-            return self.merge_partials(&rows, false).await;
-        }
-        if rows.iter().all(|b| b.num_rows() == 0) {
-            return Ok(());
-        }
-        let merged = self.operator.merge(rows).await?;
-        let merged = self.merge_sessions(merged).await?;
-        self.groups.reset(merged)
-    }
-
-    /// Whether a row of `rows` (state rows) has a purge value below `bound`, or none.
-    fn any_below(&self, rows: &[RecordBatch], bound: i64) -> Result<bool> {
-        for b in rows {
-            let values = super::group_table::purge_values(b, self.purge_index)?;
-            if arrow::array::Array::null_count(values) > 0
-                || arrow::compute::min(values).is_some_and(|m| m < bound)
-            {
-                return Ok(true);
-            }
-        }
-        Ok(false)
     }
 
     /// Writes this batch's state (a delta, or a new base) and returns the live files for the

@@ -97,6 +97,12 @@ struct Chunk {
 }
 
 impl Chunk {
+    /// Whether a live row may have a purge value below `bound`, or none (from the floor).
+    fn may_have_below(&self, bound: i64) -> bool {
+        self.live_rows > 0
+            && (self.null_purge || self.purge_floor.is_some_and(|floor| floor < bound))
+    }
+
     fn new(
         rows: RecordBatch,
         keys: Option<Rows>,
@@ -292,10 +298,25 @@ impl GroupTable {
     /// [`GroupTable::remove_below`] would look at (`false` only if it would remove nothing; a
     /// stale floor may say `true` when it would not).
     pub(crate) fn may_have_below(&self, bound: i64) -> bool {
-        self.chunks.iter().flatten().any(|chunk| {
-            chunk.live_rows > 0
-                && (chunk.null_purge || chunk.purge_floor.is_some_and(|floor| floor < bound))
-        })
+        self.chunks
+            .iter()
+            .flatten()
+            .any(|chunk| chunk.may_have_below(bound))
+    }
+
+    /// Whether a row of `rows` (state rows, not in the table) has a purge value below `bound`,
+    /// or none.
+    ///
+    /// # Errors
+    /// If the purge column is not a timestamp.
+    pub(crate) fn any_row_below(&self, rows: &[RecordBatch], bound: i64) -> Result<bool> {
+        for b in rows {
+            let values = purge_values(b, self.purge_column)?;
+            if values.null_count() > 0 || arrow::compute::min(values).is_some_and(|m| m < bound) {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     /// Removes the groups whose purge value is below `bound` (or null) and returns their rows.
@@ -307,8 +328,7 @@ impl GroupTable {
         let mut removed = 0;
         for (id, slot) in self.chunks.iter_mut().enumerate() {
             let Some(chunk) = slot else { continue };
-            let below = chunk.null_purge || chunk.purge_floor.is_some_and(|floor| floor < bound);
-            if chunk.live_rows == 0 || !below {
+            if !chunk.may_have_below(bound) {
                 continue;
             }
             let values = purge_values(&chunk.rows, self.purge_column)?;
@@ -685,7 +705,7 @@ fn key_of(chunk: &Chunk, row: usize) -> &[u8] {
     chunk.keys.as_ref().map_or(&[], |keys| keys.row(row).data())
 }
 
-pub(crate) fn purge_values(
+fn purge_values(
     rows: &RecordBatch,
     column: usize,
 ) -> Result<&PrimitiveArray<TimestampMicrosecondType>> {
