@@ -94,6 +94,20 @@ pub(crate) struct DecodedRows {
     pub bad_rows: Vec<(usize, String)>,
 }
 
+impl DecodedRows {
+    /// These rows with only the columns at `indices` (`None`: all), the bad rows as they are.
+    fn project(self, indices: Option<&[usize]>) -> std::result::Result<DecodedRows, String> {
+        let Some(indices) = indices else {
+            return Ok(self);
+        };
+        let batch = self.batch.project(indices).map_err(|e| e.to_string())?;
+        Ok(DecodedRows {
+            batch,
+            bad_rows: self.bad_rows,
+        })
+    }
+}
+
 impl From<RecordBatch> for DecodedRows {
     fn from(batch: RecordBatch) -> Self {
         DecodedRows {
@@ -141,31 +155,60 @@ fn concat_runs(runs: Vec<Decoded>) -> Decoded {
 /// [`FlatJson`] in one pass, and only the lines it declines are sorted and decoded so.
 /// The result is the same as `decode_lines` over [`decode_json_rows`] gives: the same rows,
 /// the same bad lines, the same reasons.
+///
+/// `columns`: the rows keep only these data columns (in `schema`'s order; `None`: all), with
+/// the same bad lines and reasons as when every column is kept — a line is still read whole,
+/// and the number, boolean and timestamp columns not kept still converted, as a value that does
+/// not convert fails its line. What is saved is the text columns not kept: the flat reader
+/// steps over their values instead of copying them.
 pub(crate) fn decode_json_lines(
     schema: &SchemaRef,
+    columns: Option<&[String]>,
     bytes: &[u8],
     lines: &[Line],
     strict: bool,
 ) -> Decoded {
     let decode_schema = text_schema(schema);
+    let fields = schema.fields();
+    let wanted = |i: &usize| columns.is_none_or(|c| c.contains(fields[*i].name()));
+    // The columns kept, and the ones the flat reader builds: those kept, and those not kept
+    // that are converted from text (their bad values fail lines).
+    let kept: Option<Vec<usize>> = columns.map(|_| (0..fields.len()).filter(wanted).collect());
+    let built: Option<Vec<usize>> = columns.map(|_| {
+        (0..fields.len())
+            .filter(|i| wanted(i) || converted_from_text(fields[*i].data_type()))
+            .collect()
+    });
     let passes = is_one_json_object;
     // Lines that passed the check are within the depth limit already.
-    let decode_passed =
-        |chunk: &[Line]| decode_json_parsed(schema, &decode_schema, bytes, chunk, strict);
+    let decode_passed = |chunk: &[Line]| {
+        decode_json_parsed(schema, &decode_schema, bytes, chunk, strict)?.project(kept.as_deref())
+    };
     let decode_alone = |chunk: &[Line]| {
         for l in chunk {
             check_depth(&bytes[l.start..l.end])?;
         }
-        decode_json_parsed(schema, &decode_schema, bytes, chunk, strict)
+        decode_json_parsed(schema, &decode_schema, bytes, chunk, strict)?.project(kept.as_deref())
     };
-    let Some(flat) = FlatJson::new(&decode_schema, strict) else {
+    let Some(flat) = FlatJson::new(&decode_schema, strict, built.clone()) else {
         return decode_sorted(bytes, lines, passes, decode_passed, decode_alone);
     };
+    // The flat reader's columns as typed, and where the kept ones sit among them.
+    let built_schema = match &built {
+        Some(built) => match schema.project(built) {
+            Ok(projected) => Arc::new(projected),
+            Err(_) => return decode_sorted(bytes, lines, passes, decode_passed, decode_alone),
+        },
+        None => Arc::clone(schema),
+    };
+    let kept_of_built: Option<Vec<usize>> = built
+        .as_ref()
+        .map(|built| (0..built.len()).filter(|&at| wanted(&built[at])).collect());
     let runs: Vec<Decoded> = lines
         .par_chunks(DECODE_ROWS)
         .map(|run| {
             let read_rows = flat.read(bytes, run).and_then(|(batch, read, declined)| {
-                let rows = typed_rows(batch, schema)?;
+                let rows = typed_rows(batch, &built_schema)?.project(kept_of_built.as_deref())?;
                 Ok((drop_bad_rows(bytes, &read, rows)?, declined))
             });
             let Ok(((batch, numbers, mut bad), declined)) = read_rows else {
@@ -1479,7 +1522,7 @@ mod tests {
         let mut lines = split_lines(&bytes);
         lines.retain(|l| !bytes[l.start..l.end].iter().all(u8::is_ascii_whitespace));
         let s = schema();
-        let (good, bad) = decode_json_lines(&s, &bytes, &lines, false);
+        let (good, bad) = decode_json_lines(&s, None, &bytes, &lines, false);
         let ids: Vec<i64> = good
             .iter()
             .flat_map(|(b, _)| b.column(0).as_primitive::<Int64Type>().values().to_vec())
@@ -1640,22 +1683,24 @@ mod tests {
         let mut lines = split_lines(bytes);
         lines.retain(|l| !bytes[l.start..l.end].iter().all(u8::is_ascii_whitespace));
         let json = nested_schema();
-        let (good, bad) = decode_json_lines(&json, bytes, &lines, false);
+        let (good, bad) = decode_json_lines(&json, None, bytes, &lines, false);
         let rows: usize = good.iter().map(|(b, _)| b.num_rows()).sum();
         assert_eq!(rows + bad.len(), lines.len(), "a line got lost or doubled");
         let halved = decode_lines(bytes, &lines, |c| decode_json_rows(&json, bytes, c, false));
         assert_same_decoding(&(good, bad), &halved);
-        let strict = decode_json_lines(&json, bytes, &lines, true);
+        let strict = decode_json_lines(&json, None, bytes, &lines, true);
         let halved = decode_lines(bytes, &lines, |c| decode_json_rows(&json, bytes, c, true));
         assert_same_decoding(&strict, &halved);
+        assert_narrowed_reads_alike(&json, bytes, &lines, true, &strict);
         // Schemas of text columns once decoded: flat objects are read in one pass first.
         for flat in [flat_schema(), flat_schema_not_null()] {
-            assert!(FlatJson::new(&text_schema(&flat), false).is_some());
+            assert!(FlatJson::new(&text_schema(&flat), false, None).is_some());
             for strict in [false, true] {
-                let read = decode_json_lines(&flat, bytes, &lines, strict);
+                let read = decode_json_lines(&flat, None, bytes, &lines, strict);
                 let halved =
                     decode_lines(bytes, &lines, |c| decode_json_rows(&flat, bytes, c, strict));
                 assert_same_decoding(&read, &halved);
+                assert_narrowed_reads_alike(&flat, bytes, &lines, strict, &read);
             }
         }
         let csv = schema();
@@ -1674,6 +1719,32 @@ mod tests {
             .map(|(i, l)| (l, format!("f:{i}")));
         let _ = crate::infer::infer_json(positions, String::new());
         let _ = crate::infer::infer_csv(&[("f".into(), bytes)], true, b',', String::new());
+    }
+
+    /// Decoding `lines` keeping only some columns — none, the second, every other one — gives
+    /// `whole`'s rows with only those columns, and the same bad lines and reasons.
+    fn assert_narrowed_reads_alike(
+        schema: &SchemaRef,
+        bytes: &[u8],
+        lines: &[Line],
+        strict: bool,
+        whole: &Decoded,
+    ) {
+        let names: Vec<String> = schema.fields().iter().map(|f| f.name().clone()).collect();
+        let every_other: Vec<usize> = (0..names.len()).step_by(2).collect();
+        for kept in [vec![], vec![1], every_other] {
+            let columns: Vec<String> = kept.iter().map(|i| names[*i].clone()).collect();
+            let narrowed = decode_json_lines(schema, Some(&columns), bytes, lines, strict);
+            let projected: Vec<(RecordBatch, Vec<usize>)> = whole
+                .0
+                .iter()
+                .map(|(b, n)| (b.project(&kept).unwrap(), n.clone()))
+                .collect();
+            for (batch, _) in &narrowed.0 {
+                assert_eq!(batch.schema(), Arc::new(schema.project(&kept).unwrap()));
+            }
+            assert_same_decoding(&narrowed, &(projected, whole.1.clone()));
+        }
     }
 
     /// Two decodings hold the same rows for the same lines and the same bad lines and reasons.
@@ -1766,7 +1837,7 @@ mod tests {
         let bytes = b"{\"n\":7,\"small\":1,\"t\":5}\n{\"n\":\"8\",\"small\":7.0,\"t\":true}\n{\"n\":9e2}\n{\"n\":12.75}\n{\"small\":300}\n{\"n\":null}\n";
         let lines = split_lines(bytes);
         let lines: Vec<Line> = lines.into_iter().filter(|l| l.end > l.start).collect();
-        let (good, bad) = decode_json_lines(&s, bytes, &lines, false);
+        let (good, bad) = decode_json_lines(&s, None, bytes, &lines, false);
         let mut n = Vec::new();
         for (batch, _) in &good {
             n.extend(batch.column(0).as_primitive::<Int64Type>().iter());
@@ -1806,7 +1877,7 @@ mod tests {
             .filter(|l| l.end > l.start)
             .collect::<Vec<_>>();
         let s = schema();
-        let (good, bad) = decode_json_lines(&s, bytes, &lines, false);
+        let (good, bad) = decode_json_lines(&s, None, bytes, &lines, false);
         let numbers: Vec<usize> = good.iter().flat_map(|(_, n)| n.clone()).collect();
         assert_eq!(numbers, vec![1, 5]);
         let bad_lines: Vec<usize> = bad.iter().map(|(n, _, _)| *n).collect();
@@ -1843,7 +1914,7 @@ mod tests {
         .as_bytes();
         let lines = split_lines(bytes);
         let lines: Vec<Line> = lines.into_iter().filter(|l| l.end > l.start).collect();
-        let decoded = decode_json_lines(&s, bytes, &lines, false);
+        let decoded = decode_json_lines(&s, None, bytes, &lines, false);
         let (good, bad) = &decoded;
         assert_eq!(good.len(), 1, "the good lines decode as one batch");
         let (batch, numbers) = &good[0];
@@ -2086,14 +2157,14 @@ mod tests {
         assert_eq!(batch.column(4).as_string::<i32>().value(1), "false");
         assert!(FlatJson::new(&text_schema(&s), true).is_some());
         assert!(FlatJson::new(&text_schema(&nested_schema()), false).is_none());
-        let decoded = decode_json_lines(&s, bytes, lines, false);
+        let decoded = decode_json_lines(&s, None, bytes, lines, false);
         let halved = decode_lines(bytes, lines, |c| decode_json_rows(&s, bytes, c, false));
         assert_same_decoding(&decoded, &halved);
         let good: Vec<usize> = decoded.0.iter().flat_map(|(_, n)| n.clone()).collect();
         assert_eq!(good, vec![1, 2, 3, 5, 6, 7, 15, 16]);
         let bad: Vec<usize> = decoded.1.iter().map(|(n, _, _)| *n).collect();
         assert_eq!(bad, vec![4, 8, 9, 10, 11, 12, 13, 14]);
-        let strict = decode_json_lines(&s, bytes, lines, true);
+        let strict = decode_json_lines(&s, None, bytes, lines, true);
         let halved = decode_lines(bytes, lines, |c| decode_json_rows(&s, bytes, c, true));
         assert_same_decoding(&strict, &halved);
     }
@@ -2579,7 +2650,7 @@ mod tests {
             let lines = &lines[..lines.len() - 1];
             let expected: Vec<&str> = texts.iter().map(|(t, _)| t.as_str()).collect();
             for schema in [flat_schema(), nested_schema()] {
-                let (good, bad) = decode_json_lines(&schema, bytes, lines, false);
+                let (good, bad) = decode_json_lines(&schema, None, bytes, lines, false);
                 proptest::prop_assert!(bad.is_empty(), "{:?}", bad);
                 let names = arrow::compute::concat(
                     &good.iter().map(|(b, _)| b.column(1).as_ref()).collect::<Vec<_>>(),

@@ -181,7 +181,7 @@ impl FilesTable {
         let lines = data_lines(&bytes, self.format == FileFormat::Csv && self.header);
         let (good, bad) = match self.format {
             FileFormat::Csv => decode_csv_lines(schema, self.delimiter, &bytes, &lines),
-            _ => decode_json_lines(schema, &bytes, &lines, false),
+            _ => decode_json_lines(schema, None, &bytes, &lines, false),
         };
         if let Some((line, _, reason)) = bad.first() {
             return Err(fail(format!(

@@ -5,7 +5,9 @@
 //! Arrow's decoder such a line costs three passes — the object check that sorts lines, the
 //! decoder's tape, the tape into columns. For a schema whose decoded columns are all text
 //! ([`FlatJson::new`]), a line that is a flat object of strings, numbers, booleans and nulls is
-//! read here instead, in one pass, its values appended to the columns as they are found.
+//! read here instead, in one pass, its values appended to the columns as they are found. A read
+//! that keeps only some columns (a query using a few of many) still reads every value of a line
+//! — so a line is taken or declined alike — but appends only the kept columns' values.
 //!
 //! A line this reader is not sure of it declines, and `decode` gives it to Arrow's decoder as
 //! before: a nested value, a key written with an escape, a key given twice, a missing or
@@ -27,6 +29,11 @@ use crate::decode::{Line, literal_end, skip_whitespace, unicode_escape};
 /// A reader of flat JSON objects into a schema of text columns.
 pub(crate) struct FlatJson {
     schema: SchemaRef,
+    /// The columns whose values are kept (by index in `schema`), in order: the batch a read
+    /// makes holds these only. The others are still read over and checked as any column is.
+    built: Vec<usize>,
+    /// `schema` with only the `built` columns: the schema of the batches a read makes.
+    built_schema: SchemaRef,
     /// The columns that must have a value (NOT NULL): a line without one is declined.
     required: Vec<usize>,
     /// Whether a field the schema lacks fails its line (declined, for Arrow to give the reason).
@@ -115,7 +122,12 @@ impl FlatJson {
     /// already text), if every column of it is text and their names differ; `None` otherwise
     /// (any other column — nested, binary, date, decimal, … — and such schemas go through
     /// Arrow's decoder only).
-    pub(crate) fn new(decode_schema: &SchemaRef, strict: bool) -> Option<FlatJson> {
+    /// `built`: the columns whose values the batches keep (by index, ascending; `None`: all).
+    pub(crate) fn new(
+        decode_schema: &SchemaRef,
+        strict: bool,
+        built: Option<Vec<usize>>,
+    ) -> Option<FlatJson> {
         let fields = decode_schema.fields();
         let text =
             |t: &DataType| matches!(t, DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View);
@@ -126,8 +138,12 @@ impl FlatJson {
         if fields.is_empty() || !unique || !fields.iter().all(|f| text(f.data_type())) {
             return None;
         }
+        let built = built.unwrap_or_else(|| (0..fields.len()).collect());
+        let built_schema = Arc::new(decode_schema.project(&built).ok()?);
         Some(FlatJson {
             schema: Arc::clone(decode_schema),
+            built,
+            built_schema,
             required: (0..fields.len())
                 .filter(|i| !fields[*i].is_nullable())
                 .collect(),
@@ -137,7 +153,8 @@ impl FlatJson {
     }
 
     /// Reads what it can of `lines` of `bytes`: the batch of the lines it read (in
-    /// `decode_schema`), those lines, in order, and the lines it declined, in order.
+    /// `decode_schema`, its `built` columns only), those lines, in order, and the lines it
+    /// declined, in order.
     ///
     /// # Errors
     /// If the columns do not make a batch of the schema (not expected: they are built for it).
@@ -149,12 +166,12 @@ impl FlatJson {
         let span: usize = lines.iter().map(|l| l.end - l.start).sum();
         if span > i32::MAX as usize {
             // A column's text could outgrow 32-bit offsets: the decoder says so, line by line.
-            let empty = RecordBatch::new_empty(Arc::clone(&self.schema));
+            let empty = RecordBatch::new_empty(Arc::clone(&self.built_schema));
             return Ok((empty, Vec::new(), lines.to_vec()));
         }
         let per_column = span / self.schema.fields().len().max(1);
         let mut columns: Vec<Column> = self
-            .schema
+            .built_schema
             .fields()
             .iter()
             .map(|f| match f.data_type() {
@@ -179,8 +196,8 @@ impl FlatJson {
                 declined.push(*line);
                 continue;
             };
-            for (column, value) in columns.iter_mut().zip(&values) {
-                match *value {
+            for (column, &index) in columns.iter_mut().zip(&self.built) {
+                match values[index] {
                     None | Some(Value::Null) => column.append(None),
                     Some(Value::Text(from, to)) => column.append(Some(&text[from..to])),
                     Some(Value::Escaped(from, to)) => column.append(Some(&unescaped[from..to])),
@@ -192,7 +209,7 @@ impl FlatJson {
         }
         let arrays = columns.iter_mut().map(Column::finish).collect();
         let batch = RecordBatch::try_new_with_options(
-            Arc::clone(&self.schema),
+            Arc::clone(&self.built_schema),
             arrays,
             &RecordBatchOptions::new().with_row_count(Some(read.len())),
         )

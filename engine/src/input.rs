@@ -77,10 +77,10 @@ impl OpenSource {
 }
 
 /// Narrows the reads of the sources that can read only some columns
-/// ([`Source::reads_columns`]: Parquet files) to the columns `query` reads
+/// ([`Source::reads_columns`]: Parquet and JSON files) to the columns `query` reads
 /// ([`StreamingQuery::columns_read`]), their event-time column and lineage, and plans
-/// `definition` again over those columns. Parquet decoding is most of a batch that reads a few
-/// of many columns. The rows that go to the dead-letter and late tables, which keep whole
+/// `definition` again over those columns. Decoding is most of a batch that reads a few of many
+/// columns. The rows that go to the dead-letter and late tables, which keep whole
 /// records, are read again whole ([`whole_rows`]), and the late table keeps the whole schema.
 ///
 /// The narrower plan is kept only if it runs exactly the plan `query` runs

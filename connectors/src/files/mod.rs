@@ -473,7 +473,7 @@ impl Source for FilesSource {
     }
 
     fn reads_columns(&self) -> bool {
-        self.config.format == FileFormat::Parquet
+        matches!(self.config.format, FileFormat::Parquet | FileFormat::Json)
     }
 
     async fn read_columns(
@@ -503,7 +503,7 @@ impl Source for FilesSource {
 }
 
 impl FilesSource {
-    /// The files at offsets `range`, with every column or (Parquet only) the data `columns`
+    /// The files at offsets `range`, with every column or (Parquet and JSON) the data `columns`
     /// named.
     async fn read_files(
         &self,
@@ -610,7 +610,7 @@ struct Decoding {
 
 impl Decoding {
     /// Decodes one file into rows with lineage, and dead letters.
-    /// `columns`: the data columns to decode (Parquet only; `None` for all).
+    /// `columns`: the data columns to keep (Parquet and JSON; `None` for all, and for CSV).
     fn decode(
         &self,
         schema: &SchemaRef,
@@ -637,9 +637,22 @@ impl Decoding {
             FileFormat::Json => {
                 let lines = data_lines(&bytes, false);
                 let strict = evolution.strict();
-                let (good, bad) = decode_json_lines(schema, &bytes, &lines, strict);
+                let (good, bad) = decode_json_lines(schema, columns, &bytes, &lines, strict);
                 if evolution == SchemaEvolution::Rescue {
                     let (rescued, bad) = rescue_lines(schema, bad);
+                    let rescued = match columns {
+                        None => rescued,
+                        Some(columns) => {
+                            let kept: Vec<usize> = (0..schema.fields().len())
+                                .filter(|&i| columns.contains(schema.field(i).name()))
+                                .collect();
+                            let mut projected = Vec::with_capacity(rescued.len());
+                            for (batch, numbers) in rescued {
+                                projected.push((batch.project(&kept)?, numbers));
+                            }
+                            projected
+                        }
+                    };
                     (good.into_iter().chain(rescued).collect(), bad)
                 } else {
                     (good, bad)

@@ -169,7 +169,7 @@ impl RecordDecoder {
         let (good, bad) = match self.format {
             ValueFormat::Json => {
                 let strict = self.evolution.strict();
-                let (good, bad) = decode_json_lines(schema, &buffer, &lines, strict);
+                let (good, bad) = decode_json_lines(schema, None, &buffer, &lines, strict);
                 if self.evolution == SchemaEvolution::Rescue {
                     let (rescued, bad) = rescue_lines(schema, bad);
                     (good.into_iter().chain(rescued).collect(), bad)
