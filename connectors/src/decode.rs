@@ -2143,7 +2143,7 @@ mod tests {
         let lines = split_lines(bytes);
         let lines = &lines[..lines.len() - 1];
         let s = flat_schema();
-        let flat = FlatJson::new(&text_schema(&s), false).unwrap();
+        let flat = FlatJson::new(&text_schema(&s), false, None).unwrap();
         let (batch, read, declined) = flat.read(bytes, lines).unwrap();
         let numbers = |lines: &[Line]| lines.iter().map(|l| l.number).collect::<Vec<_>>();
         // A nested value, a missing comma, a repeated key, an escaped key and a second object
@@ -2155,8 +2155,8 @@ mod tests {
         assert_eq!(names.value(6), "a/bA");
         assert_eq!(names.value(7), "𠮷");
         assert_eq!(batch.column(4).as_string::<i32>().value(1), "false");
-        assert!(FlatJson::new(&text_schema(&s), true).is_some());
-        assert!(FlatJson::new(&text_schema(&nested_schema()), false).is_none());
+        assert!(FlatJson::new(&text_schema(&s), true, None).is_some());
+        assert!(FlatJson::new(&text_schema(&nested_schema()), false, None).is_none());
         let decoded = decode_json_lines(&s, None, bytes, lines, false);
         let halved = decode_lines(bytes, lines, |c| decode_json_rows(&s, bytes, c, false));
         assert_same_decoding(&decoded, &halved);
