@@ -190,25 +190,18 @@ pub(crate) fn decode_json_lines(
         }
         decode_json_parsed(schema, &decode_schema, bytes, chunk, strict)?.project(kept.as_deref())
     };
-    let Some(flat) = FlatJson::new(&decode_schema, strict, built.clone()) else {
+    let Some(flat) = FlatJson::new(schema, strict, built.clone()) else {
         return decode_sorted(bytes, lines, passes, decode_passed, decode_alone);
     };
-    // The flat reader's columns as typed, and where the kept ones sit among them.
-    let built_schema = match &built {
-        Some(built) => match schema.project(built) {
-            Ok(projected) => Arc::new(projected),
-            Err(_) => return decode_sorted(bytes, lines, passes, decode_passed, decode_alone),
-        },
-        None => Arc::clone(schema),
-    };
+    // Where the kept columns sit among the flat reader's.
     let kept_of_built: Option<Vec<usize>> = built
         .as_ref()
         .map(|built| (0..built.len()).filter(|&at| wanted(&built[at])).collect());
     let runs: Vec<Decoded> = lines
         .par_chunks(DECODE_ROWS)
         .map(|run| {
-            let read_rows = flat.read(bytes, run).and_then(|(batch, read, declined)| {
-                let rows = typed_rows(batch, &built_schema)?.project(kept_of_built.as_deref())?;
+            let read_rows = flat.read(bytes, run).and_then(|(rows, read, declined)| {
+                let rows = rows.project(kept_of_built.as_deref())?;
                 Ok((drop_bad_rows(bytes, &read, rows)?, declined))
             });
             let Ok(((batch, numbers, mut bad), declined)) = read_rows else {
@@ -723,15 +716,16 @@ fn surrogate_pairs_as_utf8(line: &[u8]) -> Option<Vec<u8>> {
     Some(out)
 }
 
-/// Whether a top-level column of type `t` is decoded as text and converted by [`typed_rows`],
-/// so its bad values are found per row: numbers, booleans, timestamps.
-fn converted_from_text(t: &DataType) -> bool {
+/// Whether a top-level column of type `t` is decoded as text and converted from it (by
+/// [`typed_rows`], or by [`FlatJson`] as it reads), so its bad values are found per row:
+/// numbers, booleans, timestamps.
+pub(crate) fn converted_from_text(t: &DataType) -> bool {
     t.is_integer() || t.is_floating() || matches!(t, DataType::Boolean | DataType::Timestamp(_, _))
 }
 
 /// `schema` as decoded: its top-level number, boolean and timestamp columns, and the integers nested in
 /// structs and lists, as text, for [`typed_rows`].
-fn text_schema(schema: &SchemaRef) -> SchemaRef {
+pub(crate) fn text_schema(schema: &SchemaRef) -> SchemaRef {
     with_text_columns(schema, as_text_field)
 }
 
@@ -833,23 +827,63 @@ fn convert_column(
     field: &Field,
     bad_rows: &mut Vec<(usize, String)>,
 ) -> std::result::Result<ArrayRef, String> {
+    let converting = json_from_text(field, text.len())?;
+    Ok(convert_all(converting, text, bad_rows))
+}
+
+/// `text`'s values, in order, through `converting`.
+fn convert_all(
+    mut converting: Box<dyn FromText>,
+    text: &StringArray,
+    bad_rows: &mut Vec<(usize, String)>,
+) -> ArrayRef {
+    for (row, value) in text.iter().enumerate() {
+        converting.append(row, value, bad_rows);
+    }
+    converting.finish()
+}
+
+/// A number, boolean or timestamp column built from its values' text one value at a time: a
+/// value that does not convert takes the type's default (its row is to be dropped; a null would
+/// break a NOT NULL column) and adds its row and reason to the bad rows. [`convert_column`]
+/// converts a column of text with one; [`FlatJson`] builds such columns with them as it reads
+/// the lines, with no column of text between.
+pub(crate) trait FromText {
+    /// Appends row `row`'s value converted from `text` (`None`: null or absent).
+    fn append(&mut self, row: usize, text: Option<&str>, bad_rows: &mut Vec<(usize, String)>);
+
+    /// The column of the values appended so far (the builder starts again empty).
+    fn finish(&mut self) -> ArrayRef;
+}
+
+/// A JSON top-level number, boolean or timestamp column of `field`'s type built from text
+/// ([`FromText`]), with room for `capacity` values. Converted as the Arrow JSON decoder converts
+/// (see [`decode_json_rows`]).
+///
+/// # Errors
+/// If the type is not converted from text, or the column's time zone does not parse.
+pub(crate) fn json_from_text(
+    field: &Field,
+    capacity: usize,
+) -> std::result::Result<Box<dyn FromText>, String> {
     use arrow::datatypes::{
         Float16Type, Float32Type, Float64Type, Int8Type, Int16Type, Int32Type, Int64Type,
         UInt8Type, UInt16Type, UInt32Type, UInt64Type,
     };
+    let c = capacity;
     Ok(match field.data_type() {
-        DataType::Int8 => parsed::<Int8Type>(text, field, bad_rows, whole::<Int8Type>),
-        DataType::Int16 => parsed::<Int16Type>(text, field, bad_rows, whole::<Int16Type>),
-        DataType::Int32 => parsed::<Int32Type>(text, field, bad_rows, whole::<Int32Type>),
-        DataType::Int64 => parsed::<Int64Type>(text, field, bad_rows, whole::<Int64Type>),
-        DataType::UInt8 => parsed::<UInt8Type>(text, field, bad_rows, whole::<UInt8Type>),
-        DataType::UInt16 => parsed::<UInt16Type>(text, field, bad_rows, whole::<UInt16Type>),
-        DataType::UInt32 => parsed::<UInt32Type>(text, field, bad_rows, whole::<UInt32Type>),
-        DataType::UInt64 => parsed::<UInt64Type>(text, field, bad_rows, whole::<UInt64Type>),
-        DataType::Float16 => parsed::<Float16Type>(text, field, bad_rows, float::<Float16Type>),
-        DataType::Float32 => parsed::<Float32Type>(text, field, bad_rows, float::<Float32Type>),
-        DataType::Float64 => parsed::<Float64Type>(text, field, bad_rows, float::<Float64Type>),
-        DataType::Boolean => booleans(text, field, bad_rows, |value| match value {
+        DataType::Int8 => parsed::<Int8Type>(field, c, whole::<Int8Type>),
+        DataType::Int16 => parsed::<Int16Type>(field, c, whole::<Int16Type>),
+        DataType::Int32 => parsed::<Int32Type>(field, c, whole::<Int32Type>),
+        DataType::Int64 => parsed::<Int64Type>(field, c, whole::<Int64Type>),
+        DataType::UInt8 => parsed::<UInt8Type>(field, c, whole::<UInt8Type>),
+        DataType::UInt16 => parsed::<UInt16Type>(field, c, whole::<UInt16Type>),
+        DataType::UInt32 => parsed::<UInt32Type>(field, c, whole::<UInt32Type>),
+        DataType::UInt64 => parsed::<UInt64Type>(field, c, whole::<UInt64Type>),
+        DataType::Float16 => parsed::<Float16Type>(field, c, float::<Float16Type>),
+        DataType::Float32 => parsed::<Float32Type>(field, c, float::<Float32Type>),
+        DataType::Float64 => parsed::<Float64Type>(field, c, float::<Float64Type>),
+        DataType::Boolean => booleans(field, c, |value, field| match value {
             "true" => Ok(true),
             "false" => Ok(false),
             _ => Err(format!(
@@ -859,11 +893,11 @@ fn convert_column(
         }),
         DataType::Timestamp(unit, tz) => {
             let utc = tz.as_deref().is_none_or(|tz| tz == "+00:00" || tz == "UTC");
-            let tz = &zone(tz.as_deref())?;
-            timestamps(text, field, bad_rows, *unit, |v, f| {
-                match utc.then(|| plain_utc_timestamp(v, *unit)).flatten() {
+            let (tz, unit) = (zone(tz.as_deref())?, *unit);
+            timestamps(field, c, unit, move |v, f| {
+                match utc.then(|| plain_utc_timestamp(v, unit)).flatten() {
                     Some(units) => Ok(units),
-                    None => timestamp(v, f, tz, *unit),
+                    None => timestamp(v, f, &tz, unit),
                 }
             })
         }
@@ -876,58 +910,94 @@ fn convert_column(
     })
 }
 
-/// `text` parsed by `parse` into `field`'s type. A value that does not parse takes the type's
-/// default (its row is dropped; a null would break a NOT NULL column) and its reason goes to
-/// `bad_rows`.
-fn parsed<T: ArrowPrimitiveType>(
-    text: &StringArray,
-    field: &Field,
-    bad_rows: &mut Vec<(usize, String)>,
-    parse: impl Fn(&str, &Field) -> std::result::Result<T::Native, String>,
-) -> ArrayRef {
-    let mut values = arrow::array::PrimitiveBuilder::<T>::with_capacity(text.len())
-        .with_data_type(field.data_type().clone());
-    for (row, value) in text.iter().enumerate() {
-        match value.map(|value| parse(value, field)) {
-            None if field.is_nullable() => values.append_null(),
-            None => {
-                bad_rows.push((row, not_null(field)));
-                values.append_value(T::Native::default());
-            }
-            Some(Ok(n)) => values.append_value(n),
-            Some(Err(reason)) => {
-                bad_rows.push((row, reason));
-                values.append_value(T::Native::default());
-            }
-        }
-    }
-    Arc::new(values.finish())
+/// A [`FromText`] column of primitive values.
+struct Parsed<T: ArrowPrimitiveType, P> {
+    values: arrow::array::PrimitiveBuilder<T>,
+    field: Field,
+    parse: P,
 }
 
-/// A boolean column from its text, by `parse`; a value that does not parse goes to `bad_rows`,
-/// its row `false` until dropped.
-fn booleans(
-    text: &StringArray,
-    field: &Field,
-    bad_rows: &mut Vec<(usize, String)>,
-    parse: impl Fn(&str) -> std::result::Result<bool, String>,
-) -> ArrayRef {
-    let mut values = arrow::array::BooleanBuilder::with_capacity(text.len());
-    for (row, value) in text.iter().enumerate() {
-        match value.map(&parse) {
-            None if field.is_nullable() => values.append_null(),
+impl<T, P> FromText for Parsed<T, P>
+where
+    T: ArrowPrimitiveType,
+    P: Fn(&str, &Field) -> std::result::Result<T::Native, String>,
+{
+    fn append(&mut self, row: usize, text: Option<&str>, bad_rows: &mut Vec<(usize, String)>) {
+        match text.map(|value| (self.parse)(value, &self.field)) {
+            None if self.field.is_nullable() => self.values.append_null(),
             None => {
-                bad_rows.push((row, not_null(field)));
-                values.append_value(false);
+                bad_rows.push((row, not_null(&self.field)));
+                self.values.append_value(T::Native::default());
             }
-            Some(Ok(b)) => values.append_value(b),
+            Some(Ok(n)) => self.values.append_value(n),
             Some(Err(reason)) => {
                 bad_rows.push((row, reason));
-                values.append_value(false);
+                self.values.append_value(T::Native::default());
             }
         }
     }
-    Arc::new(values.finish())
+
+    fn finish(&mut self) -> ArrayRef {
+        Arc::new(self.values.finish())
+    }
+}
+
+/// A [`FromText`] column of `field`'s primitive type, each value parsed by `parse`.
+fn parsed<T: ArrowPrimitiveType>(
+    field: &Field,
+    capacity: usize,
+    parse: impl Fn(&str, &Field) -> std::result::Result<T::Native, String> + 'static,
+) -> Box<dyn FromText> {
+    Box::new(Parsed {
+        values: arrow::array::PrimitiveBuilder::<T>::with_capacity(capacity)
+            .with_data_type(field.data_type().clone()),
+        field: field.clone(),
+        parse,
+    })
+}
+
+/// A [`FromText`] column of booleans (a bad value `false` until its row is dropped).
+struct Booleans<P> {
+    values: arrow::array::BooleanBuilder,
+    field: Field,
+    parse: P,
+}
+
+impl<P> FromText for Booleans<P>
+where
+    P: Fn(&str, &Field) -> std::result::Result<bool, String>,
+{
+    fn append(&mut self, row: usize, text: Option<&str>, bad_rows: &mut Vec<(usize, String)>) {
+        match text.map(|value| (self.parse)(value, &self.field)) {
+            None if self.field.is_nullable() => self.values.append_null(),
+            None => {
+                bad_rows.push((row, not_null(&self.field)));
+                self.values.append_value(false);
+            }
+            Some(Ok(b)) => self.values.append_value(b),
+            Some(Err(reason)) => {
+                bad_rows.push((row, reason));
+                self.values.append_value(false);
+            }
+        }
+    }
+
+    fn finish(&mut self) -> ArrayRef {
+        Arc::new(self.values.finish())
+    }
+}
+
+/// A [`FromText`] column of booleans, each value parsed by `parse`.
+fn booleans(
+    field: &Field,
+    capacity: usize,
+    parse: impl Fn(&str, &Field) -> std::result::Result<bool, String> + 'static,
+) -> Box<dyn FromText> {
+    Box::new(Booleans {
+        values: arrow::array::BooleanBuilder::with_capacity(capacity),
+        field: field.clone(),
+        parse,
+    })
 }
 
 /// The reason of a row with no value for NOT NULL `field`.
@@ -1059,28 +1129,23 @@ fn plain_utc_timestamp(text: &str, unit: TimeUnit) -> Option<i64> {
     })
 }
 
-/// A timestamp column of `unit` from its text, each value turned into a number of units by
+/// A [`FromText`] timestamp column of `unit`, each value turned into a number of units by
 /// `to_units` (JSON's and CSV's rules differ).
 fn timestamps(
-    text: &StringArray,
     field: &Field,
-    bad_rows: &mut Vec<(usize, String)>,
+    capacity: usize,
     unit: TimeUnit,
-    to_units: impl Fn(&str, &Field) -> std::result::Result<i64, String>,
-) -> ArrayRef {
+    to_units: impl Fn(&str, &Field) -> std::result::Result<i64, String> + 'static,
+) -> Box<dyn FromText> {
     use arrow::datatypes::{
         TimestampMicrosecondType, TimestampMillisecondType, TimestampNanosecondType,
         TimestampSecondType,
     };
     match unit {
-        TimeUnit::Second => parsed::<TimestampSecondType>(text, field, bad_rows, to_units),
-        TimeUnit::Millisecond => {
-            parsed::<TimestampMillisecondType>(text, field, bad_rows, to_units)
-        }
-        TimeUnit::Microsecond => {
-            parsed::<TimestampMicrosecondType>(text, field, bad_rows, to_units)
-        }
-        TimeUnit::Nanosecond => parsed::<TimestampNanosecondType>(text, field, bad_rows, to_units),
+        TimeUnit::Second => parsed::<TimestampSecondType>(field, capacity, to_units),
+        TimeUnit::Millisecond => parsed::<TimestampMillisecondType>(field, capacity, to_units),
+        TimeUnit::Microsecond => parsed::<TimestampMicrosecondType>(field, capacity, to_units),
+        TimeUnit::Nanosecond => parsed::<TimestampNanosecondType>(field, capacity, to_units),
     }
 }
 
@@ -1422,6 +1487,20 @@ fn csv_column(
     field: &Field,
     bad_rows: &mut Vec<(usize, String)>,
 ) -> std::result::Result<ArrayRef, String> {
+    let converting = csv_from_text(index, field, text.len())?;
+    Ok(convert_all(converting, text, bad_rows))
+}
+
+/// A CSV top-level number, boolean or timestamp column (column `index` of the file) of
+/// `field`'s type built from text ([`FromText`]), converted as the Arrow CSV reader converts.
+///
+/// # Errors
+/// If the type is not converted from text, or the column's time zone does not parse.
+fn csv_from_text(
+    index: usize,
+    field: &Field,
+    capacity: usize,
+) -> std::result::Result<Box<dyn FromText>, String> {
     use arrow::datatypes::{
         Float16Type, Float32Type, Float64Type, Int8Type, Int16Type, Int32Type, Int64Type,
         UInt8Type, UInt16Type, UInt32Type, UInt64Type,
@@ -1456,26 +1535,20 @@ fn csv_column(
             in_unit(&date, unit).map_err(|e| error(&e))
         }
     }
-    let t = field.data_type();
-    Ok(match t {
-        DataType::Int8 => parsed::<Int8Type>(text, field, bad_rows, parse::<Int8Type>(index)),
-        DataType::Int16 => parsed::<Int16Type>(text, field, bad_rows, parse::<Int16Type>(index)),
-        DataType::Int32 => parsed::<Int32Type>(text, field, bad_rows, parse::<Int32Type>(index)),
-        DataType::Int64 => parsed::<Int64Type>(text, field, bad_rows, parse::<Int64Type>(index)),
-        DataType::UInt8 => parsed::<UInt8Type>(text, field, bad_rows, parse::<UInt8Type>(index)),
-        DataType::UInt16 => parsed::<UInt16Type>(text, field, bad_rows, parse::<UInt16Type>(index)),
-        DataType::UInt32 => parsed::<UInt32Type>(text, field, bad_rows, parse::<UInt32Type>(index)),
-        DataType::UInt64 => parsed::<UInt64Type>(text, field, bad_rows, parse::<UInt64Type>(index)),
-        DataType::Float16 => {
-            parsed::<Float16Type>(text, field, bad_rows, parse::<Float16Type>(index))
-        }
-        DataType::Float32 => {
-            parsed::<Float32Type>(text, field, bad_rows, parse::<Float32Type>(index))
-        }
-        DataType::Float64 => {
-            parsed::<Float64Type>(text, field, bad_rows, parse::<Float64Type>(index))
-        }
-        DataType::Boolean => booleans(text, field, bad_rows, |value| {
+    let c = capacity;
+    Ok(match field.data_type() {
+        DataType::Int8 => parsed::<Int8Type>(field, c, parse::<Int8Type>(index)),
+        DataType::Int16 => parsed::<Int16Type>(field, c, parse::<Int16Type>(index)),
+        DataType::Int32 => parsed::<Int32Type>(field, c, parse::<Int32Type>(index)),
+        DataType::Int64 => parsed::<Int64Type>(field, c, parse::<Int64Type>(index)),
+        DataType::UInt8 => parsed::<UInt8Type>(field, c, parse::<UInt8Type>(index)),
+        DataType::UInt16 => parsed::<UInt16Type>(field, c, parse::<UInt16Type>(index)),
+        DataType::UInt32 => parsed::<UInt32Type>(field, c, parse::<UInt32Type>(index)),
+        DataType::UInt64 => parsed::<UInt64Type>(field, c, parse::<UInt64Type>(index)),
+        DataType::Float16 => parsed::<Float16Type>(field, c, parse::<Float16Type>(index)),
+        DataType::Float32 => parsed::<Float32Type>(field, c, parse::<Float32Type>(index)),
+        DataType::Float64 => parsed::<Float64Type>(field, c, parse::<Float64Type>(index)),
+        DataType::Boolean => booleans(field, c, move |value, field| {
             if value.eq_ignore_ascii_case("true") {
                 Ok(true)
             } else if value.eq_ignore_ascii_case("false") {
@@ -1490,7 +1563,7 @@ fn csv_column(
         }),
         DataType::Timestamp(unit, tz) => {
             let tz = zone(tz.as_deref())?;
-            timestamps(text, field, bad_rows, *unit, timestamp(index, tz, *unit))
+            timestamps(field, c, *unit, timestamp(index, tz, *unit))
         }
         t => {
             return Err(format!(
@@ -1694,7 +1767,7 @@ mod tests {
         assert_narrowed_reads_alike(&json, bytes, &lines, true, &strict);
         // Schemas of text columns once decoded: flat objects are read in one pass first.
         for flat in [flat_schema(), flat_schema_not_null()] {
-            assert!(FlatJson::new(&text_schema(&flat), false, None).is_some());
+            assert!(FlatJson::new(&flat, false, None).is_some());
             for strict in [false, true] {
                 let read = decode_json_lines(&flat, None, bytes, &lines, strict);
                 let halved =
@@ -2143,20 +2216,23 @@ mod tests {
         let lines = split_lines(bytes);
         let lines = &lines[..lines.len() - 1];
         let s = flat_schema();
-        let flat = FlatJson::new(&text_schema(&s), false, None).unwrap();
-        let (batch, read, declined) = flat.read(bytes, lines).unwrap();
+        let flat = FlatJson::new(&s, false, None).unwrap();
+        let (rows, read, declined) = flat.read(bytes, lines).unwrap();
+        let batch = rows.batch;
         let numbers = |lines: &[Line]| lines.iter().map(|l| l.number).collect::<Vec<_>>();
         // A nested value, a missing comma, a repeated key, an escaped key and a second object
-        // are left to the decoder; a bad value is read here and fails in the conversion.
+        // are left to the decoder; a bad value is read here and fails its row as it converts.
         assert_eq!(numbers(&read), vec![1, 2, 3, 8, 9, 11, 15, 16]);
         assert_eq!(numbers(&declined), vec![4, 5, 6, 7, 10, 12, 13, 14]);
         let names = batch.column(1).as_string_view();
         assert_eq!(names.value(1), "tab\tq\"é😀");
         assert_eq!(names.value(6), "a/bA");
         assert_eq!(names.value(7), "𠮷");
-        assert_eq!(batch.column(4).as_string::<i32>().value(1), "false");
-        assert!(FlatJson::new(&text_schema(&s), true, None).is_some());
-        assert!(FlatJson::new(&text_schema(&nested_schema()), false, None).is_none());
+        assert!(!batch.column(4).as_boolean().value(1));
+        let bad_rows: Vec<usize> = rows.bad_rows.iter().map(|(row, _)| *row).collect();
+        assert_eq!(bad_rows, vec![3, 4, 5]);
+        assert!(FlatJson::new(&s, true, None).is_some());
+        assert!(FlatJson::new(&nested_schema(), false, None).is_none());
         let decoded = decode_json_lines(&s, None, bytes, lines, false);
         let halved = decode_lines(bytes, lines, |c| decode_json_rows(&s, bytes, c, false));
         assert_same_decoding(&decoded, &halved);

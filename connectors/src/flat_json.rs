@@ -1,11 +1,13 @@
-//! JSON lines read straight into text columns, in one pass over each line's bytes.
+//! JSON lines read straight into columns, in one pass over each line's bytes.
 //!
 //! [`crate::decode`] reads JSON into columns that are, for most schemas, text only: its number,
 //! boolean and timestamp columns are read as text and converted per row afterwards. Through
 //! Arrow's decoder such a line costs three passes — the object check that sorts lines, the
 //! decoder's tape, the tape into columns. For a schema whose decoded columns are all text
 //! ([`FlatJson::new`]), a line that is a flat object of strings, numbers, booleans and nulls is
-//! read here instead, in one pass, its values appended to the columns as they are found. A read
+//! read here instead, in one pass, its values appended to the columns as they are found — a
+//! number, boolean or timestamp converted from its text there and then, by the same conversion
+//! ([`crate::decode::json_from_text`]) the decoder's text columns go through. A read
 //! that keeps only some columns (a query using a few of many) still reads every value of a line
 //! — so a line is taken or declined alike — but appends only the kept columns' values.
 //!
@@ -24,15 +26,22 @@ use arrow::array::{
 };
 use arrow::datatypes::{DataType, SchemaRef};
 
-use crate::decode::{Line, literal_end, skip_whitespace, unicode_escape};
+use crate::decode::{
+    DecodedRows, FromText, Line, converted_from_text, json_from_text, literal_end, skip_whitespace,
+    text_schema, unicode_escape,
+};
 
-/// A reader of flat JSON objects into a schema of text columns.
+/// A reader of flat JSON objects into a schema of text columns, numbers, booleans and
+/// timestamps.
 pub(crate) struct FlatJson {
+    /// The schema as decoded: every column text, as its values are read off a line.
     schema: SchemaRef,
     /// The columns whose values are kept (by index in `schema`), in order: the batch a read
     /// makes holds these only. The others are still read over and checked as any column is.
     built: Vec<usize>,
-    /// `schema` with only the `built` columns: the schema of the batches a read makes.
+    /// The `built` columns as the source declares them: the schema of the batches a read
+    /// makes, its numbers, booleans and timestamps converted from each value's text as it is
+    /// read ([`FromText`]).
     built_schema: SchemaRef,
     /// The columns that must have a value (NOT NULL): a line without one is declined.
     required: Vec<usize>,
@@ -97,14 +106,18 @@ enum Column {
     Utf8(StringBuilder),
     LargeUtf8(LargeStringBuilder),
     Utf8View(StringViewBuilder),
+    /// A number, boolean or timestamp column.
+    Converted(Box<dyn FromText>),
 }
 
 impl Column {
-    fn append(&mut self, value: Option<&str>) {
+    /// Appends row `row`'s value (a value that does not convert adds its row to `bad_rows`).
+    fn append(&mut self, row: usize, value: Option<&str>, bad_rows: &mut Vec<(usize, String)>) {
         match self {
             Column::Utf8(b) => b.append_option(value),
             Column::LargeUtf8(b) => b.append_option(value),
             Column::Utf8View(b) => b.append_option(value),
+            Column::Converted(c) => c.append(row, value, bad_rows),
         }
     }
 
@@ -113,21 +126,22 @@ impl Column {
             Column::Utf8(b) => Arc::new(b.finish()),
             Column::LargeUtf8(b) => Arc::new(b.finish()),
             Column::Utf8View(b) => Arc::new(b.finish()),
+            Column::Converted(c) => c.finish(),
         }
     }
 }
 
 impl FlatJson {
-    /// A reader for `decode_schema` (the schema as `decode` decodes it, its converted columns
-    /// already text), if every column of it is text and their names differ; `None` otherwise
-    /// (any other column — nested, binary, date, decimal, … — and such schemas go through
-    /// Arrow's decoder only).
+    /// A reader for `schema`, if every column of it is text or converted from text (numbers,
+    /// booleans, timestamps) and their names differ; `None` otherwise (any other column —
+    /// nested, binary, date, decimal, … — and such schemas go through Arrow's decoder only).
     /// `built`: the columns whose values the batches keep (by index, ascending; `None`: all).
     pub(crate) fn new(
-        decode_schema: &SchemaRef,
+        schema: &SchemaRef,
         strict: bool,
         built: Option<Vec<usize>>,
     ) -> Option<FlatJson> {
+        let decode_schema = &text_schema(schema);
         let fields = decode_schema.fields();
         let text =
             |t: &DataType| matches!(t, DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View);
@@ -139,7 +153,7 @@ impl FlatJson {
             return None;
         }
         let built = built.unwrap_or_else(|| (0..fields.len()).collect());
-        let built_schema = Arc::new(decode_schema.project(&built).ok()?);
+        let built_schema = Arc::new(schema.project(&built).ok()?);
         Some(FlatJson {
             schema: Arc::clone(decode_schema),
             built,
@@ -152,29 +166,29 @@ impl FlatJson {
         })
     }
 
-    /// Reads what it can of `lines` of `bytes`: the batch of the lines it read (in
-    /// `decode_schema`, its `built` columns only), those lines, in order, and the lines it
-    /// declined, in order.
+    /// Reads what it can of `lines` of `bytes`: the rows of the lines it read (the `built`
+    /// columns), with those whose value did not convert among them as bad rows (the first
+    /// such column's reason), those lines, in order, and the lines it declined, in order.
     ///
     /// # Errors
-    /// If the columns do not make a batch of the schema (not expected: they are built for it).
+    /// If a column cannot be converted from text at all (its time zone does not parse), or the
+    /// columns do not make a batch of the schema (not expected: they are built for it).
     pub(crate) fn read(
         &self,
         bytes: &[u8],
         lines: &[Line],
-    ) -> std::result::Result<(RecordBatch, Vec<Line>, Vec<Line>), String> {
+    ) -> std::result::Result<(DecodedRows, Vec<Line>, Vec<Line>), String> {
         let span: usize = lines.iter().map(|l| l.end - l.start).sum();
         if span > i32::MAX as usize {
             // A column's text could outgrow 32-bit offsets: the decoder says so, line by line.
             let empty = RecordBatch::new_empty(Arc::clone(&self.built_schema));
-            return Ok((empty, Vec::new(), lines.to_vec()));
+            return Ok((empty.into(), Vec::new(), lines.to_vec()));
         }
         let per_column = span / self.schema.fields().len().max(1);
-        let mut columns: Vec<Column> = self
-            .built_schema
-            .fields()
-            .iter()
-            .map(|f| match f.data_type() {
+        let mut columns: Vec<Column> = Vec::with_capacity(self.built.len());
+        for f in self.built_schema.fields() {
+            columns.push(match f.data_type() {
+                t if converted_from_text(t) => Column::Converted(json_from_text(f, lines.len())?),
                 DataType::LargeUtf8 => {
                     Column::LargeUtf8(LargeStringBuilder::with_capacity(lines.len(), per_column))
                 }
@@ -182,11 +196,12 @@ impl FlatJson {
                     Column::Utf8View(StringViewBuilder::with_capacity(lines.len()))
                 }
                 _ => Column::Utf8(StringBuilder::with_capacity(lines.len(), per_column)),
-            })
-            .collect();
+            });
+        }
         let mut values: Vec<Option<Value>> = vec![None; self.schema.fields().len()];
         let mut unescaped = String::new();
         let (mut read, mut declined) = (Vec::with_capacity(lines.len()), Vec::new());
+        let mut bad_rows = Vec::new();
         for line in lines {
             let text = &bytes[line.start..line.end];
             let Some(text) = simdutf8::basic::from_utf8(text)
@@ -196,17 +211,21 @@ impl FlatJson {
                 declined.push(*line);
                 continue;
             };
+            let row = read.len();
             for (column, &index) in columns.iter_mut().zip(&self.built) {
-                match values[index] {
-                    None | Some(Value::Null) => column.append(None),
-                    Some(Value::Text(from, to)) => column.append(Some(&text[from..to])),
-                    Some(Value::Escaped(from, to)) => column.append(Some(&unescaped[from..to])),
-                    Some(Value::True) => column.append(Some("true")),
-                    Some(Value::False) => column.append(Some("false")),
-                }
+                let value = match values[index] {
+                    None | Some(Value::Null) => None,
+                    Some(Value::Text(from, to)) => Some(&text[from..to]),
+                    Some(Value::Escaped(from, to)) => Some(&unescaped[from..to]),
+                    Some(Value::True) => Some("true"),
+                    Some(Value::False) => Some("false"),
+                };
+                column.append(row, value, &mut bad_rows);
             }
             read.push(*line);
         }
+        // A row's reason is its first bad column's (they are added in column order).
+        bad_rows.dedup_by_key(|(row, _)| *row);
         let arrays = columns.iter_mut().map(Column::finish).collect();
         let batch = RecordBatch::try_new_with_options(
             Arc::clone(&self.built_schema),
@@ -214,7 +233,7 @@ impl FlatJson {
             &RecordBatchOptions::new().with_row_count(Some(read.len())),
         )
         .map_err(|e| e.to_string())?;
-        Ok((batch, read, declined))
+        Ok((DecodedRows { batch, bad_rows }, read, declined))
     }
 
     /// The values of the flat object `text`, by column, into `values` (escaped strings
