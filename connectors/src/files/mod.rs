@@ -678,7 +678,7 @@ impl Decoding {
         };
         let mut read = SourceRead::default();
         for (batch, numbers) in decoded {
-            let positions = numbered_positions(&file.name, &numbers);
+            let positions = numbered_positions(&file.name, &numbers)?;
             read.batches
                 .push(attach_lineage(batch, PARTITION, offset, Some(positions))?);
         }
