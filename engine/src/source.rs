@@ -189,9 +189,9 @@ pub trait Source: Send + Sync {
 
     /// Whether [`Source::read_columns`] decodes only the columns it is asked for (Parquet
     /// files do: each column is stored apart; JSON files skip copying the text of the others).
-    /// When it does, a query that uses a few of the
-    /// source's columns has only those read, and the engine reads a record again in full for
-    /// the few rows that go to the dead-letter or late tables, which keep whole records.
+    /// When it does, a query that uses a few of the source's columns has only those read, and
+    /// the engine reads a record again in full for the few rows that go to the dead-letter or
+    /// late tables, which keep whole records.
     fn reads_columns(&self) -> bool {
         false
     }
