@@ -243,9 +243,11 @@ pub fn extract_event_time(
         (DataType::Timestamp(_, _) | DataType::Date32 | DataType::Date64, _) => {
             let cast = as_event_time(input)?;
             let ts = cast.as_primitive::<arrow::datatypes::TimestampMicrosecondType>();
-            for row in 0..ts.len() {
-                if ts.is_null(row) {
-                    bad.push(missing(row, &config.column));
+            if ts.null_count() > 0 {
+                for row in 0..ts.len() {
+                    if ts.is_null(row) {
+                        bad.push(missing(row, &config.column));
+                    }
                 }
             }
             ts.clone()
@@ -257,29 +259,38 @@ pub fn extract_event_time(
             )));
         }
     };
-    let flagged: std::collections::HashSet<usize> = bad.iter().map(|b| b.row).collect();
     let horizon = clock.map(|c| c.saturating_add(micros(config.max_event_time_skew)));
-    for (row, t) in parsed.iter().enumerate() {
-        let Some(t) = t else { continue };
-        if flagged.contains(&row) {
-            continue;
-        }
-        if !(MIN_EVENT_TIME..=MAX_EVENT_TIME).contains(&t) {
-            bad.push(out_of_range(row, &config.column, &t.to_string()));
-        } else if let (Some(horizon), Some(clock)) = (horizon, clock)
-            && t > horizon
-        {
-            bad.push(BadEventTime {
-                row,
-                reason: format!(
-                    "{TOO_FAR_AHEAD}: '{}' is {}, more than {} past {} (the clock when the batch \
-                     was planned); raise max_event_time_skew if such times are real",
-                    config.column,
-                    display_micros(t),
-                    humantime::format_duration(config.max_event_time_skew),
-                    display_micros(clock),
-                ),
-            });
+    // Most batches hold no time out of range or too far ahead: their oldest and newest show it,
+    // and the rows are looked at one by one only when they do not.
+    let newest_allowed = horizon.map_or(MAX_EVENT_TIME, |h| h.min(MAX_EVENT_TIME));
+    let all_allowed = match (arrow::compute::min(&parsed), arrow::compute::max(&parsed)) {
+        (Some(oldest), Some(newest)) => oldest >= MIN_EVENT_TIME && newest <= newest_allowed,
+        _ => true,
+    };
+    if !all_allowed {
+        let flagged: std::collections::HashSet<usize> = bad.iter().map(|b| b.row).collect();
+        for (row, t) in parsed.iter().enumerate() {
+            let Some(t) = t else { continue };
+            if flagged.contains(&row) {
+                continue;
+            }
+            if !(MIN_EVENT_TIME..=MAX_EVENT_TIME).contains(&t) {
+                bad.push(out_of_range(row, &config.column, &t.to_string()));
+            } else if let (Some(horizon), Some(clock)) = (horizon, clock)
+                && t > horizon
+            {
+                bad.push(BadEventTime {
+                    row,
+                    reason: format!(
+                        "{TOO_FAR_AHEAD}: '{}' is {}, more than {} past {} (the clock when the batch \
+                         was planned); raise max_event_time_skew if such times are real",
+                        config.column,
+                        display_micros(t),
+                        humantime::format_duration(config.max_event_time_skew),
+                        display_micros(clock),
+                    ),
+                });
+            }
         }
     }
     bad.sort_by_key(|b| b.row);
@@ -498,6 +509,34 @@ mod tests {
         let (_, bad) =
             extract_event_time(&input, &config(EventTimeFormat::EpochMillis), None).unwrap();
         assert_eq!(bad.len(), 1, "{bad:?}");
+    }
+
+    /// A timestamp column: a null is missing, a time past the skew or the range is refused,
+    /// the others pass — whether every time is allowed or only some.
+    #[test]
+    fn timestamp_columns_are_judged_row_by_row_when_some_time_is_not_allowed() {
+        let clock = 1_714_564_800_000_000; // 2024-05-01T12:00:00Z
+        let hour = 3_600_000_000;
+        let column = |values: Vec<Option<i64>>| {
+            batch(Arc::new(
+                arrow::array::TimestampMicrosecondArray::from(values).with_timezone("UTC"),
+            ))
+        };
+        let judged = |input: &RecordBatch| {
+            let (_, bad) =
+                extract_event_time(input, &config(EventTimeFormat::Rfc3339), Some(clock)).unwrap();
+            bad.iter().map(|b| b.row).collect::<Vec<_>>()
+        };
+        assert!(judged(&column(vec![Some(clock), Some(clock + hour)])).is_empty());
+        assert_eq!(judged(&column(vec![Some(clock), None])), [1]);
+        let mixed = column(vec![
+            Some(clock + 48 * hour),
+            None,
+            Some(clock),
+            Some(i64::MIN + 1),
+            Some(clock - hour),
+        ]);
+        assert_eq!(judged(&mixed), [0, 1, 3]);
     }
 
     fn formats() -> Vec<EventTimeFormat> {

@@ -15,9 +15,10 @@
 //! on restart, so a restarted job continues from the same watermark.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use arrow::array::{Array, AsArray, RecordBatch};
+use arrow::array::{Array, AsArray, RecordBatch, StringArray};
 use arrow::datatypes::TimestampMicrosecondType;
 
 use crate::error::{Error, Result};
@@ -175,23 +176,60 @@ pub fn max_event_time_by_partition(
         .ok_or_else(|| missing(event_time_column))?
         .as_primitive_opt::<TimestampMicrosecondType>()
         .ok_or_else(|| missing(event_time_column))?;
-    let mut i = 0;
-    while i < batch.num_rows() {
-        // Rows of one partition come in runs; take each run's maximum in one pass.
-        let p = partitions.value(i);
-        let mut max = i64::MIN;
-        while i < batch.num_rows() && partitions.value(i) == p {
-            if times.is_valid(i) {
-                max = max.max(times.value(i));
-            }
-            i += 1;
-        }
-        if max != i64::MIN {
-            let m = into.entry(p.to_string()).or_insert(max);
+    // Rows of one partition come in runs (most batches, a source's read, hold one partition):
+    // each run's newest time is taken by Arrow's kernel over its rows.
+    for run in runs(partitions) {
+        if let Some(max) = arrow::compute::max(&times.slice(run.start, run.len())) {
+            let m = into
+                .entry(partitions.value(run.start).to_string())
+                .or_insert(max);
             *m = (*m).max(max);
         }
     }
     Ok(())
+}
+
+/// The runs of rows of `column` that hold the same text, in order.
+fn runs(column: &StringArray) -> Vec<Range<usize>> {
+    let mut runs = Vec::new();
+    if holds_one_text(column) {
+        runs.push(0..column.len());
+        return runs;
+    }
+    let mut from = 0;
+    while from < column.len() {
+        let text = column.value(from);
+        let to = (from + 1..column.len())
+            .find(|&row| column.value(row) != text)
+            .unwrap_or(column.len());
+        runs.push(from..to);
+        from = to;
+    }
+    runs
+}
+
+/// Whether `column` has rows and every one holds the same text: every length the first's,
+/// then all the text compared with the first row's repeated, a block at a time (comparing row
+/// by row was most of the time finding a batch's newest event time took).
+fn holds_one_text(column: &StringArray) -> bool {
+    if column.is_empty() {
+        return false;
+    }
+    let first = column.value(0).as_bytes();
+    let offsets = column.value_offsets();
+    if !offsets
+        .windows(2)
+        .all(|w| (w[1] - w[0]) as usize == first.len())
+    {
+        return false;
+    }
+    if first.is_empty() {
+        return true;
+    }
+    let text = &column.value_data()[offsets[0] as usize..offsets[column.len()] as usize];
+    let block = first.repeat((4096 / first.len()).max(1));
+    text.chunks(block.len())
+        .all(|chunk| chunk == &block[..chunk.len()])
 }
 
 /// `2026-11-29T10:00:00Z` for a watermark in µs, `-` for none.
@@ -229,6 +267,68 @@ mod tests {
             "s".to_string(),
             pairs.iter().map(|(p, t)| (p.to_string(), *t)).collect(),
         )])
+    }
+
+    /// The newest time per partition, whatever the layout of the partitions' rows: one text
+    /// throughout (long, empty, cut short by a slice), runs, rows alternating, texts of one
+    /// length that differ late in the column, null times — as a plain scan of the rows finds.
+    #[test]
+    fn newest_event_time_per_partition_for_any_layout_of_rows() {
+        use arrow::array::TimestampMicrosecondArray;
+        use arrow::datatypes::{DataType, Field, Schema, TimeUnit};
+        use std::sync::Arc;
+
+        let long = "a-partition-name-longer-than-a-few-bytes";
+        let mut layouts: Vec<Vec<&str>> = vec![
+            vec!["0"; 10_000],
+            vec![long; 5_000],
+            vec![""; 7],
+            vec!["p-1", "p-1", "p-2", "p-2", "p-2", "p-1"],
+            (0..999).map(|i| ["p-1", "p-2"][i % 2]).collect(),
+        ];
+        // One text of one length but the very last row's.
+        let mut late = vec!["p-1"; 20_000];
+        late[19_999] = "p-2";
+        layouts.push(late);
+        let mut shorter = vec![long; 3_000];
+        shorter[1_500] = "x";
+        layouts.push(shorter);
+        let schema = Arc::new(Schema::new(vec![
+            Field::new(SOURCE_PARTITION, DataType::Utf8, false),
+            Field::new(
+                "t",
+                DataType::Timestamp(TimeUnit::Microsecond, Some("UTC".into())),
+                true,
+            ),
+        ]));
+        for partitions in layouts {
+            let times: TimestampMicrosecondArray = (0..partitions.len())
+                .map(|i| (i % 7 != 3).then_some(((i * 7_919) % 10_007) as i64))
+                .collect();
+            let batch = RecordBatch::try_new(
+                Arc::clone(&schema),
+                vec![
+                    Arc::new(StringArray::from(partitions.clone())),
+                    Arc::new(times.with_timezone("UTC")),
+                ],
+            )
+            .unwrap();
+            for (from, len) in [(0, batch.num_rows()), (1, batch.num_rows() - 1), (2, 3)] {
+                let batch = batch.slice(from, len.min(batch.num_rows() - from));
+                let mut found = BTreeMap::from([("p-1".to_string(), 5_000)]);
+                max_event_time_by_partition(&batch, "t", &mut found).unwrap();
+                let mut expected = BTreeMap::from([("p-1".to_string(), 5_000)]);
+                let times = batch.column(1).as_primitive::<TimestampMicrosecondType>();
+                for row in 0..batch.num_rows() {
+                    if times.is_valid(row) {
+                        let p = partitions[from + row].to_string();
+                        let m = expected.entry(p).or_insert(i64::MIN);
+                        *m = (*m).max(times.value(row));
+                    }
+                }
+                assert_eq!(found, expected, "{:?}…, from row {from}", &partitions[..2]);
+            }
+        }
     }
 
     #[test]
