@@ -270,7 +270,7 @@ fn write_misfits(dir: &Path) -> Vec<(i64, String)> {
     unexpected
 }
 
-fn write_declared_job(path: &Path, input: &Path, out: &Path, mode: &str) -> PathBuf {
+fn write_declared_job(path: &Path, input: &Path, out: &Path, mode: &str, sql: &str) -> PathBuf {
     let text = format!(
         r#"
 [job]
@@ -290,7 +290,7 @@ kind = "delta"
 path = "{out}"
 
 [query]
-sql = "SELECT * FROM events"
+sql = "{sql}"
 "#,
         input = input.display(),
         out = out.display(),
@@ -306,7 +306,8 @@ async fn rescue_keeps_every_byte_of_what_does_not_fit_and_fail_names_the_field()
     let unexpected = write_misfits(&input);
 
     let out = ws.path().join("rescued");
-    let job = write_declared_job(&ws.path().join("rescue.toml"), &input, &out, "rescue");
+    let all = "SELECT * FROM events";
+    let job = write_declared_job(&ws.path().join("rescue.toml"), &input, &out, "rescue", all);
     assert_ok(&run_sluice(&["run", job.to_str().unwrap()], &[]));
     let rows = python_read(&out)["rows"].as_array().unwrap().clone();
     assert_eq!(rows.len(), 40, "no record is dead-lettered");
@@ -335,9 +336,48 @@ async fn rescue_keeps_every_byte_of_what_does_not_fit_and_fail_names_the_field()
         "no dead letters"
     );
 
+    // A query using some columns reads only those (its rescued rows projected too): the same
+    // rows, the same rescued text.
+    let narrow_out = ws.path().join("rescued-narrow");
+    let narrow = "SELECT id, _rescued_data FROM events";
+    let job = write_declared_job(
+        &ws.path().join("narrow.toml"),
+        &input,
+        &narrow_out,
+        "rescue",
+        narrow,
+    );
+    assert_ok(&run_sluice(&["run", job.to_str().unwrap()], &[]));
+    let narrow_rows = python_read(&narrow_out)["rows"].as_array().unwrap().clone();
+    let pairs = |rows: &[Value]| {
+        let mut pairs: Vec<(i64, Option<String>)> = rows
+            .iter()
+            .map(|r| {
+                (
+                    r["id"].as_i64().unwrap(),
+                    r["_rescued_data"].as_str().map(String::from),
+                )
+            })
+            .collect();
+        pairs.sort();
+        pairs
+    };
+    assert_eq!(pairs(&narrow_rows), pairs(&rows));
+    assert!(
+        narrow_rows.iter().all(|r| r.get("amount").is_none()),
+        "{narrow_rows:?}"
+    );
+    assert_eq!(dead_letter_rows(&narrow_out), Vec::<Value>::new());
+
     // `fail` stops at the new field, naming it, where it first appeared, and the options.
     let failed_out = ws.path().join("failed");
-    let job = write_declared_job(&ws.path().join("fail.toml"), &input, &failed_out, "fail");
+    let job = write_declared_job(
+        &ws.path().join("fail.toml"),
+        &input,
+        &failed_out,
+        "fail",
+        all,
+    );
     assert_fails_saying(
         &run_sluice(&["run", job.to_str().unwrap()], &[]),
         &[

@@ -148,6 +148,17 @@ fn concat_runs(runs: Vec<Decoded>) -> Decoded {
     (good, bad)
 }
 
+/// The indices of `schema`'s columns named in `columns`, in the schema's order; `None` (no
+/// projection) where `columns` is `None`. What a narrowed read keeps of the rows it decodes.
+pub(crate) fn kept_columns(schema: &SchemaRef, columns: Option<&[String]>) -> Option<Vec<usize>> {
+    let fields = schema.fields();
+    columns.map(|columns| {
+        (0..fields.len())
+            .filter(|&i| columns.contains(fields[i].name()))
+            .collect()
+    })
+}
+
 /// JSON `lines` of `bytes` decoded into `schema` (see [`decode_json_rows`] for `strict`), as
 /// `decode_lines` does, but a bad line costs about what a line costs: each run's lines are
 /// sorted by [`is_one_json_object`], those that pass decoded together, the others one by one.
@@ -173,7 +184,7 @@ pub(crate) fn decode_json_lines(
     let wanted = |i: &usize| columns.is_none_or(|c| c.contains(fields[*i].name()));
     // The columns kept, and the ones the flat reader builds: those kept, and those not kept
     // that are converted from text (their bad values fail lines).
-    let kept: Option<Vec<usize>> = columns.map(|_| (0..fields.len()).filter(wanted).collect());
+    let kept = kept_columns(schema, columns);
     let built: Option<Vec<usize>> = columns.map(|_| {
         (0..fields.len())
             .filter(|i| wanted(i) || converted_from_text(fields[*i].data_type()))

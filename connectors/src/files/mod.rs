@@ -58,7 +58,7 @@ use sluice_engine::{
 use tokio::sync::Mutex;
 use url::Url;
 
-use crate::decode::{data_lines, decode_csv_lines, decode_json_lines};
+use crate::decode::{data_lines, decode_csv_lines, decode_json_lines, kept_columns};
 use crate::error::{ConnectorError, Result};
 use crate::evolve::{SchemaEvolution, fields_to_add, rescue_lines};
 use crate::infer::{INFER_RECORDS, infer_csv, infer_json};
@@ -640,12 +640,9 @@ impl Decoding {
                 let (good, bad) = decode_json_lines(schema, columns, &bytes, &lines, strict);
                 if evolution == SchemaEvolution::Rescue {
                     let (rescued, bad) = rescue_lines(schema, bad);
-                    let rescued = match columns {
+                    let rescued = match kept_columns(schema, columns) {
                         None => rescued,
-                        Some(columns) => {
-                            let kept: Vec<usize> = (0..schema.fields().len())
-                                .filter(|&i| columns.contains(schema.field(i).name()))
-                                .collect();
+                        Some(kept) => {
                             let mut projected = Vec::with_capacity(rescued.len());
                             for (batch, numbers) in rescued {
                                 projected.push((batch.project(&kept)?, numbers));
