@@ -303,9 +303,9 @@ fn repeated(value: &str, n: usize) -> Result<StringArray> {
 /// for [`SOURCE_POSITION`], written into one buffer. A read makes one per row, so it is cheap:
 /// numbers of one ten share all their text but the last digit (`{name}:{number / 10}`, or
 /// `{name}:` below 10), held aside and formatted afresh only when the tens change; each row is
-/// that text and its last digit. A `String` per row made a Parquet batch's read about a third slower, and
-/// counting each row's digits up in place (characters popped and pushed) was still a fifth of
-/// a Parquet filter query's CPU.
+/// that text and its last digit. A `String` per row made a Parquet batch's read about a third
+/// slower, and counting each row's digits up in place (characters popped and pushed) was still
+/// a fifth of a Parquet filter query's CPU.
 ///
 /// # Errors
 /// If the positions' text passes 2 GiB (32-bit offsets).
