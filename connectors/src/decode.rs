@@ -181,13 +181,12 @@ pub(crate) fn decode_json_lines(
 ) -> Decoded {
     let decode_schema = text_schema(schema);
     let fields = schema.fields();
-    let wanted = |i: &usize| columns.is_none_or(|c| c.contains(fields[*i].name()));
     // The columns kept, and the ones the flat reader builds: those kept, and those not kept
     // that are converted from text (their bad values fail lines).
     let kept = kept_columns(schema, columns);
-    let built: Option<Vec<usize>> = columns.map(|_| {
+    let built: Option<Vec<usize>> = kept.as_ref().map(|kept| {
         (0..fields.len())
-            .filter(|i| wanted(i) || converted_from_text(fields[*i].data_type()))
+            .filter(|i| kept.contains(i) || converted_from_text(fields[*i].data_type()))
             .collect()
     });
     let passes = is_one_json_object;
@@ -205,9 +204,12 @@ pub(crate) fn decode_json_lines(
         return decode_sorted(bytes, lines, passes, decode_passed, decode_alone);
     };
     // Where the kept columns sit among the flat reader's.
-    let kept_of_built: Option<Vec<usize>> = built
-        .as_ref()
-        .map(|built| (0..built.len()).filter(|&at| wanted(&built[at])).collect());
+    let kept_of_built: Option<Vec<usize>> =
+        built.as_ref().zip(kept.as_ref()).map(|(built, kept)| {
+            (0..built.len())
+                .filter(|&at| kept.contains(&built[at]))
+                .collect()
+        });
     let runs: Vec<Decoded> = lines
         .par_chunks(DECODE_ROWS)
         .map(|run| {
