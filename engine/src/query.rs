@@ -965,7 +965,9 @@ impl StreamingQuery {
             .tables
             .isolate(&plan, &inputs, Run::Partial(stateful.operator()))
             .await?;
-        stateful.accumulate(partials.batches).await?;
+        stateful
+            .accumulate(partials.batches, watermark.before)
+            .await?;
         let mut emitted = stateful.emit(&self.tables.ctx, watermark.after).await?;
         emitted.failed.splice(0..0, partials.failed);
         Ok(emitted)
@@ -1006,7 +1008,10 @@ async fn join_then_aggregate(
     let partials = tables
         .isolate(&plan, &input, Run::Partial(chain.aggregate.operator()))
         .await?;
-    chain.aggregate.accumulate(partials.batches).await?;
+    chain
+        .aggregate
+        .accumulate(partials.batches, watermark.before)
+        .await?;
     let mut failed = joined.failed;
     for row in partials.failed {
         failed.push(chain.named_failure(row)?);
@@ -1030,7 +1035,7 @@ async fn accumulate_windows(
         let partials = tables
             .isolate(&plan, inputs, Run::Partial(side.operator()))
             .await?;
-        side.accumulate(partials.batches).await?;
+        side.accumulate(partials.batches, watermark).await?;
         if i == 0 || !self_join {
             failed.extend(partials.failed);
             continue;
@@ -1115,7 +1120,7 @@ impl StreamingQuery {
             .tables
             .isolate(&plan, inputs, Run::Partial(stateful.operator()))
             .await?;
-        stateful.accumulate(part.batches).await?;
+        stateful.accumulate(part.batches, watermark).await?;
         Ok(QueryOutput {
             batches: Vec::new(),
             failed: part.failed,

@@ -30,8 +30,8 @@ use datafusion::common::{DataFusionError, ScalarValue};
 use datafusion::datasource::{ViewTable, provider_as_source};
 use datafusion::logical_expr::expr::ScalarFunction;
 use datafusion::logical_expr::{
-    ColumnarValue, Expr, LogicalPlanBuilder, ScalarFunctionArgs, ScalarUDF, ScalarUDFImpl,
-    Signature, Volatility, col, lit,
+    ColumnarValue, Expr, LogicalPlan, LogicalPlanBuilder, ScalarFunctionArgs, ScalarUDF,
+    ScalarUDFImpl, Signature, Volatility, col, lit,
 };
 use datafusion::prelude::SessionContext;
 
@@ -323,6 +323,62 @@ impl ScalarUDFImpl for HopStarts {
         )?;
         Ok(ColumnarValue::Array(Arc::new(lists)))
     }
+}
+
+/// For the rows of a `hop(…)` call over `window` as planned into a query (the view's top node:
+/// the windows unnested from [`HopStarts`]' lists over the source's scan): the same rows once
+/// each, in their newest window (`window_start` the row's time rounded down to the slide,
+/// `window_end` that plus the size) — what an aggregate over the hop reads when it aggregates
+/// by panes (see `crate::operators::panes`). A row's other windows start `slide`,
+/// 2 × `slide`, … earlier, as [`hop_starts`] lists them. `None` if `plan` is not that call's
+/// rows.
+pub(crate) fn newest_hop_window(
+    plan: &LogicalPlan,
+    window: &WindowUse,
+) -> datafusion::common::Result<Option<LogicalPlan>> {
+    let WindowKind::Hop { slide, size } = window.kind else {
+        return Ok(None);
+    };
+    let LogicalPlan::Projection(top) = plan else {
+        return Ok(None);
+    };
+    let LogicalPlan::Unnest(unnest) = top.input.as_ref() else {
+        return Ok(None);
+    };
+    let LogicalPlan::Projection(lists) = unnest.input.as_ref() else {
+        return Ok(None);
+    };
+    let rows = lists.input.as_ref();
+    let from_source = matches!(rows, LogicalPlan::TableScan(scan)
+        if scan.table_name.table() == window.source);
+    // This call's lists: its slide, and as many windows per row.
+    let these_windows = lists.expr.iter().any(|e| match e {
+        Expr::Alias(alias) if alias.name == WINDOWS_LIST => matches!(
+            alias.expr.as_ref(),
+            Expr::ScalarFunction(f) if f.func.inner().downcast_ref::<HopStarts>().is_some_and(
+                |h| h.slide == slide && i64::try_from(h.count) == Ok(size / slide)
+            )
+        ),
+        _ => false,
+    });
+    let unnests_them = unnest.exec_columns.iter().any(|c| c.name == WINDOWS_LIST);
+    if !(from_source && these_windows && unnests_them) {
+        return Ok(None);
+    }
+    let mut projection: Vec<Expr> = rows
+        .schema()
+        .columns()
+        .into_iter()
+        .map(Expr::Column)
+        .collect();
+    let start = bucket(slide, &window.time_column);
+    projection.push(start.clone().alias(WINDOW_START));
+    projection.push(shift(start, size).alias(WINDOW_END));
+    Ok(Some(
+        LogicalPlanBuilder::from(rows.clone())
+            .project(projection)?
+            .build()?,
+    ))
 }
 
 impl TableFunctionImpl for WindowFunction {

@@ -55,6 +55,7 @@ use datafusion::prelude::SessionContext;
 
 use super::aggregate_state::AggregateState;
 use super::group_table::GroupTable;
+use super::panes::Panes;
 use super::state_store::{StateLog, StateWrite};
 use super::{FailedRow, QueryOutput, is_data_error};
 use crate::error::{Error, Result};
@@ -140,6 +141,9 @@ pub(crate) struct StatefulAggregate {
     mode: OutputMode,
     /// The aggregate as run each batch (a running aggregate's carries [`NEWEST_EVENT`]).
     aggregate: LogicalPlan,
+    /// A hopping window's aggregate computed by panes (see [`super::panes`]): its first phase
+    /// runs over each row's newest window instead of `aggregate`'s.
+    panes: Option<Panes>,
     operator: AggregateState,
     /// How many leading state columns are group columns.
     group_count: usize,
@@ -201,8 +205,15 @@ impl StatefulAggregate {
                 } else {
                     "its end"
                 };
+                // By panes: each row aggregated once, in its newest window (see super::panes).
+                let panes = match (&self.panes, window.kind) {
+                    (Some(_), WindowKind::Hop { slide, .. }) => {
+                        format!(", by {} panes", micros(slide))
+                    }
+                    _ => String::new(),
+                };
                 (
-                    format!("windowed aggregate over {}", window_call(window)),
+                    format!("windowed aggregate over {}{panes}", window_call(window)),
                     format!(
                         "a window leaves when the watermark reaches {end} + allowed lateness ({})",
                         micros(lateness.allowed_lateness)
@@ -439,6 +450,12 @@ pub(crate) async fn plan_stateful(
 
     let operator = AggregateState::plan(&ctx.state(), &aggregate).await?;
     let state_schema = operator.state_schema();
+    let panes = match &grouping {
+        Grouping::Window { window, .. } => {
+            Panes::plan(ctx, &aggregate, window, &state_schema).await?
+        }
+        Grouping::Running { .. } => None,
+    };
     // Every group column of the state: a grouping set's expressions and its grouping id too.
     let group_count = agg.group_expr_len()?;
     let purge_column = match &grouping {
@@ -476,6 +493,7 @@ pub(crate) async fn plan_stateful(
         source,
         mode: settings.mode,
         aggregate,
+        panes,
         operator,
         group_count,
         purge_index,
@@ -728,13 +746,18 @@ impl StatefulAggregate {
 
     /// The aggregate over the rows of windows still open under `watermark` (all rows if none,
     /// or for a running aggregate): what each batch runs; its first phase gives the batch's
-    /// partial states.
+    /// partial states, for [`StatefulAggregate::accumulate`] under the same watermark. By
+    /// panes, the rows are each row's newest window, kept if that is open.
     pub(crate) fn partial_plan(&self, watermark: Option<i64>) -> Result<LogicalPlan> {
-        let LogicalPlan::Aggregate(agg) = &self.aggregate else {
+        let aggregate = self
+            .panes
+            .as_ref()
+            .map_or(&self.aggregate, |p| &p.aggregate);
+        let LogicalPlan::Aggregate(agg) = aggregate else {
             unreachable!("planned from an aggregate")
         };
         let (Some(watermark), Grouping::Window { column, .. }) = (watermark, &self.grouping) else {
-            return Ok(self.aggregate.clone());
+            return Ok(aggregate.clone());
         };
         let (qualifier, _) = agg
             .input
@@ -783,7 +806,22 @@ impl StatefulAggregate {
     /// whole state is merged with them (a lookup per group would cost more).
     /// Sessions merge with every overlapping session of their key, so they are merged with the
     /// whole state (O(state) a batch), as is an aggregate without group columns (one row).
-    pub(crate) async fn accumulate(&mut self, partials: Vec<RecordBatch>) -> Result<()> {
+    ///
+    /// `partials` come from [`StatefulAggregate::partial_plan`] under `watermark`; by panes,
+    /// each is first given to every open window of its pane.
+    pub(crate) async fn accumulate(
+        &mut self,
+        partials: Vec<RecordBatch>,
+        watermark: Option<i64>,
+    ) -> Result<()> {
+        let partials = match &self.panes {
+            Some(panes) => panes.to_windows(
+                partials,
+                self.purge_index,
+                watermark.map(|w| self.purge_bound(w)),
+            )?,
+            None => partials,
+        };
         self.changes_purged_under = self.purged_under;
         self.merge_partials(&partials, self.mode == OutputMode::Update)
             .await?;
@@ -1653,6 +1691,118 @@ mod tests {
         }
     }
 
+    /// A hopping-window query aggregated by panes, and the same query with a filter on the
+    /// window (always true) that rules panes out, so it aggregates the `hop` view's copies.
+    fn by_panes_and_by_copies() -> Vec<(String, String)> {
+        let hop = "hop(t, ts, INTERVAL '20' SECOND, INTERVAL '1' MINUTE)";
+        let copies = format!("{hop} WHERE window_end > window_start");
+        let per_key = |from: &str| {
+            format!(
+                "SELECT window_start, window_end, k, {AGGREGATES} FROM {from} \
+                 GROUP BY window_start, window_end, k"
+            )
+        };
+        // Grouped by the window's end only, a window function over each window above.
+        let ranked = |from: &str| {
+            format!(
+                "SELECT window_end, k, total, rank() OVER (PARTITION BY window_end ORDER BY total DESC, k) AS r \
+                 FROM (SELECT window_end, k, sum(n) AS total FROM {from} GROUP BY window_end, k)"
+            )
+        };
+        vec![
+            (per_key(hop), per_key(&copies)),
+            (ranked(hop), ranked(&copies)),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(10))]
+        /// Panes change nothing a batch emits, in append and update mode, with late rows (up
+        /// to three times the out-of-orderness behind, so that some rows' older windows have
+        /// closed while their newer ones are open), allowed lateness and a restart anywhere.
+        #[test]
+        fn hop_windows_by_panes_emit_what_the_copies_do_batch_by_batch(
+            events in proptest::collection::vec((0..3 * OUT_OF_ORDERNESS, 0..3u8, -40..40i64), 1..200),
+            cuts in proptest::collection::vec(0..200usize, 0..8),
+            restart_after in 0..8usize,
+            update in any::<bool>(),
+        ) {
+            let (_, chunks) = arrange(&events, &cuts);
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let settings = QuerySettings {
+                output_mode: if update { OutputMode::Update } else { OutputMode::Append },
+                ..settings(Duration::from_secs(10))
+            };
+            for (panes, copies) in by_panes_and_by_copies() {
+                if update && panes.contains("rank()") {
+                    continue; // update mode only projects above the aggregate
+                }
+                let by_panes = rt.block_on(streamed_with(&panes, &chunks, restart_after, &settings));
+                let by_copies = rt.block_on(streamed_with(&copies, &chunks, restart_after, &settings));
+                prop_assert_eq!(by_panes.late, by_copies.late);
+                prop_assert_eq!(&by_panes.state_rows, &by_copies.state_rows);
+                prop_assert_eq!(by_panes.outputs.len(), by_copies.outputs.len());
+                for (p, c) in by_panes.outputs.iter().zip(&by_copies.outputs) {
+                    assert_rows_close(&displayed(p), &displayed(c), &panes);
+                }
+            }
+        }
+    }
+
+    /// Panes are planned for an aggregate over `hop` whose window columns are only passed on
+    /// and grouped by; not where anything else reads or names them, nor for other windows.
+    #[tokio::test]
+    async fn panes_only_where_the_windows_are_only_grouped_by() {
+        let sources = [("t".to_string(), schema())];
+        let hop = "hop(t, ts, INTERVAL '20' SECOND, INTERVAL '1' MINUTE)";
+        let what = |sql: String| {
+            let sources = &sources;
+            async move {
+                let query = StreamingQuery::plan(&sql, sources, &settings(Duration::ZERO))
+                    .await
+                    .unwrap();
+                let [op] = query.operators().try_into().unwrap();
+                op.what.ends_with(", by 20s panes")
+            }
+        };
+        let grouped = "GROUP BY window_start, window_end, k";
+        assert!(
+            what(format!(
+                "SELECT window_start, k, count(*) AS c FROM {hop} {grouped}"
+            ))
+            .await
+        );
+        assert!(
+            what(format!(
+                "SELECT window_end, k, max(v) AS m FROM (SELECT k, v, window_end FROM {hop} AS h \
+                 WHERE v > 0) GROUP BY window_end, k"
+            ))
+            .await
+        );
+        // A filter, an aggregate argument or an expression named like a window reads the windows.
+        for sql in [
+            format!(
+                "SELECT window_start, k, count(*) AS c FROM {hop} WHERE window_start > \
+                 TIMESTAMP '2000-01-01T00:00:00Z' {grouped}"
+            ),
+            format!("SELECT window_start, k, max(window_end) AS m FROM {hop} {grouped}"),
+            format!(
+                "SELECT window_start, k, count(*) AS c FROM (SELECT k, window_end, \
+                 window_start + INTERVAL '1' SECOND AS window_start FROM {hop}) {grouped}"
+            ),
+            format!(
+                "SELECT window_start, k, count(*) AS c FROM tumble(t, ts, INTERVAL '1' MINUTE) \
+                 {grouped}"
+            ),
+            format!(
+                "SELECT window_start, k, count(*) AS c FROM hop(t, ts, INTERVAL '1' MINUTE, \
+                 INTERVAL '1' MINUTE) {grouped}"
+            ),
+        ] {
+            assert!(!what(sql.clone()).await, "{sql}");
+        }
+    }
+
     /// A key's session closed, then a new session of the key begun before the closed one's end
     /// (not late: its own end is past the watermark): a restart after that keeps the two apart,
     /// as the run without one does, rather than merge them from the state files.
@@ -1932,7 +2082,10 @@ mod tests {
         .unwrap();
         let [op] = windowed.operators().try_into().unwrap();
         assert_eq!(op.id, "0-aggregate");
-        assert_eq!(op.what, "windowed aggregate over hop(1m every 10s, t.ts)");
+        assert_eq!(
+            op.what,
+            "windowed aggregate over hop(1m every 10s, t.ts), by 10s panes"
+        );
         assert_eq!(op.state_key, ["window_start", "window_end", "k"]);
         assert_eq!(
             op.purge,

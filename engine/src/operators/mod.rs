@@ -21,6 +21,8 @@
 //!   run over the pairs of that side's rows once they have left the join's state (Nexmark q9).
 //! - [`window_join`] — `WindowJoin`: two windowed aggregates joined on their windows, each
 //!   window pair joined in the batch that closes both (no state of its own).
+//! - `panes` — `Panes`: an aggregate over hopping windows computed per row's newest window,
+//!   each partial row then given to every window of its pane.
 //! - `group_table` — `GroupTable`: the aggregate's state in memory, one row per live group.
 //! - [`state_store`] — `StateLog`: state files (a base snapshot plus per-batch deltas),
 //!   compacted and garbage-collected up to the committed batch.
@@ -61,6 +63,7 @@ mod closing;
 pub mod deduplicate;
 mod group_table;
 pub mod join;
+mod panes;
 pub mod state_store;
 pub mod window_join;
 
