@@ -225,14 +225,75 @@ fn shift(t: Expr, micros: i64) -> Expr {
     )
 }
 
-/// The start of the `stride`-aligned (from the epoch) bucket holding `ts`, as event time,
-/// computed on the microseconds (`date_bin` works through the time zone's calendar):
-/// `t - t.rem_euclid(stride)`.
+/// The start of the `stride`-aligned (from the epoch) bucket holding `ts`, as event time:
+/// `t − t.rem_euclid(stride)` on the microseconds (`date_bin` works through the time zone's
+/// calendar), by [`WindowBucket`].
 fn bucket(stride: i64, ts: &str) -> Expr {
     use datafusion::logical_expr::cast;
-    let t = cast(col(ts), DataType::Int64);
-    let rem = ((t.clone() % lit(stride)) + lit(stride)) % lit(stride);
-    cast(t - rem, crate::event_time::event_time_type())
+    let t = cast(col(ts), crate::event_time::event_time_type());
+    Expr::ScalarFunction(ScalarFunction::new_udf(
+        Arc::new(ScalarUDF::new_from_impl(WindowBucket::new(stride))),
+        vec![t],
+    ))
+}
+
+/// Each event time's `stride`-aligned bucket start, `t − t.rem_euclid(stride)`, in one pass
+/// over the rows. The same arithmetic in SQL (`((t % s) + s) % s` subtracted from `t`) ran four
+/// kernels, each writing a new array: 8 % of a tumbling-window query's CPU (Nexmark q7 over
+/// Parquet files, by profile).
+#[derive(Debug, PartialEq, Eq, Hash)]
+struct WindowBucket {
+    stride: i64,
+    signature: Signature,
+}
+
+impl WindowBucket {
+    fn new(stride: i64) -> WindowBucket {
+        WindowBucket {
+            stride,
+            signature: Signature::exact(
+                vec![crate::event_time::event_time_type()],
+                Volatility::Immutable,
+            ),
+        }
+    }
+}
+
+impl ScalarUDFImpl for WindowBucket {
+    fn name(&self) -> &str {
+        "sluice_window_bucket"
+    }
+
+    fn signature(&self) -> &Signature {
+        &self.signature
+    }
+
+    fn return_type(&self, _: &[DataType]) -> datafusion::common::Result<DataType> {
+        Ok(crate::event_time::event_time_type())
+    }
+
+    fn invoke_with_args(
+        &self,
+        args: ScalarFunctionArgs,
+    ) -> datafusion::common::Result<ColumnarValue> {
+        let [t] = &args.args[..] else {
+            return Err(DataFusionError::Internal(
+                "sluice_window_bucket takes one argument".into(),
+            ));
+        };
+        let t = t.to_array(args.number_rows)?;
+        let Some(t) = t.as_primitive_opt::<TimestampMicrosecondType>() else {
+            return Err(DataFusionError::Internal(format!(
+                "sluice_window_bucket takes event time, not {}",
+                t.data_type()
+            )));
+        };
+        let stride = self.stride;
+        let starts: TimestampMicrosecondArray = t.unary(|t| t.wrapping_sub(t.rem_euclid(stride)));
+        Ok(ColumnarValue::Array(Arc::new(
+            starts.with_data_type(crate::event_time::event_time_type()),
+        )))
+    }
 }
 
 /// The starts of the `count` hopping windows that hold a row, from the start `last` of the
