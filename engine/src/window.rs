@@ -226,8 +226,9 @@ fn shift(t: Expr, micros: i64) -> Expr {
 }
 
 /// The start of the `stride`-aligned (from the epoch) bucket holding `ts`, as event time:
-/// `t − t.rem_euclid(stride)` on the microseconds (`date_bin` works through the time zone's
-/// calendar), by [`WindowBucket`].
+/// `ts` cast to event time (microseconds, UTC — a column in other units converted, not
+/// reinterpreted), then `t − t.rem_euclid(stride)` on the microseconds (`date_bin` works
+/// through the time zone's calendar), by [`WindowBucket`].
 fn bucket(stride: i64, ts: &str) -> Expr {
     use datafusion::logical_expr::cast;
     let t = cast(col(ts), crate::event_time::event_time_type());
@@ -730,6 +731,44 @@ mod tests {
             ));
             prop_assert_eq!(hop, expected(WindowKind::Hop { slide: MINUTE / 3, size: MINUTE }, &times));
         }
+    }
+
+    /// A window over a timestamp column in another unit (milliseconds here) is assigned by its
+    /// time, not by its raw number read as microseconds.
+    #[tokio::test]
+    async fn windows_over_a_millisecond_column_follow_its_time() {
+        use arrow::array::TimestampMillisecondArray;
+        let schema = Arc::new(Schema::new(vec![Field::new(
+            "seen",
+            DataType::Timestamp(TimeUnit::Millisecond, None),
+            false,
+        )]));
+        // 00:01:30 and 1969-12-31T23:59:59.5, in milliseconds.
+        let batch = RecordBatch::try_new(
+            Arc::clone(&schema),
+            vec![Arc::new(TimestampMillisecondArray::from(vec![90_000, -500]))],
+        )
+        .unwrap();
+        let query = StreamingQuery::plan(
+            "SELECT CAST(window_start AS BIGINT) AS s, CAST(window_end AS BIGINT) AS e \
+             FROM tumble(clicks, seen, INTERVAL '1' MINUTE)",
+            &[("clicks".into(), schema)],
+            &QuerySettings::default(),
+        )
+        .await
+        .unwrap();
+        let out = query
+            .execute(&BTreeMap::from([("clicks".to_string(), batch)]))
+            .await
+            .unwrap();
+        let mut windows: Vec<(i64, i64)> = Vec::new();
+        for b in &out {
+            let s = b.column(0).as_primitive::<arrow::datatypes::Int64Type>();
+            let e = b.column(1).as_primitive::<arrow::datatypes::Int64Type>();
+            windows.extend(s.values().iter().copied().zip(e.values().iter().copied()));
+        }
+        windows.sort_unstable();
+        assert_eq!(windows, vec![(-MINUTE, 0), (MINUTE, 2 * MINUTE)]);
     }
 
     #[tokio::test]

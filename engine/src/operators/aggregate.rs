@@ -452,7 +452,7 @@ pub(crate) async fn plan_stateful(
     let state_schema = operator.state_schema();
     let panes = match &grouping {
         Grouping::Window { window, .. } => {
-            Panes::plan(ctx, &aggregate, window, &state_schema).await?
+            Panes::plan(ctx, &aggregate, window, &state_schema).await
         }
         Grouping::Running { .. } => None,
     };
@@ -808,18 +808,23 @@ impl StatefulAggregate {
     /// whole state (O(state) a batch), as is an aggregate without group columns (one row).
     ///
     /// `partials` come from [`StatefulAggregate::partial_plan`] under `watermark`; by panes,
-    /// each is first given to every open window of its pane.
+    /// each is first given to every open window of its pane, and each window's copies merged.
     pub(crate) async fn accumulate(
         &mut self,
         partials: Vec<RecordBatch>,
         watermark: Option<i64>,
     ) -> Result<()> {
         let partials = match &self.panes {
-            Some(panes) => panes.to_windows(
-                partials,
-                self.purge_index,
-                watermark.map(|w| self.purge_bound(w)),
-            )?,
+            Some(panes) => {
+                let copies = panes.to_windows(
+                    partials,
+                    self.purge_index,
+                    watermark.map(|w| self.purge_bound(w)),
+                )?;
+                // A window's copies merged first: the delta written and the rows merged into
+                // the state hold one row per window and group, as without panes.
+                self.operator.merge(copies).await?
+            }
             None => partials,
         };
         self.changes_purged_under = self.purged_under;

@@ -12,16 +12,18 @@
 //! 1. aggregate each row once, in its newest window (the `hop` view swapped for
 //!    [`crate::window::newest_hop_window`]'s): one partial row per (newest window, group);
 //! 2. give each partial row to every window of its rows ([`Panes::to_windows`]: `size / slide`
-//!    copies, the window columns moved back a `slide` at a time), leaving out closed windows;
-//! 3. merge those into the state as before, where a window's copies meet.
+//!    copies, the window columns moved back a `slide` at a time), leaving out closed windows,
+//!    and merge each window's copies: one partial row per (window, group), as the copies gave;
+//! 3. merge those into the state as before.
 //!
 //! The first phase then reads each row once; only the (far fewer, on skewed keys) partial rows
 //! are copied. Used only where the two are the same aggregate ([`Panes::plan`]): nothing
 //! between the `hop` view and the aggregate reads the window columns but to pass them on
-//! (no filter, expression or aggregate argument over them), every node there works row by row
-//! (projections, filters, aliases: each copy of a row meets the same fate), the window columns
-//! are plain group columns, and there are no grouping sets. Anything else aggregates the
-//! `hop` view's copies as before.
+//! (no filter, expression, subquery or aggregate argument over them, no other expression named
+//! after them), every node there works row by row and gives each copy of a row the same fate
+//! (projections, filters, aliases; no volatile function), the window columns are plain group
+//! columns, and there are no grouping sets. Anything else aggregates the `hop` view's copies
+//! as before.
 
 use std::sync::Arc;
 
@@ -33,7 +35,7 @@ use datafusion::logical_expr::{Aggregate, Expr, LogicalPlan};
 use datafusion::prelude::SessionContext;
 
 use super::aggregate_state::AggregateState;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::window::{WINDOW_END, WINDOW_START, WindowKind, WindowUse, newest_hop_window};
 
 /// How an aggregate over a `hop` view runs by panes.
@@ -44,17 +46,28 @@ pub(crate) struct Panes {
     slide: i64,
     /// Windows per row: `size / slide`.
     count: i64,
-    /// The state columns holding a window bound (`window_start`, `window_end`), by index.
+    /// The state columns holding a window bound (the GROUP BY's `window_start`,
+    /// `window_end`), by index.
     window_columns: Vec<usize>,
 }
 
 impl Panes {
     /// Panes for `aggregate` (over `window`, with state schema `state_schema`) where they give
-    /// the same partial rows as the `hop` view's copies (see the module doc); `None` elsewhere.
-    ///
-    /// # Errors
-    /// If DataFusion cannot plan the rewritten aggregate.
+    /// the same partial rows as the `hop` view's copies (see the module doc); `None` elsewhere,
+    /// and where DataFusion cannot plan the rewritten aggregate (panes only make it faster).
     pub(crate) async fn plan(
+        ctx: &SessionContext,
+        aggregate: &LogicalPlan,
+        window: &WindowUse,
+        state_schema: &SchemaRef,
+    ) -> Option<Panes> {
+        Self::try_plan(ctx, aggregate, window, state_schema)
+            .await
+            .ok()
+            .flatten()
+    }
+
+    async fn try_plan(
         ctx: &SessionContext,
         aggregate: &LogicalPlan,
         window: &WindowUse,
@@ -66,24 +79,56 @@ impl Panes {
             return Ok(None);
         };
         let count = size / slide;
-        let reads_window = |e: &Expr| {
-            e.column_refs()
-                .iter()
-                .any(|c| c.name == WINDOW_START || c.name == WINDOW_END)
+        let is_window = |name: &str| name == WINDOW_START || name == WINDOW_END;
+        let reads_window = |e: &Expr| e.column_refs().iter().any(|c| is_window(&c.name));
+        let named_window = |e: &Expr| match e {
+            Expr::Column(c) => is_window(&c.name),
+            Expr::Alias(a) => is_window(&a.name),
+            _ => false,
         };
-        let plain_column = |e: &Expr| matches!(e, Expr::Column(_));
-        // A projection passes the window columns on as they are, and names no other
-        // expression after them.
+        // A window column as it is, under its own name.
+        let window_itself = |e: &Expr| matches!(e, Expr::Column(c) if is_window(&c.name));
+        // Passes the window columns on as they are, names nothing else after them, and gives
+        // each copy of a row the same value (no volatile function).
         let passes_on = |e: &Expr| {
-            let named_window =
-                matches!(e, Expr::Alias(a) if a.name == WINDOW_START || a.name == WINDOW_END);
-            !(reads_window(e) || named_window) || plain_column(e)
+            (!(reads_window(e) || named_window(e)) || window_itself(e)) && !e.is_volatile()
         };
-        let groups_fit = agg
-            .group_expr
+        // A subquery may read a window column as an outer reference, which `column_refs` does
+        // not see.
+        let has_subquery = |node: &LogicalPlan| {
+            let mut found = false;
+            node.apply_subqueries(|_| {
+                found = true;
+                Ok(TreeNodeRecursion::Stop)
+            })
+            .map_or(true, |_| found)
+        };
+        let mut window_columns = Vec::new();
+        for (index, e) in agg.group_expr.iter().enumerate() {
+            if matches!(e, Expr::GroupingSet(_)) || !passes_on(e) {
+                return Ok(None);
+            }
+            if window_itself(e) {
+                window_columns.push(index);
+            }
+        }
+        // The state's group columns come first, in the GROUP BY's order: each window column
+        // found there is event time under its own name.
+        let columns_fit = window_columns.iter().all(|&index| {
+            state_schema.fields().get(index).is_some_and(|f| {
+                is_window(f.name()) && *f.data_type() == crate::event_time::event_time_type()
+            })
+        });
+        let aggregates_fit = agg
+            .aggr_expr
             .iter()
-            .all(|e| !matches!(e, Expr::GroupingSet(_)) && (!reads_window(e) || plain_column(e)));
-        if count < 2 || !groups_fit || agg.aggr_expr.iter().any(reads_window) {
+            .all(|e| !reads_window(e) && !e.is_volatile());
+        if count < 2
+            || window_columns.is_empty()
+            || !columns_fit
+            || !aggregates_fit
+            || has_subquery(aggregate)
+        {
             return Ok(None);
         }
         // Below the aggregate: row-by-row nodes that pass the window columns on untouched, over
@@ -95,12 +140,15 @@ impl Panes {
                 hops += 1;
                 return Ok(TreeNodeRecursion::Jump);
             }
-            fits &= match node {
-                LogicalPlan::Projection(p) => p.expr.iter().all(passes_on),
-                LogicalPlan::Filter(f) => !reads_window(&f.predicate),
-                LogicalPlan::SubqueryAlias(_) => true,
-                _ => false,
-            };
+            fits &= !has_subquery(node)
+                && match node {
+                    LogicalPlan::Projection(p) => p.expr.iter().all(passes_on),
+                    LogicalPlan::Filter(f) => {
+                        !reads_window(&f.predicate) && !f.predicate.is_volatile()
+                    }
+                    LogicalPlan::SubqueryAlias(_) => true,
+                    _ => false,
+                };
             Ok(if fits {
                 TreeNodeRecursion::Continue
             } else {
@@ -136,11 +184,7 @@ impl Panes {
                 .iter()
                 .zip(state_schema.fields())
                 .all(|(a, b)| a.name() == b.name() && a.data_type() == b.data_type());
-        let window_columns: Vec<usize> = [WINDOW_START, WINDOW_END]
-            .into_iter()
-            .filter_map(|name| state_schema.index_of(name).ok())
-            .collect();
-        if !same_state || window_columns.is_empty() {
+        if !same_state {
             return Ok(None);
         }
         Ok(Some(Panes {
@@ -164,9 +208,7 @@ impl Panes {
     ) -> Result<Vec<RecordBatch>> {
         let mut out = Vec::with_capacity(partials.len());
         for batch in partials {
-            let bound = batch
-                .column(purge_index)
-                .as_primitive::<TimestampMicrosecondType>();
+            let bound = window_bounds(&batch, purge_index)?;
             let mut rows: Vec<u32> = Vec::with_capacity(batch.num_rows() * self.count as usize);
             let mut shifts: Vec<i64> = Vec::with_capacity(rows.capacity());
             for row in 0..batch.num_rows() {
@@ -184,9 +226,7 @@ impl Panes {
             let copies = take_record_batch(&batch, &UInt32Array::from(rows))?;
             let mut columns = copies.columns().to_vec();
             for &index in &self.window_columns {
-                let bounds = copies
-                    .column(index)
-                    .as_primitive::<TimestampMicrosecondType>();
+                let bounds = window_bounds(&copies, index)?;
                 let moved: Vec<i64> = bounds
                     .values()
                     .iter()
@@ -201,5 +241,126 @@ impl Panes {
             out.push(RecordBatch::try_new(batch.schema(), columns)?);
         }
         Ok(out)
+    }
+}
+
+/// A window column of partial rows, as microseconds.
+fn window_bounds(batch: &RecordBatch, index: usize) -> Result<&TimestampMicrosecondArray> {
+    batch
+        .column(index)
+        .as_primitive_opt::<TimestampMicrosecondType>()
+        .ok_or_else(|| {
+            Error::UnsupportedQuery(format!(
+                "the aggregate's state column {} is {}, not a window bound",
+                batch.schema().field(index).name(),
+                batch.column(index).data_type()
+            ))
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event_time::event_time_type;
+    use arrow::datatypes::{DataType, Field, Schema};
+    use datafusion::catalog::{MemTable, TableProvider};
+    use datafusion::functions_aggregate::expr_fn::count;
+    use datafusion::prelude::{DataFrame, col, lit};
+    use std::collections::BTreeMap;
+
+    /// A session with source `t` (ts, k, v) and the window functions, as the query planner
+    /// sets it up.
+    fn session() -> (SessionContext, crate::window::WindowUses) {
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("ts", event_time_type(), true),
+            Field::new("k", DataType::Utf8, true),
+            Field::new("v", DataType::Int64, true),
+        ]));
+        let ctx = SessionContext::new();
+        let table: Arc<dyn TableProvider> =
+            Arc::new(MemTable::try_new(schema, vec![vec![]]).unwrap());
+        ctx.register_table("t", Arc::clone(&table)).unwrap();
+        let uses = crate::window::register(&ctx, &BTreeMap::from([("t".to_string(), table)]));
+        (ctx, uses)
+    }
+
+    /// Whether the deepest aggregate of `df` over the recorded hop runs by panes.
+    async fn by_panes(
+        ctx: &SessionContext,
+        uses: &crate::window::WindowUses,
+        df: DataFrame,
+    ) -> bool {
+        let mut aggregate = None;
+        df.logical_plan()
+            .apply(|node| {
+                if matches!(node, LogicalPlan::Aggregate(_)) {
+                    aggregate = Some(node.clone());
+                }
+                Ok(TreeNodeRecursion::Continue)
+            })
+            .unwrap();
+        let aggregate = aggregate.unwrap();
+        let window = uses.lock().unwrap()[0].clone();
+        let state = AggregateState::plan(&ctx.state(), &aggregate)
+            .await
+            .unwrap()
+            .state_schema();
+        Panes::plan(ctx, &aggregate, &window, &state)
+            .await
+            .is_some()
+    }
+
+    #[tokio::test]
+    async fn panes_need_the_windows_grouped_as_they_are_and_nothing_else_reading_them() {
+        let hop = "hop(t, ts, INTERVAL '20' SECOND, INTERVAL '1' MINUTE)";
+        let grouped = "GROUP BY window_start, window_end, k";
+        let sql = |sql: String| async move {
+            let (ctx, uses) = session();
+            let df = ctx.sql(&sql).await.unwrap();
+            by_panes(&ctx, &uses, df).await
+        };
+        assert!(
+            sql(format!(
+                "SELECT window_start, k, count(*) AS c FROM {hop} {grouped}"
+            ))
+            .await
+        );
+        for refused in [
+            // A correlated subquery reads the window as an outer reference.
+            format!(
+                "SELECT window_start, k, count(*) AS c FROM {hop} WHERE EXISTS \
+                 (SELECT 1 FROM (VALUES (1)) AS one(x) WHERE window_start IS NOT NULL) {grouped}"
+            ),
+            // Each copy of a row draws its own random number.
+            format!(
+                "SELECT window_start, k, count(*) AS c FROM {hop} WHERE random() < 0.5 {grouped}"
+            ),
+            format!(
+                "SELECT window_start, k, sum(r) AS s FROM (SELECT *, random() AS r FROM {hop}) \
+                 {grouped}"
+            ),
+        ] {
+            assert!(!sql(refused.clone()).await, "{refused}");
+        }
+
+        // A group key merely named like a window (possible with the DataFrame API) is not one.
+        let (ctx, uses) = session();
+        let df = ctx
+            .sql(&format!("SELECT * FROM {hop}"))
+            .await
+            .unwrap()
+            .aggregate(
+                vec![col("window_start"), col("k").alias("window_end")],
+                vec![count(lit(1))],
+            )
+            .unwrap();
+        assert!(!by_panes(&ctx, &uses, df).await);
+        let df = ctx
+            .sql(&format!("SELECT * FROM {hop}"))
+            .await
+            .unwrap()
+            .aggregate(vec![col("window_start"), col("k")], vec![count(lit(1))])
+            .unwrap();
+        assert!(by_panes(&ctx, &uses, df).await);
     }
 }
