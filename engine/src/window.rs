@@ -746,7 +746,9 @@ mod tests {
         // 00:01:30 and 1969-12-31T23:59:59.5, in milliseconds.
         let batch = RecordBatch::try_new(
             Arc::clone(&schema),
-            vec![Arc::new(TimestampMillisecondArray::from(vec![90_000, -500]))],
+            vec![Arc::new(TimestampMillisecondArray::from(vec![
+                90_000, -500,
+            ]))],
         )
         .unwrap();
         let query = StreamingQuery::plan(
