@@ -238,6 +238,24 @@ fn bucket(stride: i64, ts: &str) -> Expr {
     ))
 }
 
+/// The one argument of the window function `name`, event time, as an array of the call's rows.
+fn event_time_argument(
+    name: &str,
+    args: &ScalarFunctionArgs,
+) -> datafusion::common::Result<TimestampMicrosecondArray> {
+    let [arg] = &args.args[..] else {
+        return Err(DataFusionError::Internal(format!(
+            "{name} takes one argument"
+        )));
+    };
+    let arg = arg.to_array(args.number_rows)?;
+    arg.as_primitive_opt::<TimestampMicrosecondType>()
+        .cloned()
+        .ok_or_else(|| {
+            DataFusionError::Internal(format!("{name} takes event time, not {}", arg.data_type()))
+        })
+}
+
 /// Each event time's `stride`-aligned bucket start, `t − t.rem_euclid(stride)`, in one pass
 /// over the rows. The same arithmetic in SQL (`((t % s) + s) % s` subtracted from `t`) ran four
 /// kernels, each writing a new array: 8 % of a tumbling-window query's CPU (Nexmark q7 over
@@ -277,18 +295,7 @@ impl ScalarUDFImpl for WindowBucket {
         &self,
         args: ScalarFunctionArgs,
     ) -> datafusion::common::Result<ColumnarValue> {
-        let [t] = &args.args[..] else {
-            return Err(DataFusionError::Internal(
-                "sluice_window_bucket takes one argument".into(),
-            ));
-        };
-        let t = t.to_array(args.number_rows)?;
-        let Some(t) = t.as_primitive_opt::<TimestampMicrosecondType>() else {
-            return Err(DataFusionError::Internal(format!(
-                "sluice_window_bucket takes event time, not {}",
-                t.data_type()
-            )));
-        };
+        let t = event_time_argument(self.name(), &args)?;
         let stride = self.stride;
         let starts: TimestampMicrosecondArray = t.unary(|t| t.wrapping_sub(t.rem_euclid(stride)));
         Ok(ColumnarValue::Array(Arc::new(
@@ -351,18 +358,7 @@ impl ScalarUDFImpl for HopStarts {
         &self,
         args: ScalarFunctionArgs,
     ) -> datafusion::common::Result<ColumnarValue> {
-        let [last] = &args.args[..] else {
-            return Err(DataFusionError::Internal(
-                "sluice_hop_starts takes one argument".into(),
-            ));
-        };
-        let last = last.to_array(args.number_rows)?;
-        let Some(last) = last.as_primitive_opt::<TimestampMicrosecondType>() else {
-            return Err(DataFusionError::Internal(format!(
-                "sluice_hop_starts takes event time, not {}",
-                last.data_type()
-            )));
-        };
+        let last = event_time_argument(self.name(), &args)?;
         let mut starts = Vec::with_capacity(last.len() * self.count);
         for &latest in last.values() {
             starts.extend(hop_starts(latest, self.slide, self.count as i64));

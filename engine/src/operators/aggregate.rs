@@ -1408,6 +1408,23 @@ mod tests {
         avg(v) AS mean, count(DISTINCT n) AS distinct_n, stddev(v) AS sd, \
         approx_distinct(n) AS approx_n";
 
+    /// Every aggregate per window and key over the windowed rows `from`.
+    fn per_key(from: &str) -> String {
+        format!(
+            "SELECT window_start, window_end, k, {AGGREGATES} FROM {from} \
+             GROUP BY window_start, window_end, k"
+        )
+    }
+
+    /// Grouped by the window's end only, a window function over each window above: the rank
+    /// of each key by its total.
+    fn ranked(from: &str) -> String {
+        format!(
+            "SELECT window_end, k, total, rank() OVER (PARTITION BY window_end ORDER BY total DESC, k) AS r \
+             FROM (SELECT window_end, k, sum(n) AS total FROM {from} GROUP BY window_end, k)"
+        )
+    }
+
     /// A streamed query and the same query in plain DataFusion SQL over all rows, with the
     /// windows spelled out by hand.
     fn queries() -> Vec<(String, String)> {
@@ -1417,25 +1434,12 @@ mod tests {
              (SELECT *, unnest(make_array(date_bin(INTERVAL '20 seconds', ts), \
              date_bin(INTERVAL '20 seconds', ts) - INTERVAL '20 seconds', \
              date_bin(INTERVAL '20 seconds', ts) - INTERVAL '40 seconds')) AS s FROM t))";
-        let per_key = |from: &str| {
-            format!(
-                "SELECT window_start, window_end, k, {AGGREGATES} FROM {from} \
-                 GROUP BY window_start, window_end, k"
-            )
-        };
         // An outer aggregate over the window (Nexmark q5-style: the busiest key per window).
         let outer = |from: &str| {
             format!(
                 "SELECT window_start, max(c) AS busiest, count(*) AS keys FROM \
                  (SELECT window_start, k, count(*) AS c FROM {from} GROUP BY window_start, k) \
                  GROUP BY window_start"
-            )
-        };
-        // A window function over each window's rows (the rank of each key by its total).
-        let ranked = |from: &str| {
-            format!(
-                "SELECT window_end, k, total, rank() OVER (PARTITION BY window_end ORDER BY total DESC, k) AS r \
-                 FROM (SELECT window_end, k, sum(n) AS total FROM {from} GROUP BY window_end, k)"
             )
         };
         let tumble = "tumble(t, ts, INTERVAL '1' MINUTE)";
@@ -1701,19 +1705,6 @@ mod tests {
     fn by_panes_and_by_copies() -> Vec<(String, String)> {
         let hop = "hop(t, ts, INTERVAL '20' SECOND, INTERVAL '1' MINUTE)";
         let copies = format!("{hop} WHERE window_end > window_start");
-        let per_key = |from: &str| {
-            format!(
-                "SELECT window_start, window_end, k, {AGGREGATES} FROM {from} \
-                 GROUP BY window_start, window_end, k"
-            )
-        };
-        // Grouped by the window's end only, a window function over each window above.
-        let ranked = |from: &str| {
-            format!(
-                "SELECT window_end, k, total, rank() OVER (PARTITION BY window_end ORDER BY total DESC, k) AS r \
-                 FROM (SELECT window_end, k, sum(n) AS total FROM {from} GROUP BY window_end, k)"
-            )
-        };
         vec![
             (per_key(hop), per_key(&copies)),
             (ranked(hop), ranked(&copies)),
