@@ -225,6 +225,14 @@ fn shift(t: Expr, micros: i64) -> Expr {
     )
 }
 
+/// `columns`, then a window's `window_start` (`start`) and `window_end` (`length` later): what
+/// every window view projects.
+fn with_window(mut columns: Vec<Expr>, start: Expr, length: i64) -> Vec<Expr> {
+    columns.push(start.clone().alias(WINDOW_START));
+    columns.push(shift(start, length).alias(WINDOW_END));
+    columns
+}
+
 /// The start of the `stride`-aligned (from the epoch) bucket holding `ts`, as event time:
 /// `ts` cast to event time (microseconds, UTC — a column in other units converted, not
 /// reinterpreted), then `t − t.rem_euclid(stride)` on the microseconds (`date_bin` works
@@ -423,18 +431,16 @@ pub(crate) fn newest_hop_window(
     if !(from_source && these_windows && unnests_them) {
         return Ok(None);
     }
-    let mut projection: Vec<Expr> = rows
+    let columns = rows
         .schema()
         .columns()
         .into_iter()
         .map(Expr::Column)
         .collect();
     let start = bucket(slide, &window.time_column);
-    projection.push(start.clone().alias(WINDOW_START));
-    projection.push(shift(start, size).alias(WINDOW_END));
     Ok(Some(
         LogicalPlanBuilder::from(rows.clone())
-            .project(projection)?
+            .project(with_window(columns, start, size))?
             .build()?,
     ))
 }
@@ -504,32 +510,22 @@ impl TableFunctionImpl for WindowFunction {
         let size = window.size();
         let scan = LogicalPlanBuilder::scan(table, provider_as_source(Arc::clone(provider)), None)?;
         let plan = match window {
-            WindowKind::Tumble { size } => {
-                let start = bucket(size, ts);
-                let mut projection = columns;
-                projection.push(start.clone().alias(WINDOW_START));
-                projection.push(shift(start, size).alias(WINDOW_END));
-                scan.project(projection)?.build()?
-            }
+            WindowKind::Tumble { size } => scan
+                .project(with_window(columns, bucket(size, ts), size))?
+                .build()?,
             WindowKind::Hop { slide, size } => {
                 let starts = HopStarts::new(slide, size / slide).call(bucket(slide, ts));
                 let mut with_list = columns.clone();
                 with_list.push(starts.alias(WINDOWS_LIST));
-                let mut projection = columns;
-                projection.push(col(WINDOWS_LIST).alias(WINDOW_START));
-                projection.push(shift(col(WINDOWS_LIST), size).alias(WINDOW_END));
                 scan.project(with_list)?
                     .unnest_column(WINDOWS_LIST)?
-                    .project(projection)?
+                    .project(with_window(columns, col(WINDOWS_LIST), size))?
                     .build()?
             }
             WindowKind::Session { gap } => {
                 let start =
                     datafusion::logical_expr::cast(col(ts), crate::event_time::event_time_type());
-                let mut projection = columns;
-                projection.push(start.clone().alias(WINDOW_START));
-                projection.push(shift(start, gap).alias(WINDOW_END));
-                scan.project(projection)?.build()?
+                scan.project(with_window(columns, start, gap))?.build()?
             }
         };
         debug_assert_eq!(size, window.size());

@@ -20,7 +20,7 @@
 use std::sync::Arc;
 
 use arrow::array::RecordBatch;
-use arrow::datatypes::SchemaRef;
+use arrow::datatypes::{Schema, SchemaRef};
 use datafusion::datasource::memory::MemorySourceConfig;
 use datafusion::execution::SessionState;
 use datafusion::logical_expr::LogicalPlan;
@@ -168,13 +168,7 @@ impl AggregateState {
             exec.input_schema(),
         )?);
         let schema = partial.schema();
-        let same = schema.fields().len() == self.state_schema.fields().len()
-            && schema
-                .fields()
-                .iter()
-                .zip(self.state_schema.fields())
-                .all(|(a, b)| a.name() == b.name() && a.data_type() == b.data_type());
-        if !same {
+        if !same_columns(&schema, &self.state_schema) {
             return Err(Error::UnsupportedQuery(format!(
                 "the per-batch aggregate's state ({schema}) differs from the planned one ({})",
                 self.state_schema
@@ -222,6 +216,16 @@ impl AggregateState {
         let batches = collect(exec, self.state.task_ctx()).await?;
         Ok(batches.into_iter().filter(|b| b.num_rows() > 0).collect())
     }
+}
+
+/// Whether two schemas have the same columns — names and types, in order; nullability aside
+/// (partial states of the same aggregate over differently planned input may differ in it).
+pub(crate) fn same_columns(a: &Schema, b: &Schema) -> bool {
+    a.fields().len() == b.fields().len()
+        && a.fields()
+            .iter()
+            .zip(b.fields())
+            .all(|(a, b)| a.name() == b.name() && a.data_type() == b.data_type())
 }
 
 fn partial_exec(

@@ -34,7 +34,7 @@ use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::logical_expr::{Aggregate, Expr, LogicalPlan};
 use datafusion::prelude::SessionContext;
 
-use super::aggregate_state::AggregateState;
+use super::aggregate_state::{AggregateState, same_columns};
 use crate::error::{Error, Result};
 use crate::window::{WINDOW_END, WINDOW_START, WindowKind, WindowUse, newest_hop_window};
 
@@ -178,13 +178,7 @@ impl Panes {
         let newest_state = AggregateState::plan(&ctx.state(), &aggregate)
             .await?
             .state_schema();
-        let same_state = newest_state.fields().len() == state_schema.fields().len()
-            && newest_state
-                .fields()
-                .iter()
-                .zip(state_schema.fields())
-                .all(|(a, b)| a.name() == b.name() && a.data_type() == b.data_type());
-        if !same_state {
+        if !same_columns(&newest_state, state_schema) {
             return Ok(None);
         }
         Ok(Some(Panes {
