@@ -756,12 +756,13 @@ pub async fn read_body(got: GetResult) -> object_store::Result<Bytes> {
     }
 }
 
-/// `range` of `file`, read into uninitialised capacity (`read_to_end` does not zero it).
+/// `range` of `file`, read into uninitialised capacity (`read_to_end` does not zero it) of a
+/// buffer the last read freed where there is one ([`crate::memory::read_buffer`]).
 /// Fewer bytes than the range is an error: the file shrank after it was opened.
 fn read_file_range(mut file: std::fs::File, range: Range<u64>) -> std::io::Result<Bytes> {
     use std::io::{Read, Seek, SeekFrom};
     let len = range.end.saturating_sub(range.start);
-    let mut buf = Vec::with_capacity(usize::try_from(len).map_err(std::io::Error::other)?);
+    let mut buf = crate::memory::read_buffer(usize::try_from(len).map_err(std::io::Error::other)?);
     file.seek(SeekFrom::Start(range.start))?;
     file.take(len).read_to_end(&mut buf)?;
     if buf.len() as u64 != len {
@@ -774,7 +775,7 @@ fn read_file_range(mut file: std::fs::File, range: Range<u64>) -> std::io::Resul
             ),
         ));
     }
-    Ok(Bytes::from(buf))
+    Ok(crate::memory::recycled_bytes(buf))
 }
 
 #[cfg(test)]
