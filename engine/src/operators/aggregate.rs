@@ -1035,10 +1035,13 @@ impl StatefulAggregate {
         groups: Vec<RecordBatch>,
     ) -> Result<Vec<RecordBatch>> {
         let width = self.finished_schema.fields().len();
-        let finished = self
-            .operator
-            .finish(groups)
-            .await?
+        // A keyed state table holds each group once: its rows need no grouping to finish.
+        let finished = if self.groups.is_keyed() {
+            self.operator.finish_unique(groups).await?
+        } else {
+            self.operator.finish(groups).await?
+        };
+        let finished = finished
             .into_iter()
             .map(|b| {
                 // A running aggregate's hidden newest-event column is last: not the query's.

@@ -14,7 +14,9 @@
 //! ```
 //!
 //! So any DataFusion aggregate works, with DataFusion's exact semantics, and the state is a
-//! plain Arrow table that can be written as a file and restored. [`AggregateState`] is built from
+//! plain Arrow table that can be written as a file and restored. Rows that hold each group
+//! once (a keyed state's) are finished without the `Final` phase's hashing: each aggregate's
+//! accumulators merge one row per group and are evaluated ([`AggregateState::finish_unique`]). [`AggregateState`] is built from
 //! a planned `Aggregate` node and runs the three phases.
 
 use std::sync::Arc;
@@ -24,6 +26,8 @@ use arrow::datatypes::{Schema, SchemaRef};
 use datafusion::datasource::memory::MemorySourceConfig;
 use datafusion::execution::SessionState;
 use datafusion::logical_expr::LogicalPlan;
+use datafusion::logical_expr::{EmitTo, GroupsAccumulator};
+use datafusion::physical_expr::GroupsAccumulatorAdapter;
 use datafusion::physical_expr::aggregate::AggregateFunctionExpr;
 use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode, PhysicalGroupBy};
 use datafusion::physical_plan::{ExecutionPlan, PhysicalExpr, collect};
@@ -196,6 +200,58 @@ impl AggregateState {
         self.over_state(AggregateMode::Final, states).await
     }
 
+    /// Phase 3 of state rows that hold each group at most once (as a keyed state table
+    /// does), in their order: each aggregate's state columns merged into accumulators of one
+    /// group per row and evaluated — what the `Final` phase does, without hashing the groups
+    /// to find rows that belong together (there are none; the hashing was a sixth of a
+    /// windowed job's CPU). Grouping sets go through [`AggregateState::finish`].
+    ///
+    /// # Errors
+    /// If an accumulator cannot be made, merged or evaluated (e.g. a value overflows).
+    pub async fn finish_unique(&self, states: Vec<RecordBatch>) -> Result<Vec<RecordBatch>> {
+        if !self.group_by.is_single() {
+            return self.finish(states).await;
+        }
+        let groups = self.group_by.expr().len();
+        let finish = |states: &RecordBatch| -> Result<RecordBatch> {
+            let rows = states.num_rows();
+            let each_its_own: Vec<usize> = (0..rows).collect();
+            let mut columns = states.columns()[..groups].to_vec();
+            let mut at = groups;
+            for aggregate in &self.aggregates {
+                let width = aggregate.state_fields()?.len();
+                let mut accumulator: Box<dyn GroupsAccumulator> =
+                    if aggregate.groups_accumulator_supported() {
+                        aggregate.create_groups_accumulator()?
+                    } else {
+                        let aggregate = Arc::clone(aggregate);
+                        Box::new(GroupsAccumulatorAdapter::new(move || {
+                            aggregate.create_accumulator()
+                        }))
+                    };
+                let state = states.columns().get(at..at + width).ok_or_else(|| {
+                    Error::UnsupportedQuery(format!(
+                        "state rows of {} columns lack {}'s state",
+                        states.num_columns(),
+                        aggregate.name()
+                    ))
+                })?;
+                accumulator.merge_batch(state, &each_its_own, rows)?;
+                columns.push(accumulator.evaluate(EmitTo::All)?);
+                at += width;
+            }
+            Ok(RecordBatch::try_new(
+                Arc::clone(&self.output_schema),
+                columns,
+            )?)
+        };
+        states
+            .iter()
+            .filter(|b| b.num_rows() > 0)
+            .map(finish)
+            .collect()
+    }
+
     async fn over_state(
         &self,
         mode: AggregateMode,
@@ -357,7 +413,13 @@ mod tests {
             input.extend(state);
             state = op.merge(input).await.unwrap();
         }
-        displayed(&op.finish(state).await.unwrap())
+        let finished = displayed(&op.finish(state.clone()).await.unwrap());
+        let unique = displayed(&op.finish_unique(state).await.unwrap());
+        assert_eq!(
+            unique, finished,
+            "finished without grouping: as the Final phase"
+        );
+        finished
     }
 
     async fn at_once(all: &[(i64, u8, i64)]) -> Vec<Vec<String>> {
