@@ -18,7 +18,8 @@
 //! the next batches' large buffers fit nowhere in what it freed): after an ordinary batch the
 //! next one reuses the pages at once, and faulting them in again costs throughput.
 //!
-//! Sources read whole files into one buffer each ([`crate::storage::read_body`]). A buffer of
+//! Whole files are read into one buffer each ([`crate::storage::read_body`]: the sources,
+//! file tables, compaction). A buffer of
 //! more than glibc's mmap threshold (a few MiB up to 32 MiB) is mapped afresh for every file
 //! and unmapped when its bytes are dropped, so each read faulted in and zeroed every page of
 //! its buffer before the kernel copied the file into it — on the Nexmark JSON bids (25 MB
@@ -81,13 +82,16 @@ impl ReadBuffers {
         }
         let mut kept = self.kept();
         let fits = (kept.iter().enumerate())
-            .filter(|(_, buffer)| buffer.capacity() >= len)
+            .filter(|(_, buffer)| (len..=len.saturating_mul(2)).contains(&buffer.capacity()))
             .min_by_key(|(_, buffer)| buffer.capacity())
             .map(|(i, _)| i);
         if let Some(i) = fits {
             return kept.swap_remove(i);
         }
-        let too_small = std::mem::take(&mut *kept);
+        let (too_small, others): (Vec<_>, Vec<_>) = std::mem::take(&mut *kept)
+            .into_iter()
+            .partition(|buffer| buffer.capacity() < len);
+        *kept = others;
         drop(kept);
         drop(too_small);
         let step = len
@@ -116,12 +120,13 @@ impl ReadBuffers {
     }
 }
 
-/// An empty buffer with room for at least `len` bytes: for `len` of at least
-/// [`MIN_KEPT_READ_BUFFER_BYTES`], the smallest kept one that has it, or else a new one (the
-/// kept ones, all too small, are freed); a smaller `len` gets a new buffer of its size. A new
-/// large buffer is rounded up to
-/// the next eighth of `len`'s power of two, so files of about one size share buffers; the
-/// room past what a read writes is never touched, so it costs address space, not memory.
+/// An empty buffer with room for at least `len` bytes. For `len` of at least
+/// [`MIN_KEPT_READ_BUFFER_BYTES`]: the smallest kept buffer with room that is at most twice
+/// `len` (a larger one would hold pages an earlier read touched that this one does not need),
+/// or else a new one — and the kept ones too small for it are freed. A new large buffer is
+/// rounded up to the next eighth of `len`'s power of two, so files of about one size share
+/// buffers (the room past what its first read writes costs address space, not memory). A
+/// smaller `len` gets a new buffer of its size.
 pub fn read_buffer(len: usize) -> Vec<u8> {
     READ_BUFFERS.take(len)
 }
@@ -218,17 +223,25 @@ mod tests {
     use super::*;
 
     /// A read's buffer comes back for the next read once its last slice is gone, files of
-    /// about one size share one, a read that fits none frees the kept ones, and what is kept
-    /// stays within its bound.
+    /// about one size share one, a much smaller read gets a buffer of its own, a read that
+    /// fits none frees the kept ones too small for it, and what is kept stays within its
+    /// bound.
     #[test]
     fn read_buffers_are_reused_within_their_bound() {
+        const MIB: usize = 1024 * 1024;
         let pool: &'static ReadBuffers = Box::leak(Box::new(ReadBuffers {
             kept: std::sync::Mutex::new(Vec::new()),
         }));
         let bytes_of = |buffer: Vec<u8>| bytes::Bytes::from_owner(ReadBuffer { buffer, pool });
+        let capacities = || {
+            let mut c: Vec<usize> = pool.kept().iter().map(Vec::capacity).collect();
+            c.sort();
+            c
+        };
         // 9 MB: rounded up to 10 MiB.
         let size = 9_000_000;
         let mut first = pool.take(size);
+        assert_eq!(first.capacity(), 10 * MIB);
         first.extend_from_slice(&vec![7; size]);
         let address = first.as_ptr();
         let bytes = bytes_of(first);
@@ -240,22 +253,28 @@ mod tests {
         drop(bytes_of(second));
         assert_eq!(&slice[..], &[7; 10]);
         drop(slice);
-        assert_eq!(pool.kept().len(), 2);
+        assert_eq!(capacities(), [10 * MIB, 10 * MIB]);
         // A file a little larger fits the rounded-up buffers; the other stays kept.
         let again = pool.take(10_000_000);
-        assert!(again.is_empty() && again.capacity() >= 10_000_000);
-        assert_eq!(pool.kept().len(), 1);
+        assert!(again.is_empty() && again.capacity() == 10 * MIB);
+        assert_eq!(capacities(), [10 * MIB]);
         drop(bytes_of(again));
-        // A read that fits none frees them; a buffer past the bound is not kept.
-        drop(bytes_of(pool.take(KEPT_READ_BUFFER_BYTES + 1)));
+        // A read too large for every kept buffer frees them.
+        let large = pool.take(32 * MIB);
         assert!(pool.kept().is_empty());
-        drop(bytes_of(pool.take(KEPT_READ_BUFFER_BYTES / 2)));
-        drop(bytes_of(pool.take(KEPT_READ_BUFFER_BYTES / 2 + 1)));
-        let held: usize = pool.kept().iter().map(Vec::capacity).sum();
-        assert!(held > 0 && held <= KEPT_READ_BUFFER_BYTES, "{held}");
+        let (other, third) = (pool.take(32 * MIB), pool.take(16 * MIB));
+        // Kept while they fit in the bound (32 + 32 MiB), the last one freed.
+        drop((bytes_of(large), bytes_of(other), bytes_of(third)));
+        assert_eq!(capacities(), [32 * MIB, 32 * MIB]);
+        assert_eq!(KEPT_READ_BUFFER_BYTES, 64 * MIB);
+        // A buffer more than twice a read's size is not given to it, nor freed for it.
+        let small = pool.take(MIN_KEPT_READ_BUFFER_BYTES);
+        assert_eq!(small.capacity(), MIN_KEPT_READ_BUFFER_BYTES);
+        drop(bytes_of(small));
+        assert_eq!(capacities(), [32 * MIB, 32 * MIB]);
         // Small buffers are malloc's.
         drop(bytes_of(pool.take(MIN_KEPT_READ_BUFFER_BYTES - 1)));
-        assert_eq!(pool.kept().iter().map(Vec::capacity).sum::<usize>(), held);
+        assert_eq!(capacities(), [32 * MIB, 32 * MIB]);
         pool.clear();
         assert!(pool.kept().is_empty());
     }

@@ -1035,7 +1035,9 @@ impl StatefulAggregate {
         groups: Vec<RecordBatch>,
     ) -> Result<Vec<RecordBatch>> {
         let width = self.finished_schema.fields().len();
-        // A keyed state table holds each group once: its rows need no grouping to finish.
+        // A keyed state table holds each group once, and every caller passes rows of it (a
+        // purge's, a merge round's or a lookup's, all of the table, or a subset of those): they
+        // need no grouping to finish. An unkeyed table's rows go through the `Final` phase.
         let finished = if self.groups.is_keyed() {
             self.operator.finish_unique(groups).await?
         } else {

@@ -16,7 +16,8 @@
 //! So any DataFusion aggregate works, with DataFusion's exact semantics, and the state is a
 //! plain Arrow table that can be written as a file and restored. Rows that hold each group
 //! once (a keyed state's) are finished without the `Final` phase's hashing: each aggregate's
-//! accumulators merge one row per group and are evaluated ([`AggregateState::finish_unique`]). [`AggregateState`] is built from
+//! accumulators merge one row per group and are evaluated
+//! ([`AggregateState::finish_unique`]). [`AggregateState`] is built from
 //! a planned `Aggregate` node and runs the three phases.
 
 use std::sync::Arc;
@@ -200,23 +201,32 @@ impl AggregateState {
         self.over_state(AggregateMode::Final, states).await
     }
 
-    /// Phase 3 of state rows that hold each group at most once (as a keyed state table
+    /// Phase 3 of state rows that hold each group **at most once** (as a keyed state table
     /// does), in their order: each aggregate's state columns merged into accumulators of one
     /// group per row and evaluated — what the `Final` phase does, without hashing the groups
     /// to find rows that belong together (there are none; the hashing was a sixth of a
-    /// windowed job's CPU). Grouping sets go through [`AggregateState::finish`].
+    /// windowed job's CPU). Rows that repeat a group would come out once each, not merged.
+    /// Grouping sets and an aggregate without group columns (one row however many come in)
+    /// go through [`AggregateState::finish`]. Batches of at most the session's batch size.
     ///
     /// # Errors
     /// If an accumulator cannot be made, merged or evaluated (e.g. a value overflows).
     pub async fn finish_unique(&self, states: Vec<RecordBatch>) -> Result<Vec<RecordBatch>> {
-        if !self.group_by.is_single() {
+        if !self.group_by.is_single() || self.group_by.is_empty() {
             return self.finish(states).await;
         }
         let groups = self.group_by.expr().len();
         let finish = |states: &RecordBatch| -> Result<RecordBatch> {
             let rows = states.num_rows();
             let each_its_own: Vec<usize> = (0..rows).collect();
-            let mut columns = states.columns()[..groups].to_vec();
+            let mut columns = (states.columns().get(..groups))
+                .ok_or_else(|| {
+                    Error::UnsupportedQuery(format!(
+                        "state rows of {} columns lack the {groups} group columns",
+                        states.num_columns()
+                    ))
+                })?
+                .to_vec();
             let mut at = groups;
             for aggregate in &self.aggregates {
                 let width = aggregate.state_fields()?.len();
@@ -245,11 +255,19 @@ impl AggregateState {
                 columns,
             )?)
         };
-        states
-            .iter()
-            .filter(|b| b.num_rows() > 0)
-            .map(finish)
-            .collect()
+        // As DataFusion hands out its output: the query above reads these in parallel.
+        let batch_size = self.state.config().batch_size().max(1);
+        let mut out = Vec::new();
+        for states in states.iter().filter(|b| b.num_rows() > 0) {
+            let finished = finish(states)?;
+            let rows = finished.num_rows();
+            out.extend(
+                (0..rows)
+                    .step_by(batch_size)
+                    .map(|from| finished.slice(from, batch_size.min(rows - from))),
+            );
+        }
+        Ok(out)
     }
 
     async fn over_state(

@@ -21,7 +21,8 @@
 //! live purge values, so a purge that closes nothing reads no rows; chunks made by a merge are
 //! sorted by purge value, so a purge reads only the rows it removes (a binary search finds them).
 //! Its groups leave the index one by one (each a random probe), or — when an eighth of the
-//! groups or more go at once — in one pass over the index keeping the live rows' entries.
+//! groups or more go at once — in one pass over the index keeping the live rows' entries (the
+//! index then shrunk if it is mostly empty).
 //!
 //! **Chunks.** Each insert adds chunks and each take or purge leaves dead rows behind. A chunk
 //! has a stable id (the index points at `(id, row)`), so a chunk whose rows are all dead is
@@ -326,68 +327,78 @@ impl GroupTable {
     /// # Errors
     /// If the purge column is not a timestamp.
     pub(crate) fn remove_below(&mut self, bound: i64) -> Result<Vec<RecordBatch>> {
-        let mut out = Vec::new();
-        let mut removed = 0;
-        // (chunk id, rows) of the groups removed.
-        let mut purged = Vec::new();
-        for (id, slot) in self.chunks.iter_mut().enumerate() {
-            let Some(chunk) = slot else { continue };
-            if !chunk.may_have_below(bound) {
-                continue;
-            }
-            let values = purge_values(&chunk.rows, self.purge_column)?;
-            let is_below = |row: usize| values.is_null(row) || values.value(row) < bound;
-            let n = chunk.rows.num_rows();
-            // Sorted: the rows below are a run from `purged_to`, found by binary search.
-            let (from, to) = if chunk.sorted {
-                let (mut lo, mut hi) = (chunk.purged_to, n);
-                while lo < hi {
-                    let mid = lo + (hi - lo) / 2;
-                    if is_below(mid) {
-                        lo = mid + 1;
-                    } else {
-                        hi = mid;
-                    }
-                }
-                (chunk.purged_to, lo)
-            } else {
-                (0, n)
-            };
-            let mut rows = Vec::new();
-            let mut floor: Option<i64> = None;
-            for row in from..to {
-                if !chunk.live[row] {
+        // (chunk id, rows) of the groups removed: marked dead as found, their index entries
+        // removed after the scan — also when it fails part way, so the index holds exactly
+        // the live rows whatever happens.
+        let mut purged: Vec<(usize, Vec<u32>)> = Vec::new();
+        let purge_column = self.purge_column;
+        let chunks = &mut self.chunks;
+        let scanned = (|| -> Result<()> {
+            for (id, slot) in chunks.iter_mut().enumerate() {
+                let Some(chunk) = slot else { continue };
+                if !chunk.may_have_below(bound) {
                     continue;
                 }
-                if is_below(row) {
-                    rows.push(location_part(row)?);
+                let values = purge_values(&chunk.rows, purge_column)?;
+                let is_below = |row: usize| values.is_null(row) || values.value(row) < bound;
+                let n = chunk.rows.num_rows();
+                // Sorted: the rows below are a run from `purged_to`, found by binary search.
+                let (from, to) = if chunk.sorted {
+                    let (mut lo, mut hi) = (chunk.purged_to, n);
+                    while lo < hi {
+                        let mid = lo + (hi - lo) / 2;
+                        if is_below(mid) {
+                            lo = mid + 1;
+                        } else {
+                            hi = mid;
+                        }
+                    }
+                    (chunk.purged_to, lo)
                 } else {
-                    floor = Some(floor.map_or(values.value(row), |f| f.min(values.value(row))));
+                    (0, n)
+                };
+                let mut rows = Vec::new();
+                let mut floor: Option<i64> = None;
+                for row in from..to {
+                    if !chunk.live[row] {
+                        continue;
+                    }
+                    if is_below(row) {
+                        rows.push(location_part(row)?);
+                    } else {
+                        let value = values.value(row);
+                        floor = Some(floor.map_or(value, |f| f.min(value)));
+                    }
                 }
+                if chunk.sorted {
+                    chunk.purged_to = to;
+                    floor = (to..n).find(|r| chunk.live[*r]).map(|r| values.value(r));
+                }
+                chunk.purge_floor = floor;
+                chunk.null_purge = false;
+                if rows.is_empty() {
+                    continue;
+                }
+                for &row in &rows {
+                    chunk.live[row as usize] = false;
+                }
+                chunk.live_rows -= rows.len();
+                purged.push((id, rows));
             }
-            if chunk.sorted {
-                chunk.purged_to = to;
-                floor = (to..n).find(|r| chunk.live[*r]).map(|r| values.value(r));
-            }
-            chunk.purge_floor = floor;
-            chunk.null_purge = false;
-            if rows.is_empty() {
-                continue;
-            }
-            for &row in &rows {
-                chunk.live[row as usize] = false;
-            }
-            chunk.live_rows -= rows.len();
-            removed += rows.len();
-            out.push(take_record_batch(
-                &chunk.rows,
-                &UInt32Array::from_iter_values(rows.iter().copied()),
-            )?);
-            purged.push((location_part(id)?, rows));
-        }
+            Ok(())
+        })();
+        let removed: usize = purged.iter().map(|(_, rows)| rows.len()).sum();
         self.unindex_purged(&purged, removed);
         self.live_rows -= removed;
         self.dead_rows += removed;
+        scanned?;
+        let mut out = Vec::with_capacity(purged.len());
+        for (id, rows) in &purged {
+            if let Some(Some(chunk)) = self.chunks.get(*id) {
+                let rows = UInt32Array::from_iter_values(rows.iter().copied());
+                out.push(take_record_batch(&chunk.rows, &rows)?);
+            }
+        }
         // Only dead rows are dropped here (a copy of the live rows, when they are outnumbered);
         // merging small chunks waits for the next take.
         self.drop_dead_rows_if_due()?;
@@ -400,25 +411,33 @@ impl GroupTable {
     /// closing most windows at once, as a batch spanning a window does), one pass over the
     /// index keeping the entries of live rows is cheaper (it was a tenth of a hopping-window
     /// job's CPU the other way).
-    fn unindex_purged(&mut self, purged: &[(u32, Vec<u32>)], removed: usize) {
+    fn unindex_purged(&mut self, purged: &[(usize, Vec<u32>)], removed: usize) {
+        if removed == 0 {
+            return;
+        }
         if removed.saturating_mul(8) >= self.index.len() {
             let chunks = &self.chunks;
+            // An entry of a row or chunk that is not there is dropped too (none is expected).
             self.index.retain(|e| {
-                chunks
-                    .get(e.at.chunk as usize)
-                    .and_then(Option::as_ref)
-                    .is_some_and(|c| c.live[e.at.row as usize])
+                let chunk = chunks.get(e.at.chunk as usize).and_then(Option::as_ref);
+                chunk.is_some_and(|c| c.live.get(e.at.row as usize) == Some(&true))
             });
+            // A purge may leave a small state in a large index; `retain` (and the next
+            // purge's pass) reads every bucket, so the index is cut down to its groups.
+            if self.index.capacity() > 4 * self.index.len().max(1024) {
+                self.index.shrink_to(self.index.len(), |e| e.hash);
+            }
             return;
         }
         for (id, rows) in purged {
-            let Some(Some(chunk)) = self.chunks.get(*id as usize) else {
+            let Some(Some(chunk)) = self.chunks.get(*id) else {
                 continue;
             };
             let Some(keys) = &chunk.keys else { continue };
+            let Ok(id) = u32::try_from(*id) else { continue };
             for &row in rows {
                 let hash = self.hasher.hash_one(keys.row(row as usize).as_ref());
-                let here = Location { chunk: *id, row };
+                let here = Location { chunk: id, row };
                 if let Ok(entry) = self.index.find_entry(hash, |e| e.at == here) {
                     entry.remove();
                 }
@@ -958,6 +977,39 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A purge closing a few groups unindexes them one by one, one closing many in a pass over
+    /// the index (shrunk when mostly empty): either way the index holds the live rows, and
+    /// the groups left are found.
+    #[test]
+    fn a_purge_unindexes_few_groups_by_probe_and_many_in_one_pass() {
+        let mut table = GroupTable::keyed(schema(), 2, 2).unwrap();
+        let groups: Vec<(Key, Value)> = (0..4 * 2000i64)
+            .map(|i| ((Some((i % 200) as u8), i / 200), (Some(i / 8), 1)))
+            .collect();
+        assert!(table.insert(vec![rows(&groups)]).unwrap().is_empty());
+        let capacity = table.index.capacity();
+        // 80 of 8000 groups (a probe each), then 4000 of 7920 (one pass), then all but 80
+        // (one pass, the index shrunk).
+        let count = |batches: Vec<RecordBatch>| batches.iter().map(RecordBatch::num_rows).sum();
+        let mut live = groups.len();
+        for (bound, left) in [(10, 7920), (510, 3920), (990, 80)] {
+            let gone: usize = count(table.remove_below(bound).unwrap());
+            assert_eq!((gone, table.live_rows()), (live - left, left));
+            live = left;
+            assert_eq!(table.index.len(), left);
+            for e in &table.index {
+                assert!(table.chunk(e.at.chunk).unwrap().live[e.at.row as usize]);
+            }
+            let found: usize = count(table.lookup(&[rows(&groups)]).unwrap());
+            assert_eq!(found, left);
+        }
+        assert!(
+            table.index.capacity() < capacity / 4,
+            "{capacity} → {}",
+            table.index.capacity()
+        );
     }
 
     #[test]
