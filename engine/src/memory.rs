@@ -19,10 +19,10 @@
 //! next one reuses the pages at once, and faulting them in again costs throughput.
 //!
 //! Whole files are read into one buffer each ([`crate::storage::read_body`]: the sources,
-//! file tables, compaction). A buffer of
-//! more than glibc's mmap threshold (a few MiB up to 32 MiB) is mapped afresh for every file
-//! and unmapped when its bytes are dropped, so each read faulted in and zeroed every page of
-//! its buffer before the kernel copied the file into it — on the Nexmark JSON bids (25 MB
+//! file tables, compaction). A buffer of more than glibc's mmap threshold (a few MiB up to
+//! 32 MiB) is mapped afresh for every file and unmapped when its bytes are dropped, so each
+//! read faulted in and zeroed every page of its buffer before the kernel copied the file
+//! into it — on the Nexmark JSON bids (25 MB
 //! files) a twentieth of the job's CPU, and the next batch's other buffers took fresh pages
 //! as well. Finished buffers of at least [`MIN_KEPT_READ_BUFFER_BYTES`] are therefore kept for
 //! the next read ([`read_buffer`], [`recycled_bytes`]), at most [`KEPT_READ_BUFFER_BYTES`] of
@@ -30,8 +30,8 @@
 //! are left to malloc, whose arenas reuse them well: keeping the 3 MB buffers of a Parquet
 //! job's files cost it system time (the kept pages were not there for its other buffers).
 
-/// Returns the free pages of glibc's malloc arenas to the system (`malloc_trim(0)`); nothing
-/// elsewhere.
+/// Frees the kept read buffers ([`read_buffer`]) and returns the free pages of glibc's malloc
+/// arenas to the system (`malloc_trim(0)`; elsewhere, only the buffers are freed).
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[allow(unsafe_code)]
 pub fn release_free_memory() {
@@ -43,7 +43,7 @@ pub fn release_free_memory() {
     }
 }
 
-/// Returns the free pages of glibc's malloc arenas to the system; nothing elsewhere.
+/// Frees the kept read buffers ([`read_buffer`]); there are no glibc arenas to trim here.
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 pub fn release_free_memory() {
     READ_BUFFERS.clear();
