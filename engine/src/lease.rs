@@ -120,9 +120,19 @@ pub struct Lease {
     /// Set (and `wake` notified) to stop the renewal thread.
     stop: Arc<AtomicBool>,
     wake: Arc<Notify>,
-    renewal: Option<std::thread::JoinHandle<()>>,
+    renewal: Option<RenewalThread>,
     /// The lease timeout: how long [`Lease::release`] waits for the store.
     timeout: Duration,
+}
+
+/// The thread renewing a lease, and what tells that its loop has ended.
+#[derive(Debug)]
+struct RenewalThread {
+    thread: std::thread::JoinHandle<()>,
+    /// Closed when the loop ends: its sender is dropped with the thread's closure, on return
+    /// or panic. [`Lease::release`] waits on it, so it goes on as soon as the loop stops
+    /// (polling the thread every 20 ms added that much to every run's end).
+    ended: tokio::sync::oneshot::Receiver<()>,
 }
 
 fn lease_file(epoch: u64) -> String {
@@ -377,16 +387,13 @@ impl Lease {
         self.wake.notify_one();
         // The renewal must be over before the record is marked released, or a last beat could
         // overwrite the mark.
-        if let Some(renewal) = self.renewal.take() {
-            let deadline = Instant::now() + self.timeout;
-            while !renewal.is_finished() {
-                if Instant::now() >= deadline {
-                    warn!(job_id = %self.record.job_id, "the lease's renewal did not stop in time (the store does not answer); the lease expires instead");
-                    return Ok(());
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
+        if let Some(RenewalThread { thread, ended }) = self.renewal.take() {
+            // `Err` (the sender dropped) is the end; the timeout, a store that does not answer.
+            if tokio::time::timeout(self.timeout, ended).await.is_err() {
+                warn!(job_id = %self.record.job_id, "the lease's renewal did not stop in time (the store does not answer); the lease expires instead");
+                return Ok(());
             }
-            let _ = renewal.join();
+            let _ = thread.join();
         }
         if self.lost.load(Ordering::SeqCst) {
             return Ok(());
@@ -411,7 +418,7 @@ impl Drop for Lease {
 }
 
 /// Starts the renewal loop of `lease` on a thread of its own.
-fn spawn_renewal(lease: &Lease, settings: LeaseSettings) -> Result<std::thread::JoinHandle<()>> {
+fn spawn_renewal(lease: &Lease, settings: LeaseSettings) -> Result<RenewalThread> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -423,9 +430,14 @@ fn spawn_renewal(lease: &Lease, settings: LeaseSettings) -> Result<std::thread::
         stop: Arc::clone(&lease.stop),
         wake: Arc::clone(&lease.wake),
     };
-    Ok(std::thread::Builder::new()
+    let (ending, ended) = tokio::sync::oneshot::channel::<()>();
+    let thread = std::thread::Builder::new()
         .name("sluice-lease".into())
-        .spawn(move || runtime.block_on(renewal.run()))?)
+        .spawn(move || {
+            let _ending = ending;
+            runtime.block_on(renewal.run());
+        })?;
+    Ok(RenewalThread { thread, ended })
 }
 
 /// What the renewal loop needs.
