@@ -415,17 +415,21 @@ impl GroupTable {
         if removed == 0 {
             return;
         }
-        if removed.saturating_mul(8) >= self.index.len() {
+        let before = self.index.len();
+        if removed.saturating_mul(8) >= before {
             let chunks = &self.chunks;
             // An entry of a row or chunk that is not there is dropped too (none is expected).
             self.index.retain(|e| {
                 let chunk = chunks.get(e.at.chunk as usize).and_then(Option::as_ref);
                 chunk.is_some_and(|c| c.live.get(e.at.row as usize) == Some(&true))
             });
-            // A purge may leave a small state in a large index; `retain` (and the next
-            // purge's pass) reads every bucket, so the index is cut down to its groups.
-            if self.index.capacity() > 4 * self.index.len().max(1024) {
-                self.index.shrink_to(self.index.len(), |e| e.hash);
+            // `retain` (and the next purge's pass) reads every bucket, so an index much larger
+            // than the state it held before this purge (left so by a spike) is cut down —
+            // to that state's size, not to what is left: a state that fills up and empties
+            // every batch (windows opening and closing) would otherwise have its index
+            // shrunk and grown back, rehashed both ways, at every batch.
+            if self.index.capacity() > 4 * before.max(1024) {
+                self.index.shrink_to(before, |e| e.hash);
             }
             return;
         }
@@ -989,12 +993,13 @@ mod tests {
             .map(|i| ((Some((i % 200) as u8), i / 200), (Some(i / 8), 1)))
             .collect();
         assert!(table.insert(vec![rows(&groups)]).unwrap().is_empty());
-        let capacity = table.index.capacity();
-        // 80 of 8000 groups (a probe each), then 4000 of 7920 (one pass), then all but 80
-        // (one pass, the index shrunk).
+        let allocated = table.index.allocation_size();
+        // 80 of 8000 groups (a probe each), then 4000 of 7920 (one pass), then all but 80 (one
+        // pass; the index kept: it is not 4× the 3920 groups before), then half of the 80 (one
+        // pass, the index shrunk: 4× more than the 80 before).
         let count = |batches: Vec<RecordBatch>| batches.iter().map(RecordBatch::num_rows).sum();
         let mut live = groups.len();
-        for (bound, left) in [(10, 7920), (510, 3920), (990, 80)] {
+        for (bound, left) in [(10, 7920), (510, 3920), (990, 80), (995, 40)] {
             let gone: usize = count(table.remove_below(bound).unwrap());
             assert_eq!((gone, table.live_rows()), (live - left, left));
             live = left;
@@ -1004,11 +1009,14 @@ mod tests {
             }
             let found: usize = count(table.lookup(&[rows(&groups)]).unwrap());
             assert_eq!(found, left);
+            if bound == 990 {
+                assert_eq!(table.index.allocation_size(), allocated);
+            }
         }
         assert!(
-            table.index.capacity() < capacity / 4,
-            "{capacity} → {}",
-            table.index.capacity()
+            table.index.allocation_size() < allocated / 4,
+            "{allocated} → {}",
+            table.index.allocation_size()
         );
     }
 
