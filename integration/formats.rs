@@ -208,7 +208,10 @@ async fn parquet_reads_only_the_columns_used_and_side_tables_keep_whole_records(
         ],
     );
     let windowed = notes_job(ws.path());
-    let run = run_sluice(&["run", windowed.to_str().unwrap()], &[]);
+    // The second file is read while the first batch commits (its output is far smaller than
+    // its input): everything below holds for a batch read ahead.
+    let log = ("RUST_LOG", "info,sluice_engine::input=debug");
+    let run = run_sluice(&["run", windowed.to_str().unwrap()], &[log]);
     assert_ok(&run);
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert!(
@@ -216,6 +219,7 @@ async fn parquet_reads_only_the_columns_used_and_side_tables_keep_whole_records(
             && stderr.contains("columns=ts, amount"),
         "{stderr}"
     );
+    assert!(stderr.contains("taken from the read ahead"), "{stderr}");
     let out = ws.path().join("out");
     let mut windows: Vec<(String, i64, i64)> = table_values(&out, &[])
         .await

@@ -46,7 +46,7 @@ use arrow::compute::concat_batches;
 use arrow::datatypes::SchemaRef;
 use futures::future::try_join_all;
 use tokio::sync::watch;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 use url::Url;
 
 use crate::checkpoint::{
@@ -57,14 +57,14 @@ use crate::error::{Error, Result};
 use crate::expectations::{Expectations, QUARANTINE_SOURCE};
 use crate::fault::{crash_point, pause_point};
 use crate::input::{
-    FutureTimes, NOT_READ_WHOLE, OpenSource, conform, make_whole, narrow_reads,
-    open_sources_and_query, plan_query, read_source, whole_rows,
+    FutureTimes, NOT_READ_WHOLE, OpenSource, ReadsAhead, conform, make_whole, narrow_reads,
+    open_sources_and_query, plan_query, read_from, read_source, whole_rows,
 };
 use crate::job::{DEAD_LETTER_BREAKER_MIN, Job, Trigger};
 use crate::lease::{Lease, LeaseSettings, REWRITE_LEASE_FOLDER};
 use crate::offsets::{
     BatchId, OffsetRange, SourceOffsets, SourceRanges, display_offsets, display_ranges,
-    plan_ranges, start_offsets,
+    next_ranges, plan_ranges, start_offsets,
 };
 use crate::operators::state_store::StateLog;
 use crate::progress::{CommittedBatch, Progress};
@@ -154,6 +154,8 @@ impl Job {
             let mut pipeline = Pipeline::open(self).await?;
             pipeline.progress.alive();
             let driven = pipeline.drive(trigger, stop_rx).await;
+            // A read ahead of a batch that will not run stops before the lease is released.
+            pipeline.read_ahead = None;
             // Released whether the run ended well or not, so the next run starts at once.
             if let Err(error) = pipeline.lease.release().await {
                 warn!(%error, "could not release the job's lease; the next run waits for it to expire");
@@ -309,6 +311,61 @@ struct Pipeline {
     summary: RunSummary,
     /// What the operator sees of the run (metrics, status page).
     progress: Arc<Progress>,
+    /// Whether the trigger runs batches one after another (not `once`): the next batch's reads
+    /// may then start while this one commits ([`Pipeline::start_read_ahead`]).
+    reads_ahead: bool,
+    /// The next batch's reads, started while the last batch committed.
+    read_ahead: Option<ReadAhead>,
+}
+
+/// A read ahead is started only when the batch's output (what its commit holds) is at most
+/// this share of its input, in Arrow bytes: the next batch's rows then sit beside a small
+/// output, so the peak stays about one batch's input. A job whose output is as large as its
+/// input (a passthrough) is not read ahead: the next rows would double its peak.
+const READ_AHEAD_MAX_OUTPUT_SHARE: f64 = 0.25;
+
+/// What a batch commits below this many Arrow bytes never keeps the next batch from being
+/// read ahead, whatever its share of the input: next to it, the next rows cannot add much.
+const READ_AHEAD_SMALL_OUTPUT_BYTES: usize = 8 * 1024 * 1024;
+
+/// The next batch's source reads, running on a task of their own while the current batch
+/// writes its manifest, commits, purges and compacts ([`Pipeline::start_read_ahead`]); by
+/// source, the reads that succeeded (a failed one is made again by its batch, which reports
+/// the error). Aborted if dropped unused.
+struct ReadAhead {
+    /// The ranges being read.
+    ranges: SourceRanges,
+    task: tokio::task::JoinHandle<BTreeMap<String, ReadsAhead>>,
+}
+
+impl ReadAhead {
+    /// The reads, once done, if any of them is of a range `intent` gives its partition; none
+    /// (without waiting: the task is aborted) if the next plan contradicted every guess, or if
+    /// the task failed — the batch then reads everything itself.
+    async fn finish(mut self, intent: &SourceRanges) -> BTreeMap<String, ReadsAhead> {
+        let hit = self.ranges.iter().any(|(source, parts)| {
+            parts
+                .iter()
+                .any(|(p, r)| intent.get(source).and_then(|i| i.get(p)) == Some(r))
+        });
+        if !hit {
+            debug!("no range read ahead is the next batch's");
+            return BTreeMap::new();
+        }
+        match (&mut self.task).await {
+            Ok(reads) => reads,
+            Err(error) => {
+                warn!(%error, "the read ahead failed; the batch reads its ranges itself");
+                BTreeMap::new()
+            }
+        }
+    }
+}
+
+impl Drop for ReadAhead {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }
 
 /// One batch on its way through the steps: its intent, what it has produced so far, and how
@@ -479,11 +536,14 @@ impl Pipeline {
             behind,
             summary,
             progress,
+            reads_ahead: false,
+            read_ahead: None,
         })
     }
 
     /// The trigger loop.
     async fn drive(&mut self, trigger: Trigger, mut stop: watch::Receiver<bool>) -> Result<()> {
+        self.reads_ahead = !matches!(trigger, Trigger::Once);
         match trigger {
             Trigger::Once => {
                 self.plan_and_run(None).await?;
@@ -541,7 +601,7 @@ impl Pipeline {
         let Some(intent) = self.plan(limit).await? else {
             return Ok(false);
         };
-        self.run_batch(intent, started).await?;
+        self.run_batch(intent, started, limit).await?;
         Ok(true)
     }
 
@@ -645,8 +705,14 @@ impl Pipeline {
         Ok(Some(intent))
     }
 
-    /// Steps 3–10 for one batch, in order (`started`: when its planning began).
-    async fn run_batch(&mut self, intent: BatchIntent, started: Instant) -> Result<()> {
+    /// Steps 3–10 for one batch, in order (`started`: when its planning began; `limit`: an
+    /// available-now run's target, for the next batch's read ahead).
+    async fn run_batch(
+        &mut self,
+        intent: BatchIntent,
+        started: Instant,
+        limit: Option<&SourceOffsets>,
+    ) -> Result<()> {
         let mut batch = Batch::new(intent, &self.committed, started);
         let inputs = self.read(&mut batch).await?;
         self.load_tables(&batch).await?;
@@ -654,12 +720,101 @@ impl Pipeline {
         let output = self.execute(&mut batch, inputs, &watermark).await?;
         self.check_dead_letters(&batch)?;
         let output = self.check_expectations(&mut batch, output)?;
+        self.read_ahead = self.start_read_ahead(&batch, &output, limit);
         let manifest = self.write_manifest(&mut batch, &watermark).await?;
         let outcome = self.commit(&mut batch, output, &manifest).await?;
         self.purge(&mut batch).await?;
         self.compact(&mut batch).await?;
         self.finish(batch, manifest, watermark, outcome);
         Ok(())
+    }
+
+    /// Starts reading the ranges the next batch will read, to overlap this batch's manifest,
+    /// commit, purge and compaction (a quarter of a filter or windowed job's batch was its
+    /// commit, with a core idle). Only the sources' reads: the next intent is still written
+    /// after this batch commits, and the next batch uses a read only for exactly the range its
+    /// intent gives that partition ([`read_source`]) — a read of a range is the same whenever
+    /// it is made, so nothing about a batch depends on whether it was read ahead. The ranges
+    /// are what the next plan gives if the sources report the latest offsets this batch's plan
+    /// saw ([`next_ranges`]): a partition the run has caught up with is not read ahead, and a
+    /// guess the next plan contradicts costs only its read.
+    ///
+    /// Not started for a `once` trigger, nor when what this batch commits (output, dead
+    /// letters, late rows) is more than [`READ_AHEAD_MAX_OUTPUT_SHARE`] of its input and more
+    /// than [`READ_AHEAD_SMALL_OUTPUT_BYTES`] (memory);
+    /// a source whose reads may grow its schema ([`crate::source::Source::reads_may_grow_schema`])
+    /// is not read ahead.
+    fn start_read_ahead(
+        &self,
+        batch: &Batch,
+        output: &[RecordBatch],
+        limit: Option<&SourceOffsets>,
+    ) -> Option<ReadAhead> {
+        if !self.reads_ahead {
+            return None;
+        }
+        let committed_bytes: usize = output
+            .iter()
+            .chain(&batch.dead_letters)
+            .chain(&batch.late)
+            .map(crate::memory::batch_bytes)
+            .sum();
+        if committed_bytes > READ_AHEAD_SMALL_OUTPUT_BYTES
+            && committed_bytes as f64 > batch.input_bytes as f64 * READ_AHEAD_MAX_OUTPUT_SHARE
+        {
+            return None;
+        }
+        let mut guessed = SourceRanges::new();
+        let mut reads = Vec::new();
+        for s in self
+            .sources
+            .iter()
+            .filter(|s| !s.source.reads_may_grow_schema())
+        {
+            let (Some(ends), Some(latest)) = (
+                batch.end_offsets.get(&s.name),
+                self.latest_at_plan.get(&s.name),
+            ) else {
+                continue;
+            };
+            let cap = limit.and_then(|l| l.get(&s.name));
+            let ranges = next_ranges(ends, latest, cap, s.source.max_per_batch());
+            for (partition, range) in ranges.into_iter().filter(|(_, r)| !r.is_empty()) {
+                let (source, columns) = (Arc::clone(&s.source), s.read_columns.clone());
+                guessed
+                    .entry(s.name.clone())
+                    .or_default()
+                    .insert(partition.clone(), range);
+                reads.push((s.name.clone(), source, columns, partition, range));
+            }
+        }
+        if reads.is_empty() {
+            return None;
+        }
+        let task = tokio::spawn(async move {
+            let done = futures::future::join_all(reads.into_iter().map(
+                |(name, source, columns, partition, range)| async move {
+                    let read =
+                        read_from(source.as_ref(), columns.as_deref(), &partition, range).await;
+                    (name, partition, range, read)
+                },
+            ))
+            .await;
+            let mut ahead: BTreeMap<String, ReadsAhead> = BTreeMap::new();
+            for (name, partition, range, read) in done {
+                if let Ok(read) = read {
+                    ahead
+                        .entry(name)
+                        .or_default()
+                        .insert(partition, (range, read));
+                }
+            }
+            ahead
+        });
+        Some(ReadAhead {
+            ranges: guessed,
+            task,
+        })
     }
 
     /// Steps 3 read + 4 time: each source's rows as its read produced them (several Arrow
@@ -675,9 +830,18 @@ impl Pipeline {
         // Every source and partition is read at once (their decoding runs on the rayon pool);
         // the rows are then taken in source order, as before.
         let empty = BTreeMap::new();
+        let mut ahead = match self.read_ahead.take() {
+            Some(read_ahead) => read_ahead.finish(&batch.intent.ranges).await,
+            None => BTreeMap::new(),
+        };
         let reads = try_join_all(self.sources.iter().map(|s| {
             let ranges = batch.intent.ranges.get(&s.name).unwrap_or(&empty);
-            read_source(s, ranges, &future)
+            read_source(
+                s,
+                ranges,
+                &future,
+                ahead.remove(&s.name).unwrap_or_default(),
+            )
         }))
         .await?;
         for (index, (s, read)) in self.sources.iter().zip(reads).enumerate() {

@@ -31,7 +31,8 @@ use crate::static_table::{StaticTables, TableSpec};
 /// One opened source.
 pub(crate) struct OpenSource {
     pub(crate) name: String,
-    pub(crate) source: Box<dyn Source>,
+    /// Shared with the reads the driver makes ahead of a batch, on tasks of their own.
+    pub(crate) source: Arc<dyn Source>,
     pub(crate) event_time: Option<EventTimeConfig>,
     /// The schema the query sees (event-time column already converted); grows when schema
     /// evolution adds columns.
@@ -56,11 +57,22 @@ impl OpenSource {
 
     /// The rows of `partition` in `range`, with the columns [`OpenSource::read_columns`] names.
     async fn read(&self, partition: &PartitionId, range: OffsetRange) -> Result<SourceRead> {
-        let Some(columns) = &self.read_columns else {
-            return self.source.read(partition, range).await;
-        };
-        let mut read = self.source.read_columns(partition, range, columns).await?;
-        // A source may give more columns than asked for: only those asked for are kept.
+        let read = read_from(
+            self.source.as_ref(),
+            self.read_columns.as_deref(),
+            partition,
+            range,
+        )
+        .await?;
+        self.narrowed(read)
+    }
+
+    /// `read` (of [`read_from`] with this source's [`OpenSource::read_columns`]) with only the
+    /// columns asked for: a source may give more.
+    fn narrowed(&self, mut read: SourceRead) -> Result<SourceRead> {
+        if self.read_columns.is_none() {
+            return Ok(read);
+        }
         for batch in &mut read.batches {
             let schema = self.as_read(&batch.schema());
             if schema.fields().len() < batch.num_columns() {
@@ -75,6 +87,26 @@ impl OpenSource {
         Ok(read)
     }
 }
+
+/// The rows of `partition` in `range` of `source`, with only the data `columns` named when it
+/// can read only some (`None`: every column) — as the source gives them, before
+/// [`OpenSource::narrowed`].
+pub(crate) async fn read_from(
+    source: &dyn Source,
+    columns: Option<&[String]>,
+    partition: &PartitionId,
+    range: OffsetRange,
+) -> Result<SourceRead> {
+    match columns {
+        None => source.read(partition, range).await,
+        Some(columns) => source.read_columns(partition, range, columns).await,
+    }
+}
+
+/// Reads of one source made ahead of their batch's intent, by partition: the range read and
+/// what [`read_from`] gave. [`read_source`] takes one only for exactly the range its batch
+/// reads.
+pub(crate) type ReadsAhead = BTreeMap<PartitionId, (OffsetRange, SourceRead)>;
 
 /// Narrows the reads of the sources that can read only some columns
 /// ([`Source::reads_columns`]: Parquet and JSON files) to the columns `query` reads
@@ -211,7 +243,7 @@ pub(crate) async fn open_sources_and_query(
         }
         sources.push(OpenSource {
             name: spec.name,
-            source,
+            source: Arc::from(source),
             event_time: spec.event_time,
             planned: Arc::clone(&schema),
             schema,
@@ -463,17 +495,36 @@ pub(crate) struct SourceRows {
 }
 
 /// Reads every range of one source (partitions concurrently), parses event time, and returns
-/// the rows (the reads' batches, in order) plus the dead letters. If schema evolution grew the
-/// source's schema during the read, ranges read before another partition's read grew it are
-/// read again, so all rows come in the grown schema.
+/// the rows (the reads' batches, in order) plus the dead letters. A range `ahead` holds (read
+/// before the batch's intent, exactly this range) is taken from it instead of read again. If
+/// schema evolution grew the source's schema during the read (or since a read ahead), ranges
+/// read before it grew are read again, so all rows come in the grown schema.
 pub(crate) async fn read_source(
     s: &OpenSource,
     ranges: &BTreeMap<PartitionId, OffsetRange>,
     future: &FutureTimes,
+    mut ahead: ReadsAhead,
 ) -> Result<SourceRows> {
     let ranges: Vec<(&PartitionId, &OffsetRange)> =
         ranges.iter().filter(|(_, r)| !r.is_empty()).collect();
-    let mut reads = try_join_all(ranges.iter().map(|(p, r)| s.read(p, **r))).await?;
+    let reading = try_join_all(ranges.iter().map(|(p, r)| {
+        let read_ahead = ahead
+            .remove(*p)
+            .filter(|(read_range, _)| read_range == *r)
+            .map(|(_, read)| s.narrowed(read));
+        if read_ahead.is_some() {
+            tracing::debug!(source = %s.name, partition = %p, range = %r, "taken from the read ahead");
+        }
+        async move {
+            match read_ahead {
+                Some(read) => read,
+                None => s.read(p, **r).await,
+            }
+        }
+    }));
+    // What is left was read for a range this batch does not read.
+    drop(ahead);
+    let mut reads = reading.await?;
     let mut query_schema = Arc::clone(&s.schema);
     if let Some(mut current) = s.source.current_schema().await {
         // Bounded: every pass that finds a stale read follows a growth of the schema.
@@ -680,7 +731,7 @@ pub(crate) async fn read_source_as_opened(
     ranges: &BTreeMap<PartitionId, OffsetRange>,
     future: &FutureTimes,
 ) -> Result<(RecordBatch, Vec<DeadLetter>)> {
-    let read = read_source(s, ranges, future).await?;
+    let read = read_source(s, ranges, future, ReadsAhead::new()).await?;
     if read.grown.is_some() {
         return Err(Error::in_source(
             &s.name,

@@ -129,6 +129,33 @@ pub fn display_offsets(offsets: &SourceOffsets) -> String {
         .join(" ")
 }
 
+/// The ranges a plan gives a source's partitions when their end offsets so far are `ends` and
+/// the source reports `latest`, capped by `cap` (an available-now run's target: a partition it
+/// lacks gets nothing): from each end to its latest, cut by `max_per_batch` as [`plan_ranges`]
+/// cuts them — what the driver's plan does for partitions that have an end offset. A partition
+/// `ends` lacks (never read yet) is left out. The driver reads these ahead of the next plan.
+pub fn next_ranges(
+    ends: &BTreeMap<PartitionId, Offset>,
+    latest: &BTreeMap<PartitionId, Offset>,
+    cap: Option<&BTreeMap<PartitionId, Offset>>,
+    max_per_batch: Option<u64>,
+) -> BTreeMap<PartitionId, OffsetRange> {
+    let mut start = BTreeMap::new();
+    let mut to = BTreeMap::new();
+    for (p, &latest) in latest {
+        let Some(&from) = ends.get(p) else {
+            continue;
+        };
+        let end = match cap {
+            Some(cap) => latest.min(cap.get(p).copied().unwrap_or(from)),
+            None => latest,
+        };
+        start.insert(p.clone(), from);
+        to.insert(p.clone(), end.max(from));
+    }
+    plan_ranges(&start, &to, max_per_batch)
+}
+
 /// Plans one batch's ranges for the partitions of one source.
 ///
 /// Each partition starts at `start[p]` and may read up to `latest[p]`. With a budget
@@ -208,6 +235,28 @@ mod tests {
         assert_eq!(r["1"], OffsetRange::new(0, 1));
         assert_eq!(r["0"], OffsetRange::new(0, 9));
         assert!(r["2"].is_empty());
+    }
+
+    /// The next batch's ranges as its plan will give them: from this batch's ends, the budget
+    /// shared among the partitions with data left, an available-now target capping them (a
+    /// partition it lacks gets nothing), a partition never read left out, one caught up empty.
+    #[test]
+    fn next_ranges_start_at_the_ends_within_the_latest_and_the_cap() {
+        let ends = map(&[("0", 4), ("1", 10), ("2", 7)]);
+        let latest = map(&[("0", 40), ("1", 12), ("2", 7), ("3", 9)]);
+        let r = next_ranges(&ends, &latest, None, Some(8));
+        assert_eq!(r["0"], OffsetRange::new(4, 10));
+        assert_eq!(r["1"], OffsetRange::new(10, 12));
+        assert!(r["2"].is_empty());
+        assert!(!r.contains_key("3"));
+        let cap = map(&[("0", 6), ("2", 7)]);
+        let r = next_ranges(&ends, &latest, Some(&cap), None);
+        assert_eq!(r["0"], OffsetRange::new(4, 6));
+        assert!(r["1"].is_empty());
+        assert!(r["2"].is_empty());
+        // A log that went backwards: nothing (the plan skips or stops).
+        let r = next_ranges(&map(&[("0", 20)]), &map(&[("0", 5)]), None, None);
+        assert!(r["0"].is_empty());
     }
 
     proptest! {

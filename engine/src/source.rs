@@ -165,7 +165,10 @@ where
 ///   reported by [`Source::current_schema`]. Columns are only ever added (new top-level columns
 ///   at the end, new fields at the end of a struct), all nullable.
 /// - [`Source::read`] is deterministic: the same `(partition, range)` always gives the same rows
-///   and dead letters, or an error naming what changed.
+///   and dead letters, or an error naming what changed. It may be called at any time and
+///   concurrently with other reads: the driver reads the next batch's ranges while the current
+///   batch commits, before the next intent is written, and uses such a read only for exactly
+///   the range the intent then gives.
 /// - Offsets only grow: `available()` never reports a `latest` below one it reported before.
 /// - A read does its CPU-bound work (decoding, generating) in [`cpu_bound`], never inline in
 ///   the async fn: the driver reads a batch's partitions concurrently, and work done inline
@@ -218,6 +221,14 @@ pub trait Source: Send + Sync {
     /// How the schema was inferred, when it was (`None`: declared, or not from the data).
     fn schema_inference(&self) -> Option<SchemaInference> {
         None
+    }
+
+    /// Whether a read may grow the schema (schema evolution that records new columns): such a
+    /// source is never read ahead of its batch's intent, so columns are added in the commit of
+    /// the batch whose read found them, and a crashed batch is read again with the schema it
+    /// was first read with.
+    fn reads_may_grow_schema(&self) -> bool {
+        false
     }
 
     /// The schema of the batches [`Source::read`] returns now, if schema evolution has grown it

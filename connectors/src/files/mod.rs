@@ -500,6 +500,12 @@ impl Source for FilesSource {
     fn max_per_batch(&self) -> Option<u64> {
         Some(self.config.max_files_per_batch.max(1))
     }
+
+    fn reads_may_grow_schema(&self) -> bool {
+        self.opened
+            .as_ref()
+            .is_none_or(|o| o.evolution == SchemaEvolution::AddColumns)
+    }
 }
 
 impl FilesSource {

@@ -877,6 +877,12 @@ impl Source for KafkaSource {
         Some(self.config.max_records_per_batch.max(1))
     }
 
+    fn reads_may_grow_schema(&self) -> bool {
+        self.opened
+            .as_ref()
+            .is_none_or(|o| o.evolution == SchemaEvolution::AddColumns)
+    }
+
     fn offsets_behind(
         &self,
         partition: &PartitionId,
