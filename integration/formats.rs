@@ -208,8 +208,8 @@ async fn parquet_reads_only_the_columns_used_and_side_tables_keep_whole_records(
         ],
     );
     let windowed = notes_job(ws.path());
-    // The second file is read while the first batch commits (its output is far smaller than
-    // its input): everything below holds for a batch read ahead.
+    // The second file is read while the first batch commits (the first commits far less than
+    // 8 MiB): everything below holds for a batch read ahead.
     let log = ("RUST_LOG", "info,sluice_engine::input=debug");
     let run = run_sluice(&["run", windowed.to_str().unwrap()], &[log]);
     assert_ok(&run);

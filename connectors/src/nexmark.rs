@@ -805,6 +805,10 @@ impl Source for NexmarkSource {
     fn max_per_batch(&self) -> Option<u64> {
         Some(self.config.max_records_per_batch)
     }
+
+    fn reads_may_grow_schema(&self) -> bool {
+        false
+    }
 }
 
 #[cfg(test)]

@@ -21,7 +21,9 @@
 //!                   └ [committed end, min(latest, committed end + budget)) per partition
 //! ```
 //!
-//! `Pipeline::run_batch` is those steps, one short method each, in that order.
+//! `Pipeline::run_batch` is those steps, one short method each, in that order. From the
+//! manifest on, the next batch's ranges are read ahead (`Pipeline::start_read_ahead`): only
+//! the sources' reads, used by the next batch for exactly the ranges its intent then gives.
 //!
 //! **Restart.** The output table is the source of truth: its `txn` version for the job is the
 //! last committed batch `V`; `batches/V/manifest.json` (written before commit `V`, live with it)
@@ -63,15 +65,15 @@ use crate::input::{
 use crate::job::{DEAD_LETTER_BREAKER_MIN, Job, Trigger};
 use crate::lease::{Lease, LeaseSettings, REWRITE_LEASE_FOLDER};
 use crate::offsets::{
-    BatchId, OffsetRange, SourceOffsets, SourceRanges, display_offsets, display_ranges,
-    next_ranges, plan_ranges, start_offsets,
+    BatchId, OffsetRange, PartitionId, SourceOffsets, SourceRanges, display_offsets,
+    display_ranges, next_ranges, plan_ranges, start_offsets,
 };
 use crate::operators::state_store::StateLog;
 use crate::progress::{CommittedBatch, Progress};
 use crate::query::{BatchWatermark, FailedRow, Query, QuerySettings, SourceInputs, StreamingQuery};
 use crate::sink::{BatchCommit, CommitOutcome, Compaction, Sink};
-use crate::source::DeadLetter;
 use crate::source::SchemaInference;
+use crate::source::{DeadLetter, SourceRead};
 use crate::static_table::{StaticTables, VersionLog};
 use crate::watermark::{
     SourcePartition, Watermark, WatermarkRules, display_watermark, max_event_time_by_partition,
@@ -154,7 +156,8 @@ impl Job {
             let mut pipeline = Pipeline::open(self).await?;
             pipeline.progress.alive();
             let driven = pipeline.drive(trigger, stop_rx).await;
-            // A read ahead of a batch that will not run stops before the lease is released.
+            // A read ahead of a batch that will not run is aborted (its CPU work on the rayon
+            // pool may finish after the release; reads write nothing).
             pipeline.read_ahead = None;
             // Released whether the run ended well or not, so the next run starts at once.
             if let Err(error) = pipeline.lease.release().await {
@@ -318,53 +321,64 @@ struct Pipeline {
     read_ahead: Option<ReadAhead>,
 }
 
-/// A read ahead is started only when the batch's output (what its commit holds) is at most
-/// this share of its input, in Arrow bytes: the next batch's rows then sit beside a small
-/// output, so the peak stays about one batch's input. A job whose output is as large as its
-/// input (a passthrough) is not read ahead: the next rows would double its peak.
+/// A read ahead is started only when what the batch commits (output, dead letters, late rows)
+/// is at most this share of its input, in Arrow bytes: the next batch's rows then sit beside a
+/// small output, not a second batch's worth (reasoned, not measured with the Nexmark runner;
+/// the state snapshot written meanwhile and a compaction's buffers are not counted). A job
+/// whose output is as large as its input (a passthrough) is not read ahead: the next rows
+/// beside its output raised the peak by a third in an earlier experiment.
 const READ_AHEAD_MAX_OUTPUT_SHARE: f64 = 0.25;
 
 /// What a batch commits below this many Arrow bytes never keeps the next batch from being
 /// read ahead, whatever its share of the input: next to it, the next rows cannot add much.
 const READ_AHEAD_SMALL_OUTPUT_BYTES: usize = 8 * 1024 * 1024;
 
-/// The next batch's source reads, running on a task of their own while the current batch
-/// writes its manifest, commits, purges and compacts ([`Pipeline::start_read_ahead`]); by
-/// source, the reads that succeeded (a failed one is made again by its batch, which reports
-/// the error). Aborted if dropped unused.
+/// The next batch's source reads, each on a task of its own, running while the current batch
+/// writes its manifest, commits, purges and compacts ([`Pipeline::start_read_ahead`]).
 struct ReadAhead {
-    /// The ranges being read.
-    ranges: SourceRanges,
-    task: tokio::task::JoinHandle<BTreeMap<String, ReadsAhead>>,
+    reads: Vec<RangeReadAhead>,
 }
 
-impl ReadAhead {
-    /// The reads, once done, if any of them is of a range `intent` gives its partition; none
-    /// (without waiting: the task is aborted) if the next plan contradicted every guess, or if
-    /// the task failed — the batch then reads everything itself.
-    async fn finish(mut self, intent: &SourceRanges) -> BTreeMap<String, ReadsAhead> {
-        let hit = self.ranges.iter().any(|(source, parts)| {
-            parts
-                .iter()
-                .any(|(p, r)| intent.get(source).and_then(|i| i.get(p)) == Some(r))
-        });
-        if !hit {
-            debug!("no range read ahead is the next batch's");
-            return BTreeMap::new();
-        }
-        match (&mut self.task).await {
-            Ok(reads) => reads,
-            Err(error) => {
-                warn!(%error, "the read ahead failed; the batch reads its ranges itself");
-                BTreeMap::new()
-            }
-        }
+/// One partition's range read ahead. Aborted if dropped unused.
+struct RangeReadAhead {
+    source: String,
+    partition: PartitionId,
+    range: OffsetRange,
+    task: tokio::task::JoinHandle<Result<SourceRead>>,
+}
+
+impl Drop for RangeReadAhead {
+    fn drop(&mut self) {
+        self.task.abort();
     }
 }
 
-impl Drop for ReadAhead {
-    fn drop(&mut self) {
-        self.task.abort();
+impl ReadAhead {
+    /// By source, the reads of exactly the ranges `intent` gives their partitions, once each
+    /// is done; the others are aborted unwaited. A failed read is left out: the batch reads the
+    /// range itself and reports the error.
+    async fn finish(self, intent: &SourceRanges) -> BTreeMap<String, ReadsAhead> {
+        let mut ahead: BTreeMap<String, ReadsAhead> = BTreeMap::new();
+        for mut read in self.reads {
+            let wanted = intent
+                .get(&read.source)
+                .and_then(|i| i.get(&read.partition));
+            if wanted != Some(&read.range) {
+                debug!(source = %read.source, partition = %read.partition, range = %read.range, "a range read ahead is not the next batch's");
+                continue;
+            }
+            match (&mut read.task).await {
+                Ok(Ok(done)) => {
+                    let at = ahead.entry(read.source.clone()).or_default();
+                    at.insert(read.partition.clone(), (read.range, done));
+                }
+                Ok(Err(_)) => {}
+                Err(error) => {
+                    warn!(%error, source = %read.source, "a read ahead failed; the batch reads its range itself");
+                }
+            }
+        }
+        ahead
     }
 }
 
@@ -764,7 +778,6 @@ impl Pipeline {
         {
             return None;
         }
-        let mut guessed = SourceRanges::new();
         let mut reads = Vec::new();
         for s in self
             .sources
@@ -781,40 +794,19 @@ impl Pipeline {
             let ranges = next_ranges(ends, latest, cap, s.source.max_per_batch());
             for (partition, range) in ranges.into_iter().filter(|(_, r)| !r.is_empty()) {
                 let (source, columns) = (Arc::clone(&s.source), s.read_columns.clone());
-                guessed
-                    .entry(s.name.clone())
-                    .or_default()
-                    .insert(partition.clone(), range);
-                reads.push((s.name.clone(), source, columns, partition, range));
+                let at = partition.clone();
+                let task = tokio::spawn(async move {
+                    read_from(source.as_ref(), columns.as_deref(), &at, range).await
+                });
+                reads.push(RangeReadAhead {
+                    source: s.name.clone(),
+                    partition,
+                    range,
+                    task,
+                });
             }
         }
-        if reads.is_empty() {
-            return None;
-        }
-        let task = tokio::spawn(async move {
-            let done = futures::future::join_all(reads.into_iter().map(
-                |(name, source, columns, partition, range)| async move {
-                    let read =
-                        read_from(source.as_ref(), columns.as_deref(), &partition, range).await;
-                    (name, partition, range, read)
-                },
-            ))
-            .await;
-            let mut ahead: BTreeMap<String, ReadsAhead> = BTreeMap::new();
-            for (name, partition, range, read) in done {
-                if let Ok(read) = read {
-                    ahead
-                        .entry(name)
-                        .or_default()
-                        .insert(partition, (range, read));
-                }
-            }
-            ahead
-        });
-        Some(ReadAhead {
-            ranges: guessed,
-            task,
-        })
+        (!reads.is_empty()).then_some(ReadAhead { reads })
     }
 
     /// Steps 3 read + 4 time: each source's rows as its read produced them (several Arrow

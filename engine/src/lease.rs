@@ -436,6 +436,9 @@ fn spawn_renewal(lease: &Lease, settings: LeaseSettings) -> Result<RenewalThread
         .spawn(move || {
             let _ending = ending;
             runtime.block_on(renewal.run());
+            // Shut down before `ending` goes: `release` waits for the end (within the lease
+            // timeout) and then joins the thread, which must then have nothing left to do.
+            drop(runtime);
         })?;
     Ok(RenewalThread { thread, ended })
 }

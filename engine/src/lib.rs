@@ -17,7 +17,8 @@
 //! ```
 //!
 //! The [`driver`] runs one batch at a time: plan offset ranges, record them as an intent, read,
-//! parse event time, execute the query, write the manifest, commit, purge. The output table's
+//! parse event time, execute the query, write the manifest, commit, purge (the next batch's
+//! reads may start during the commit; the next intent is still written after it). The output table's
 //! `txn` version says which batch is committed, so a crash at any step is recovered by rerunning
 //! the intent of the next batch — no row lost, none duplicated.
 //!

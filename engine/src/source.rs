@@ -226,9 +226,11 @@ pub trait Source: Send + Sync {
     /// Whether a read may grow the schema (schema evolution that records new columns): such a
     /// source is never read ahead of its batch's intent, so columns are added in the commit of
     /// the batch whose read found them, and a crashed batch is read again with the schema it
-    /// was first read with.
+    /// was first read with. `true` unless a source says otherwise: return `false` when reads
+    /// never record columns ([`Source::current_schema`] stays `None`), and the driver may read
+    /// its next batch while the current one commits.
     fn reads_may_grow_schema(&self) -> bool {
-        false
+        true
     }
 
     /// The schema of the batches [`Source::read`] returns now, if schema evolution has grown it

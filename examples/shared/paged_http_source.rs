@@ -138,6 +138,11 @@ impl Source for PagedHttpSource {
     fn max_per_batch(&self) -> Option<u64> {
         Some(self.pages_per_batch)
     }
+
+    // Its schema is fixed: the driver may read the next pages while a batch commits.
+    fn reads_may_grow_schema(&self) -> bool {
+        false
+    }
 }
 
 /// One page's records as rows of `data` (plus lineage), each record that does not decode as a

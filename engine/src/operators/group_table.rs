@@ -984,8 +984,8 @@ mod tests {
     }
 
     /// A purge closing a few groups unindexes them one by one, one closing many in a pass over
-    /// the index (shrunk when mostly empty): either way the index holds the live rows, and
-    /// the groups left are found.
+    /// the index (shrunk when over 4× the groups before the purge): either way the index holds
+    /// the live rows, and the groups left are found.
     #[test]
     fn a_purge_unindexes_few_groups_by_probe_and_many_in_one_pass() {
         let mut table = GroupTable::keyed(schema(), 2, 2).unwrap();
