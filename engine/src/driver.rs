@@ -66,7 +66,7 @@ use crate::job::{DEAD_LETTER_BREAKER_MIN, Job, Trigger};
 use crate::lease::{Lease, LeaseSettings, REWRITE_LEASE_FOLDER};
 use crate::offsets::{
     BatchId, OffsetRange, PartitionId, SourceOffsets, SourceRanges, display_offsets,
-    display_ranges, next_ranges, plan_ranges, start_offsets,
+    display_ranges, next_ranges, start_offsets,
 };
 use crate::operators::state_store::StateLog;
 use crate::progress::{CommittedBatch, Progress};
@@ -640,7 +640,6 @@ impl Pipeline {
             let available = s.source.available().await?;
             let committed = self.committed.get(&s.name);
             let mut start = BTreeMap::new();
-            let mut latest = BTreeMap::new();
             let seen = self.latest_at_plan.entry(s.name.clone()).or_default();
             for (p, a) in available {
                 seen.insert(p.clone(), a.latest);
@@ -661,22 +660,12 @@ impl Pipeline {
                         reason,
                     });
                 }
-                let from = end.unwrap_or(a.initial);
-                let mut to = a.latest;
-                if let Some(cap) = limit
-                    .and_then(|l| l.get(&s.name))
-                    .map(|l| l.get(&p).copied().unwrap_or(from))
-                {
-                    to = to.min(cap);
-                }
-                start.insert(p.clone(), from);
-                latest.insert(p, to.max(from));
+                start.insert(p, end.unwrap_or(a.initial));
             }
-            starts.insert(s.name.clone(), start.clone());
-            ranges.insert(
-                s.name.clone(),
-                plan_ranges(&start, &latest, s.source.max_per_batch()),
-            );
+            let cap = limit.and_then(|l| l.get(&s.name));
+            let planned = next_ranges(&start, seen, cap, s.source.max_per_batch());
+            starts.insert(s.name.clone(), start);
+            ranges.insert(s.name.clone(), planned);
         }
         self.progress
             .planned(consumer_lag(&self.latest_at_plan, &starts));

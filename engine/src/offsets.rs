@@ -129,13 +129,13 @@ pub fn display_offsets(offsets: &SourceOffsets) -> String {
         .join(" ")
 }
 
-/// The ranges a plan gives a source's partitions when their end offsets so far are `ends` and
-/// the source reports `latest`, capped by `cap` (an available-now run's target: a partition it
-/// lacks gets nothing): from each end to its latest, cut by `max_per_batch` as [`plan_ranges`]
-/// cuts them — what the driver's plan does for partitions that have an end offset. A partition
-/// `ends` lacks (never read yet) is left out. The driver reads these ahead of the next plan.
+/// The ranges a plan gives a source's partitions: each from `starts` (its end offset so far,
+/// or where it begins) to the `latest` offset the source reports, capped by `cap` (an
+/// available-now run's target: a partition it lacks gets nothing), cut by `max_per_batch` as
+/// [`plan_ranges`] cuts them. A partition `starts` lacks is left out. The driver's plan uses
+/// it, and its read ahead guesses the next plan with it.
 pub fn next_ranges(
-    ends: &BTreeMap<PartitionId, Offset>,
+    starts: &BTreeMap<PartitionId, Offset>,
     latest: &BTreeMap<PartitionId, Offset>,
     cap: Option<&BTreeMap<PartitionId, Offset>>,
     max_per_batch: Option<u64>,
@@ -143,7 +143,7 @@ pub fn next_ranges(
     let mut start = BTreeMap::new();
     let mut to = BTreeMap::new();
     for (p, &latest) in latest {
-        let Some(&from) = ends.get(p) else {
+        let Some(&from) = starts.get(p) else {
             continue;
         };
         let end = match cap {
