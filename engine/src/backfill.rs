@@ -680,15 +680,9 @@ const WRITE_SLICE_ROWS: usize = 8192;
 
 /// `batches` cut into slices of at most [`WRITE_SLICE_ROWS`] rows (views, nothing copied).
 fn sliced_for_writer(batches: Vec<RecordBatch>) -> impl Iterator<Item = RecordBatch> {
-    batches.into_iter().flat_map(|batch| {
-        (0..batch.num_rows())
-            .step_by(WRITE_SLICE_ROWS)
-            .map(move |start| {
-                let len = WRITE_SLICE_ROWS.min(batch.num_rows() - start);
-                batch.slice(start, len)
-            })
-            .collect::<Vec<_>>()
-    })
+    batches
+        .into_iter()
+        .flat_map(|batch| crate::memory::slices(&batch, WRITE_SLICE_ROWS))
 }
 
 /// Takes the job's rewrite lease for a backfill, waiting while the live job compacts.

@@ -161,6 +161,16 @@ impl Drop for ReadBuffer {
     }
 }
 
+/// `batch` cut into slices of at most `rows` rows, in order: views, nothing copied (each slice
+/// keeps the whole batch's buffers until the last one is dropped).
+pub fn slices(batch: &arrow::array::RecordBatch, rows: usize) -> Vec<arrow::array::RecordBatch> {
+    let rows = rows.max(1);
+    (0..batch.num_rows())
+        .step_by(rows)
+        .map(|from| batch.slice(from, rows.min(batch.num_rows() - from)))
+        .collect()
+}
+
 /// Bytes of `batch`'s buffers that its rows use: a slice counts only its part of a buffer it
 /// shares with other slices. String and binary views count their data buffers whole (a view's
 /// text may be anywhere in them). Approximate for nested types.

@@ -256,16 +256,10 @@ impl AggregateState {
             )?)
         };
         // As DataFusion hands out its output: the query above reads these in parallel.
-        let batch_size = self.state.config().batch_size().max(1);
+        let batch_size = self.state.config().batch_size();
         let mut out = Vec::new();
         for states in states.iter().filter(|b| b.num_rows() > 0) {
-            let finished = finish(states)?;
-            let rows = finished.num_rows();
-            out.extend(
-                (0..rows)
-                    .step_by(batch_size)
-                    .map(|from| finished.slice(from, batch_size.min(rows - from))),
-            );
+            out.extend(crate::memory::slices(&finish(states)?, batch_size));
         }
         Ok(out)
     }

@@ -22,7 +22,7 @@
 //! sorted by purge value, so a purge reads only the rows it removes (a binary search finds them).
 //! Its groups leave the index one by one (each a random probe), or — when an eighth of the
 //! groups or more go at once — in one pass over the index keeping the live rows' entries (the
-//! index then shrunk if it is mostly empty).
+//! index then shrunk if it is over four times the groups it held before the purge).
 //!
 //! **Chunks.** Each insert adds chunks and each take or purge leaves dead rows behind. A chunk
 //! has a stable id (the index points at `(id, row)`), so a chunk whose rows are all dead is
