@@ -721,10 +721,14 @@ impl PatientStore {
     }
 }
 
-/// The body of `got`, read whole — what `GetResult::bytes` does, but a local file is read
-/// straight into the buffer: object_store 0.13 zero-fills the buffer first, which was a tenth
-/// of a JSON files job's CPU (the file's size in `memset`, its pages touched twice). Sources
-/// read whole files with this.
+/// The body of `got`, read whole — what `GetResult::bytes` does, but a local file's bytes are
+/// not copied through a zero-filled buffer: a file of at least [`MAPPED_READ_BYTES`] on a local
+/// disk is mapped (`map_file_range`), any other read straight into a buffer of its size.
+/// Sources, file tables and compaction read whole files with this.
+///
+/// Copying a file out of the page cache was a third of a JSON files job's CPU (the kernel's
+/// copy, on top of faulting in and zeroing the buffer that object_store 0.13 fills first); a
+/// mapping costs a page-table entry per page instead.
 pub async fn read_body(got: GetResult) -> object_store::Result<Bytes> {
     let GetResult {
         payload,
@@ -756,26 +760,103 @@ pub async fn read_body(got: GetResult) -> object_store::Result<Bytes> {
     }
 }
 
-/// `range` of `file`, read into uninitialised capacity (`read_to_end` does not zero it) of a
-/// buffer the last read freed where there is one ([`crate::memory::read_buffer`]).
-/// Fewer bytes than the range is an error: the file shrank after it was opened.
+/// Local reads of at least this many bytes are mapped (`map_file_range`); smaller ones are
+/// copied, where a mapping's system calls and page-table work would cost more than the copy.
+pub const MAPPED_READ_BYTES: u64 = 1024 * 1024;
+
+/// `range` of `file`: mapped from [`MAPPED_READ_BYTES`] on a local disk ([`on_local_disk`]),
+/// read into a buffer of its size otherwise. Fewer bytes than the range is an error: the file
+/// shrank after it was opened.
 fn read_file_range(mut file: std::fs::File, range: Range<u64>) -> std::io::Result<Bytes> {
     use std::io::{Read, Seek, SeekFrom};
     let len = range.end.saturating_sub(range.start);
-    let mut buf = crate::memory::read_buffer(usize::try_from(len).map_err(std::io::Error::other)?);
+    let shrank = |got: u64| {
+        std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            format!(
+                "{got} bytes from offset {} where {len} were expected: the file shrank",
+                range.start
+            ),
+        )
+    };
+    if len >= MAPPED_READ_BYTES && on_local_disk(&file) {
+        let size = file.metadata()?.len();
+        if size < range.end {
+            return Err(shrank(size.saturating_sub(range.start)));
+        }
+        return map_file_range(&file, range);
+    }
+    let mut buf = Vec::with_capacity(usize::try_from(len).map_err(std::io::Error::other)?);
     file.seek(SeekFrom::Start(range.start))?;
     file.take(len).read_to_end(&mut buf)?;
     if buf.len() as u64 != len {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::UnexpectedEof,
-            format!(
-                "{} bytes from offset {} where {len} were expected: the file shrank",
-                buf.len(),
-                range.start
-            ),
-        ));
+        return Err(shrank(buf.len() as u64));
     }
-    Ok(crate::memory::recycled_bytes(buf))
+    Ok(Bytes::from(buf))
+}
+
+/// Whether `file` is on a local disk's filesystem — ext2/3/4, XFS, Btrfs, tmpfs, overlayfs,
+/// ZFS, F2FS (Linux) — whose pages a mapping may rely on. A network or FUSE filesystem (NFS,
+/// SMB, a bucket mounted with FUSE), any other, and other systems are read instead: their I/O
+/// errors would reach a mapped read as `SIGBUS`, not as an error to report or retry.
+#[cfg(target_os = "linux")]
+#[allow(unsafe_code)]
+fn on_local_disk(file: &std::fs::File) -> bool {
+    use std::os::fd::AsRawFd;
+    /// The `f_type` magic numbers of those filesystems (`statfs(2)`).
+    const LOCAL_DISK: [i64; 7] = [
+        0xEF53,      // ext2, ext3, ext4
+        0x5846_5342, // XFS
+        0x9123_683E, // Btrfs
+        0x0102_1994, // tmpfs
+        0x794C_7630, // overlayfs (containers)
+        0x2FC1_2FC1, // ZFS
+        0xF2F5_2010, // F2FS
+    ];
+    let mut stats = std::mem::MaybeUninit::<libc::statfs>::uninit();
+    // SAFETY: `fstatfs` reads only the open descriptor and writes a whole `statfs` to the
+    // pointer on success; the value is read only then.
+    let ok = unsafe { libc::fstatfs(file.as_raw_fd(), stats.as_mut_ptr()) } == 0;
+    ok && {
+        // SAFETY: initialised by the successful call above.
+        let stats = unsafe { stats.assume_init() };
+        // `f_type` is an `i64` here, a 32-bit integer on some other targets.
+        #[allow(clippy::useless_conversion)]
+        let magic = i64::from(stats.f_type);
+        LOCAL_DISK.contains(&magic)
+    }
+}
+
+/// Other systems read every file ([`read_file_range`]).
+#[cfg(not(target_os = "linux"))]
+fn on_local_disk(_: &std::fs::File) -> bool {
+    false
+}
+
+/// `range` of `file` (which holds it), mapped read-only with its pages mapped in at once
+/// (`MAP_POPULATE`: the page cache's pages are entered in the page table by this read, on its
+/// blocking thread, not faulted in one by one by the decoder), unmapped when the last slice of
+/// the bytes is dropped.
+///
+/// A mapping reads what the file holds when a page is touched, so a file truncated while its
+/// bytes are still in use ends the process with `SIGBUS` (an I/O error of the disk does too)
+/// instead of returning an error: the files Sluice maps are complete and never rewritten —
+/// Delta's data files, and a files source's inputs, which its contract says must not change
+/// once written (one that does is an error naming it when it is next read, after the restart).
+#[allow(unsafe_code)]
+fn map_file_range(file: &std::fs::File, range: Range<u64>) -> std::io::Result<Bytes> {
+    let len = usize::try_from(range.end - range.start).map_err(std::io::Error::other)?;
+    // SAFETY: the mapping is read-only and `Bytes` hands out only shared
+    // references to it, so this process never writes it. What the file holds can still change
+    // under it — the caveat above: Sluice maps only files that are complete and not rewritten.
+    let mapped = unsafe {
+        memmap2::MmapOptions::new()
+            .offset(range.start)
+            .len(len)
+            .populate()
+            .map(file)?
+    };
+    Ok(Bytes::from_owner(mapped))
 }
 
 #[cfg(test)]
@@ -879,6 +960,40 @@ mod tests {
         );
         let opened = local.get(&path).await.unwrap();
         std::fs::write(dir.path().join("a/b.json"), &data[..10]).unwrap();
+        let error = read_body(opened).await.unwrap_err().to_string();
+        assert!(error.contains("the file shrank"), "{error}");
+    }
+
+    /// A file large enough to be mapped reads as one read into a buffer does: whole, from an
+    /// offset that is not a page's, and a file that shrank after it was opened is an error.
+    #[tokio::test]
+    async fn large_bodies_are_mapped_and_read_alike() {
+        let dir = tempfile::tempdir().unwrap();
+        let local = object_store::local::LocalFileSystem::new_with_prefix(dir.path()).unwrap();
+        let len = usize::try_from(MAPPED_READ_BYTES).unwrap() * 3 + 123;
+        let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        let path = Path::from("big.json");
+        local.put(&path, data.clone().into()).await.unwrap();
+        assert_eq!(
+            read_body(local.get(&path).await.unwrap()).await.unwrap(),
+            data
+        );
+        let range = 4097..(len as u64 - 5);
+        let ranged = local
+            .get_opts(&path, GetOptions::new().with_range(Some(range.clone())))
+            .await
+            .unwrap();
+        let expected = &data[4097..len - 5];
+        assert_eq!(read_body(ranged).await.unwrap(), expected);
+        let file = std::fs::File::open(dir.path().join("big.json")).unwrap();
+        let mapped = map_file_range(&file, range).unwrap();
+        assert_eq!(mapped, expected);
+        // Slices outlive the bytes they were cut from (the mapping goes with the last).
+        let slice = mapped.slice(10..20);
+        drop((mapped, file));
+        assert_eq!(slice, expected[10..20]);
+        let opened = local.get(&path).await.unwrap();
+        std::fs::write(dir.path().join("big.json"), &data[..len / 2]).unwrap();
         let error = read_body(opened).await.unwrap_err().to_string();
         assert!(error.contains("the file shrank"), "{error}");
     }
