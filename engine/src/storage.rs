@@ -721,15 +721,28 @@ impl PatientStore {
     }
 }
 
-/// The body of `got`, read whole — what `GetResult::bytes` does, but a local file's bytes are
-/// not copied through a zero-filled buffer: a file of at least [`MAPPED_READ_BYTES`] on a local
-/// disk is mapped (`map_file_range`), any other read straight into a buffer of its size.
-/// Sources, file tables and compaction read whole files with this.
-///
-/// Copying a file out of the page cache was a third of a JSON files job's CPU (the kernel's
-/// copy, on top of faulting in and zeroing the buffer that object_store 0.13 fills first); a
-/// mapping costs a page-table entry per page instead.
+/// The body of `got`, read whole — what `GetResult::bytes` does, but a local file is read
+/// straight into a buffer of its size (object_store 0.13 zero-fills its buffer first). For a
+/// file that may be rewritten in place (a files table's); [`read_immutable_body`] for one that
+/// never is.
 pub async fn read_body(got: GetResult) -> object_store::Result<Bytes> {
+    read_whole(got, false).await
+}
+
+/// The body of a file that is complete and never rewritten in place (Delta's data files, a
+/// files source's inputs), read whole: as [`read_body`], but a local file of at least
+/// [`MAPPED_READ_BYTES`] on a local disk is mapped (`map_file_range`), not copied.
+///
+/// The kernel's copy of the files out of the page cache was a third of a JSON filter job's CPU
+/// (`perf` of the Nexmark JSON bids, q2); a mapping costs a page-table entry per page instead.
+/// Its price: a file truncated (or rewritten) while its bytes are in use ends the process with
+/// `SIGBUS` rather than an error — which the files read here may not do.
+pub async fn read_immutable_body(got: GetResult) -> object_store::Result<Bytes> {
+    read_whole(got, true).await
+}
+
+/// [`read_body`], or [`read_immutable_body`] with `may_map`.
+async fn read_whole(got: GetResult, may_map: bool) -> object_store::Result<Bytes> {
     let GetResult {
         payload,
         meta,
@@ -738,7 +751,7 @@ pub async fn read_body(got: GetResult) -> object_store::Result<Bytes> {
     } = got;
     match payload {
         GetResultPayload::File(file, path) => tokio::task::spawn_blocking(move || {
-            read_file_range(file, range).map_err(|source| object_store::Error::Generic {
+            read_file_range(file, range, may_map).map_err(|source| object_store::Error::Generic {
                 store: "LocalFileSystem",
                 source: format!("cannot read {}: {source}", path.display()).into(),
             })
@@ -764,10 +777,14 @@ pub async fn read_body(got: GetResult) -> object_store::Result<Bytes> {
 /// copied, where a mapping's system calls and page-table work would cost more than the copy.
 pub const MAPPED_READ_BYTES: u64 = 1024 * 1024;
 
-/// `range` of `file`: mapped from [`MAPPED_READ_BYTES`] on a local disk ([`on_local_disk`]),
-/// read into a buffer of its size otherwise. Fewer bytes than the range is an error: the file
-/// shrank after it was opened.
-fn read_file_range(mut file: std::fs::File, range: Range<u64>) -> std::io::Result<Bytes> {
+/// `range` of `file`: with `may_map`, mapped from [`MAPPED_READ_BYTES`] on a local disk
+/// ([`on_local_disk`]; read after all if the mapping fails), read into a buffer of its size
+/// otherwise. Fewer bytes than the range is an error: the file shrank after it was opened.
+fn read_file_range(
+    mut file: std::fs::File,
+    range: Range<u64>,
+    may_map: bool,
+) -> std::io::Result<Bytes> {
     use std::io::{Read, Seek, SeekFrom};
     let len = range.end.saturating_sub(range.start);
     let shrank = |got: u64| {
@@ -779,12 +796,16 @@ fn read_file_range(mut file: std::fs::File, range: Range<u64>) -> std::io::Resul
             ),
         )
     };
-    if len >= MAPPED_READ_BYTES && on_local_disk(&file) {
+    if may_map && len >= MAPPED_READ_BYTES && on_local_disk(&file) {
         let size = file.metadata()?.len();
         if size < range.end {
             return Err(shrank(size.saturating_sub(range.start)));
         }
-        return map_file_range(&file, range);
+        match map_file_range(&file, range.clone()) {
+            Ok(bytes) => return Ok(bytes),
+            // Out of address space or mappings (`vm.max_map_count`): a copy still works.
+            Err(error) => warn!(%error, "cannot map a file to read it; reading it instead"),
+        }
     }
     let mut buf = Vec::with_capacity(usize::try_from(len).map_err(std::io::Error::other)?);
     file.seek(SeekFrom::Start(range.start))?;
@@ -803,8 +824,8 @@ fn read_file_range(mut file: std::fs::File, range: Range<u64>) -> std::io::Resul
 #[allow(unsafe_code)]
 fn on_local_disk(file: &std::fs::File) -> bool {
     use std::os::fd::AsRawFd;
-    /// The `f_type` magic numbers of those filesystems (`statfs(2)`).
-    const LOCAL_DISK: [i64; 7] = [
+    /// The `f_type` magic numbers of those filesystems (`statfs(2)`; 32 bits).
+    const LOCAL_DISK: [u32; 7] = [
         0xEF53,      // ext2, ext3, ext4
         0x5846_5342, // XFS
         0x9123_683E, // Btrfs
@@ -820,9 +841,10 @@ fn on_local_disk(file: &std::fs::File) -> bool {
     ok && {
         // SAFETY: initialised by the successful call above.
         let stats = unsafe { stats.assume_init() };
-        // `f_type` is an `i64` here, a 32-bit integer on some other targets.
-        #[allow(clippy::useless_conversion)]
-        let magic = i64::from(stats.f_type);
+        // `f_type`'s width and sign differ between C libraries and targets; the magic numbers
+        // are its low 32 bits.
+        #[allow(clippy::unnecessary_cast)]
+        let magic = stats.f_type as u32;
         LOCAL_DISK.contains(&magic)
     }
 }
@@ -833,22 +855,32 @@ fn on_local_disk(_: &std::fs::File) -> bool {
     false
 }
 
+/// Not reached: [`on_local_disk`] says no on other systems.
+#[cfg(not(target_os = "linux"))]
+fn map_file_range(_: &std::fs::File, _: Range<u64>) -> std::io::Result<Bytes> {
+    Err(std::io::Error::other("files are mapped on Linux only"))
+}
+
 /// `range` of `file` (which holds it), mapped read-only with its pages mapped in at once
 /// (`MAP_POPULATE`: the page cache's pages are entered in the page table by this read, on its
 /// blocking thread, not faulted in one by one by the decoder), unmapped when the last slice of
 /// the bytes is dropped.
 ///
 /// A mapping reads what the file holds when a page is touched, so a file truncated while its
-/// bytes are still in use ends the process with `SIGBUS` (an I/O error of the disk does too)
-/// instead of returning an error: the files Sluice maps are complete and never rewritten —
-/// Delta's data files, and a files source's inputs, which its contract says must not change
-/// once written (one that does is an error naming it when it is next read, after the restart).
+/// bytes are still in use ends the process with `SIGBUS` (an I/O error of the disk does too:
+/// `MAP_POPULATE` ignores one) instead of returning an error, and a rewrite in place changes
+/// them: only files that are complete and never rewritten are mapped
+/// ([`read_immutable_body`]) — Delta's data files, and a files source's inputs, which its
+/// contract says must not change once written (one that does is an error naming it when it
+/// is next read, after the restart).
+#[cfg(target_os = "linux")]
 #[allow(unsafe_code)]
 fn map_file_range(file: &std::fs::File, range: Range<u64>) -> std::io::Result<Bytes> {
     let len = usize::try_from(range.end - range.start).map_err(std::io::Error::other)?;
-    // SAFETY: the mapping is read-only and `Bytes` hands out only shared
-    // references to it, so this process never writes it. What the file holds can still change
-    // under it — the caveat above: Sluice maps only files that are complete and not rewritten.
+    // SAFETY: the mapping is read-only and `Bytes` hands out only shared references to it,
+    // so this process never writes it. Another process could (truncate or rewrite the file in
+    // place) — the caveat above: callers map only files that are complete and never
+    // rewritten.
     let mapped = unsafe {
         memmap2::MmapOptions::new()
             .offset(range.start)
@@ -974,27 +1006,40 @@ mod tests {
         let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
         let path = Path::from("big.json");
         local.put(&path, data.clone().into()).await.unwrap();
-        assert_eq!(
-            read_body(local.get(&path).await.unwrap()).await.unwrap(),
-            data
-        );
-        let range = 4097..(len as u64 - 5);
-        let ranged = local
-            .get_opts(&path, GetOptions::new().with_range(Some(range.clone())))
-            .await
-            .unwrap();
-        let expected = &data[4097..len - 5];
-        assert_eq!(read_body(ranged).await.unwrap(), expected);
         let file = std::fs::File::open(dir.path().join("big.json")).unwrap();
-        let mapped = map_file_range(&file, range).unwrap();
-        assert_eq!(mapped, expected);
-        // Slices outlive the bytes they were cut from (the mapping goes with the last).
-        let slice = mapped.slice(10..20);
-        drop((mapped, file));
-        assert_eq!(slice, expected[10..20]);
+        #[cfg(target_os = "linux")]
+        assert!(
+            on_local_disk(&file),
+            "the temporary directory is not on a local disk's filesystem: the mapped path \
+             is not tested (set TMPDIR)"
+        );
+        // `read_body`, `read_immutable_body`.
+        for may_map in [false, true] {
+            let got = local.get(&path).await.unwrap();
+            assert_eq!(read_whole(got, may_map).await.unwrap(), data);
+        }
+        let range = 4097..(len as u64 - 5);
+        let expected = &data[4097..len - 5];
+        for may_map in [false, true] {
+            let ranged = local
+                .get_opts(&path, GetOptions::new().with_range(Some(range.clone())))
+                .await
+                .unwrap();
+            assert_eq!(read_whole(ranged, may_map).await.unwrap(), expected);
+        }
+        #[cfg(target_os = "linux")]
+        {
+            let mapped = map_file_range(&file, range).unwrap();
+            assert_eq!(mapped, expected);
+            // Slices outlive the bytes they were cut from (the mapping goes with the last).
+            let slice = mapped.slice(10..20);
+            drop(mapped);
+            assert_eq!(slice, expected[10..20]);
+        }
+        drop(file);
         let opened = local.get(&path).await.unwrap();
         std::fs::write(dir.path().join("big.json"), &data[..len / 2]).unwrap();
-        let error = read_body(opened).await.unwrap_err().to_string();
+        let error = read_immutable_body(opened).await.unwrap_err().to_string();
         assert!(error.contains("the file shrank"), "{error}");
     }
 

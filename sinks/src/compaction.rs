@@ -292,7 +292,7 @@ async fn copy_into_one_file(
             // copy is about the input's size: reserved at once, so the buffer handed on does
             // not carry a doubled capacity.
             let got = store.get(&input.object_store_path()).await?;
-            let bytes: Bytes = sluice_engine::storage::read_body(got).await?;
+            let bytes: Bytes = sluice_engine::storage::read_immutable_body(got).await?;
             writer.inner_mut().reserve(bytes.len());
             append_row_groups(&mut writer, &bytes)?;
             drop(bytes);

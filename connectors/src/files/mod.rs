@@ -50,7 +50,7 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use sluice_engine::checkpoint::CheckpointStore;
 use sluice_engine::source::{attach_lineage, numbered_positions, with_lineage_fields};
-use sluice_engine::storage::{StorageOptions, read_body};
+use sluice_engine::storage::{StorageOptions, read_immutable_body};
 use sluice_engine::{
     AvailableRange, DeadLetter, InferredColumn, OffsetRange, PartitionId, SchemaInference, Source,
     SourceContext, SourceRead, cpu_bound,
@@ -300,7 +300,7 @@ impl FilesSource {
                 file.size, file.modified_micros
             )));
         }
-        Ok(read_body(got).await?)
+        Ok(read_immutable_body(got).await?)
     }
 
     /// Infers the schema from the first files (as many as hold [`INFER_RECORDS`] records, at
