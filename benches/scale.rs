@@ -318,7 +318,9 @@ fn backfill_memory(per_hour: u64, hours: u64) {
         // What a run holds beyond the opened job, in the hour's Arrow size: its anonymous
         // memory (heap, stacks), which holds the data. The resident code of the binary
         // (file-backed, shared, the same for an hour of 20 K events as for one of 1 M) is
-        // printed beside it but not counted as data held.
+        // printed beside it but not counted as data held; so are the JSON files mapped while
+        // they are decoded (page cache, since 7cac174: before it their copies were anonymous,
+        // so records before and after it do not compare).
         let ratio =
             |run: &Peak| run.memory.anon.saturating_sub(opened.memory.anon) as f64 / hour as f64;
         println!(

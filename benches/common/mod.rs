@@ -50,7 +50,10 @@ pub fn allocator() -> String {
 /// The memory goals count the anonymous memory (heap, stacks: what holds a batch's data). The
 /// binary's resident code is file-backed, shared, and the same for a batch of a thousand rows
 /// as for one of a million (about 90 MiB of this workspace's code once a first batch has run),
-/// so it is printed beside the anonymous peak but not counted as data held.
+/// so it is printed beside the anonymous peak but not counted as data held. Input files of
+/// 1 MiB or more on a local disk are mapped while they are decoded (`read_immutable_body`):
+/// their pages are file-backed too — page cache shared with the system, not copies — and so
+/// are in the file-backed figure, not the anonymous one.
 #[allow(dead_code, reason = "hot_paths and storage measure no memory")]
 #[derive(Debug, Default, Clone, Copy)]
 pub struct MemoryPeaks {
@@ -58,7 +61,8 @@ pub struct MemoryPeaks {
     pub rss: u64,
     /// Peak anonymous resident memory (`RssAnon`), as sampled.
     pub anon: u64,
-    /// Peak file-backed resident memory (`RssFile`: the binary's code pages), as sampled.
+    /// Peak file-backed resident memory (`RssFile`: the binary's code pages, and the input files
+    /// mapped while being decoded), as sampled.
     pub file: u64,
 }
 
