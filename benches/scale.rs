@@ -13,8 +13,9 @@
 //! - `backfill-memory`: a 24-hour history (`--hours`) of click events (JSON files) committed by
 //!   the live job, then a backfill of one hour of it — stateless and windowed — by the binary;
 //!   prints the peak RSS of resolving the hour to offsets (a scan of the whole history) and of
-//!   the backfill, split into anonymous memory (what holds data) and the binary's resident code,
-//!   next to that hour's data as Arrow. Goal: the anonymous memory a run holds beyond the opened
+//!   the backfill, split into anonymous memory (what holds data) and file-backed memory (the
+//!   binary's resident code, and the input files mapped while read), next to that hour's data
+//!   as Arrow. Goal: the anonymous memory a run holds beyond the opened
 //!   job ≤ 2× the hour, and the same figures for a longer history.
 //! - `state-size`: one batch of a stateful query (its rows aggregated and merged into the state,
 //!   emitted, its state delta written) with 10k, 100k and 1M groups already open — per-user

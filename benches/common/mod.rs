@@ -53,7 +53,8 @@ pub fn allocator() -> String {
 /// so it is printed beside the anonymous peak but not counted as data held. Input files of
 /// 1 MiB or more on a local disk are mapped while they are decoded (`read_immutable_body`):
 /// their pages are file-backed too — page cache shared with the system, not copies — and so
-/// are in the file-backed figure, not the anonymous one.
+/// are in the file-backed figure (shared memory, in neither, where the files are on tmpfs),
+/// not the anonymous one.
 #[allow(dead_code, reason = "hot_paths and storage measure no memory")]
 #[derive(Debug, Default, Clone, Copy)]
 pub struct MemoryPeaks {

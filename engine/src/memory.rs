@@ -18,7 +18,8 @@
 //! the next batches' large buffers fit nowhere in what it freed): after an ordinary batch the
 //! next one reuses the pages at once, and faulting them in again costs throughput.
 //!
-//! Large local files are mapped, not read into buffers ([`crate::storage::read_body`]), so no
+//! Large local files that are never rewritten (a files source's inputs, compaction's Delta
+//! files) are mapped, not read into buffers ([`crate::storage::read_immutable_body`]), so no
 //! read buffers are pooled here.
 
 /// Returns the free pages of glibc's malloc arenas to the system (`malloc_trim(0)`; a no-op

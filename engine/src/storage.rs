@@ -735,8 +735,9 @@ pub async fn read_body(got: GetResult) -> object_store::Result<Bytes> {
 ///
 /// The kernel's copy of the files out of the page cache was a third of a JSON filter job's CPU
 /// (`perf` of the Nexmark JSON bids, q2); a mapping costs a page-table entry per page instead.
-/// Its price: a file truncated (or rewritten) while its bytes are in use ends the process with
-/// `SIGBUS` rather than an error — which the files read here may not do.
+/// Its price: while the bytes (or rows decoded into views of them) are in use, a file truncated
+/// ends the process with `SIGBUS` rather than an error, and one rewritten in place changes
+/// them under the reader — which the files read here may not do (see `map_file_range`).
 pub async fn read_immutable_body(got: GetResult) -> object_store::Result<Bytes> {
     read_whole(got, true).await
 }
@@ -751,9 +752,11 @@ async fn read_whole(got: GetResult, may_map: bool) -> object_store::Result<Bytes
     } = got;
     match payload {
         GetResultPayload::File(file, path) => tokio::task::spawn_blocking(move || {
-            read_file_range(file, range, may_map).map_err(|source| object_store::Error::Generic {
-                store: "LocalFileSystem",
-                source: format!("cannot read {}: {source}", path.display()).into(),
+            read_file_range(file, &path, range, may_map).map_err(|source| {
+                object_store::Error::Generic {
+                    store: "LocalFileSystem",
+                    source: format!("cannot read {}: {source}", path.display()).into(),
+                }
             })
         })
         .await
@@ -782,6 +785,7 @@ pub const MAPPED_READ_BYTES: u64 = 1024 * 1024;
 /// otherwise. Fewer bytes than the range is an error: the file shrank after it was opened.
 fn read_file_range(
     mut file: std::fs::File,
+    path: &std::path::Path,
     range: Range<u64>,
     may_map: bool,
 ) -> std::io::Result<Bytes> {
@@ -803,8 +807,12 @@ fn read_file_range(
         }
         match map_file_range(&file, range.clone()) {
             Ok(bytes) => return Ok(bytes),
-            // Out of address space or mappings (`vm.max_map_count`): a copy still works.
-            Err(error) => warn!(%error, "cannot map a file to read it; reading it instead"),
+            // Refused (the process's mappings at `vm.max_map_count`, say): read as any file.
+            Err(error) => warn!(
+                path = %path.display(),
+                %error,
+                "cannot map a file to read it; reading it instead"
+            ),
         }
     }
     let mut buf = Vec::with_capacity(usize::try_from(len).map_err(std::io::Error::other)?);
@@ -1013,10 +1021,18 @@ mod tests {
             "the temporary directory is not on a local disk's filesystem: the mapped path \
              is not tested (set TMPDIR)"
         );
-        // `read_body`, `read_immutable_body`.
+        // `read_body` copies, `read_immutable_body` maps: the mapping is there while the bytes
+        // are.
         for may_map in [false, true] {
             let got = local.get(&path).await.unwrap();
-            assert_eq!(read_whole(got, may_map).await.unwrap(), data);
+            let bytes = read_whole(got, may_map).await.unwrap();
+            assert_eq!(bytes, data);
+            #[cfg(target_os = "linux")]
+            {
+                let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+                let name = dir.path().join("big.json").display().to_string();
+                assert_eq!(maps.contains(&name), may_map, "{maps}");
+            }
         }
         let range = 4097..(len as u64 - 5);
         let expected = &data[4097..len - 5];

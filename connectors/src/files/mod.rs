@@ -576,8 +576,9 @@ impl FilesSource {
                         })
                         .collect()
                 });
-                // The next group is fetched while this one decodes: reading a file is a core's
-                // work too (the kernel's copy), which would otherwise leave the other idle.
+                // The next group is fetched while this one decodes: reading a file is work too
+                // (mapping it, or the kernel's copy where it cannot be mapped), which would
+                // otherwise leave the other core idle.
                 let (decoded, next) = futures::join!(decode, fetch_group(i + 1));
                 for part in decoded {
                     let part = part.map_err(wrap)?;
