@@ -69,9 +69,11 @@ fn lines_where(bytes: &[u8], keep: impl Fn(&Line, &[u8]) -> bool) -> Vec<Line> {
 }
 
 /// About how many lines `bytes` holds, an eighth over: its length over the mean length of the
-/// lines in its first [`LINE_SAMPLE_BYTES`] (all of them in a shorter text). Counting every
-/// newline first was a pass over the file of its own, 3 % of a JSON job's CPU; a file whose
-/// later lines are shorter only grows the vector.
+/// lines in its first [`LINE_SAMPLE_BYTES`] (all of them in a shorter text), at most
+/// [`MAX_EXPECTED_LINES`]. Counting every newline first was a pass over the file of its own
+/// (3.5 % of JSON q7's CPU samples). A file whose later lines are shorter only grows the
+/// vector; one whose later lines are longer reserves room it does not use, bounded by the cap
+/// (short first lines in a large file would otherwise reserve many times its size).
 fn expected_lines(bytes: &[u8]) -> usize {
     let sample = &bytes[..bytes.len().min(LINE_SAMPLE_BYTES)];
     let newlines = memchr::memchr_iter(b'\n', sample).count();
@@ -80,8 +82,12 @@ fn expected_lines(bytes: &[u8]) -> usize {
     }
     let mean = sample.len() / newlines.max(1);
     let expected = bytes.len() / mean.max(1);
-    expected + expected / 8 + 1
+    (expected + expected / 8 + 1).min(MAX_EXPECTED_LINES)
 }
+
+/// The most lines [`expected_lines`] expects: room for a million lines (24 MiB) is reserved
+/// at most; a text with more grows its vector beyond.
+const MAX_EXPECTED_LINES: usize = 1 << 20;
 
 /// The bytes of a text whose lines [`expected_lines`] counts to judge the rest.
 const LINE_SAMPLE_BYTES: usize = 64 * 1024;
@@ -1637,6 +1643,11 @@ mod tests {
         let mut shorter = vec![b'x'; LINE_SAMPLE_BYTES];
         shorter.extend(std::iter::repeat_n(b"1\n".as_slice(), 50_000).flatten());
         assert!(expected_lines(&shorter) < 100);
+        // Short lines first: the room expected is capped, not the text's length in lines.
+        let mut longer: Vec<u8> = b"\n".repeat(LINE_SAMPLE_BYTES);
+        longer.extend(vec![b'y'; 2 * MAX_EXPECTED_LINES]);
+        assert_eq!(expected_lines(&longer), MAX_EXPECTED_LINES);
+        assert_eq!(split_lines(&longer).len(), LINE_SAMPLE_BYTES + 1);
         let lines = split_lines(&shorter);
         assert_eq!(lines.len(), 50_001);
         assert_eq!(
