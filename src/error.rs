@@ -101,6 +101,24 @@ fn in_section(section: &Option<String>) -> String {
     }
 }
 
+/// `message` with its control characters escaped (a newline as `\n`), so an error that quotes a
+/// value read from the job file (a string may hold any character) stays one line.
+fn on_one_line(message: String) -> String {
+    if !message.chars().any(char::is_control) {
+        return message;
+    }
+    message
+        .chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
 impl Error {
     /// The first error of type `E` in this error's chain (itself, its source, its source's
     /// source, …): e.g. `find::<sluice::engine::Error>()`, `find::<ConnectorError>()`,
@@ -118,7 +136,7 @@ impl Error {
         Error::JobFile {
             path: path.to_path_buf(),
             section: section.map(str::to_string),
-            message: message.into(),
+            message: on_one_line(message.into()),
             source: None,
         }
     }
@@ -142,7 +160,7 @@ impl Error {
         Error::JobFile {
             path: path.to_path_buf(),
             section: section.map(str::to_string),
-            message: cause.to_string(),
+            message: on_one_line(cause.to_string()),
             source: Some(cause),
         }
     }

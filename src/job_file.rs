@@ -654,6 +654,23 @@ mod tests {
         }
     }
 
+    /// A value holding a newline (a TOML escape) is quoted on one line: the case the mutation
+    /// fuzzing below once found (`available-now` cut to `availabl\now`).
+    #[test]
+    fn a_value_with_a_newline_is_refused_on_one_line() {
+        let (path, text) = corpus()
+            .into_iter()
+            .find(|(_, text)| text.contains("\"available-now\""))
+            .unwrap();
+        let text = text.replace("\"available-now\"", "\"availabl\\now\"");
+        let message = parse(&text, &path, None, &Registry::new())
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(message.contains("availabl\\now"), "{message}");
+        exercise(&text, &path);
+    }
+
     proptest::proptest! {
         #![proptest_config(proptest::test_runner::Config::with_cases(256))]
         /// Corpus files with a slice replaced by arbitrary text.
