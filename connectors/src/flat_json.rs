@@ -202,10 +202,10 @@ impl FlatJson {
         let mut unescaped = String::new();
         let (mut read, mut declined) = (Vec::with_capacity(lines.len()), Vec::new());
         let mut bad_rows = Vec::new();
+        let all_text = AllText::of(bytes, lines);
         for line in lines {
-            let text = &bytes[line.start..line.end];
-            let Some(text) = simdutf8::basic::from_utf8(text)
-                .ok()
+            let Some(text) = all_text
+                .line(bytes, line)
                 .filter(|text| self.values(text, &mut values, &mut unescaped).is_some())
             else {
                 declined.push(*line);
@@ -316,6 +316,34 @@ impl FlatJson {
     }
 }
 
+/// The text of the lines a read is given, checked as UTF-8 once from the first line's start to
+/// the last one's end: a check per line cost more than the check itself (simdutf8 takes blocks
+/// of 64 bytes, and a line's tail went through its slower path). Where that span is not all
+/// UTF-8 (a line holding other bytes, or the skipped ones between lines), each line is checked
+/// on its own, as before.
+struct AllText<'a> {
+    /// The span's text and where it starts in the bytes, if it is all UTF-8.
+    span: Option<(&'a str, usize)>,
+}
+
+impl<'a> AllText<'a> {
+    fn of(bytes: &'a [u8], lines: &[Line]) -> AllText<'a> {
+        let span = lines.first().zip(lines.last()).and_then(|(first, last)| {
+            let text = simdutf8::basic::from_utf8(bytes.get(first.start..last.end)?).ok()?;
+            Some((text, first.start))
+        });
+        AllText { span }
+    }
+
+    /// `line`'s text, if it is UTF-8.
+    fn line(&self, bytes: &'a [u8], line: &Line) -> Option<&'a str> {
+        let in_span = self.span.and_then(|(text, start)| {
+            text.get(line.start.checked_sub(start)?..line.end.checked_sub(start)?)
+        });
+        in_span.or_else(|| simdutf8::basic::from_utf8(bytes.get(line.start..line.end)?).ok())
+    }
+}
+
 /// The scalar value at `at` and the index after it (an escaped string's text unescaped onto
 /// `unescaped`); `None` for a nested value or bad text. A number is what Arrow's decoder takes
 /// as one: a `-` or digit, then any of `0-9 + - . e E`.
@@ -418,5 +446,43 @@ mod tests {
         }
         assert!(QuotedName::new("a\"b").is_none());
         assert!(QuotedName::new("a\\b").is_none());
+    }
+
+    /// Lines are read as UTF-8 whether the span they cover is all UTF-8 or not: a line that is
+    /// not is declined, its neighbours read; bytes that are not UTF-8 between the lines given
+    /// (a line not read here) change nothing.
+    #[test]
+    fn lines_are_checked_as_utf8_with_or_without_the_whole_span() {
+        use arrow::array::{Array, AsArray};
+        use arrow::datatypes::{Field, Schema};
+        let schema: SchemaRef = Arc::new(Schema::new(vec![
+            Field::new("id", DataType::Int64, true),
+            Field::new("name", DataType::Utf8, true),
+        ]));
+        let flat = FlatJson::new(&schema, false, None).unwrap();
+        let mut bytes = b"{\"id\":1,\"name\":\"\xc3\xa9t\xc3\xa9\"}\n".to_vec();
+        bytes.extend_from_slice(b"{\"id\":2,\"name\":\"\xff\"}\n");
+        bytes.extend_from_slice(b"{\"id\":3,\"name\":\"\xf0\x9f\x98\x80\"}");
+        let lines = crate::decode::split_lines(&bytes);
+        let numbers = |lines: &[Line]| lines.iter().map(|l| l.number).collect::<Vec<_>>();
+        let names = |rows: &DecodedRows| {
+            let names = rows.batch.column(1).as_string::<i32>();
+            (0..names.len())
+                .map(|i| names.value(i).to_string())
+                .collect::<Vec<_>>()
+        };
+
+        let (rows, read, declined) = flat.read(&bytes, &lines).unwrap();
+        assert_eq!(numbers(&read), vec![1, 3]);
+        assert_eq!(numbers(&declined), vec![2]);
+        assert_eq!(names(&rows), vec!["été", "😀"]);
+
+        let around = [lines[0], lines[2]];
+        let (rows, read, declined) = flat.read(&bytes, &around).unwrap();
+        assert_eq!(numbers(&read), vec![1, 3]);
+        assert!(declined.is_empty());
+        assert_eq!(names(&rows), vec!["été", "😀"]);
+        assert!(AllText::of(&bytes, &around).span.is_none());
+        assert!(AllText::of(&bytes, &lines[..1]).span.is_some());
     }
 }
