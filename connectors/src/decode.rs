@@ -1115,15 +1115,22 @@ fn timestamp(
 /// general parser and zone lookup (a tenth of reading a JSON click file).
 fn plain_utc_timestamp(text: &str, unit: TimeUnit) -> Option<i64> {
     let b = text.as_bytes();
-    let digits = |from: usize, to: usize| -> Option<i64> {
-        b.get(from..to)?.iter().try_fold(0i64, |n, d| {
-            d.is_ascii_digit().then(|| n * 10 + i64::from(d - b'0'))
-        })
+    // The date and time at fixed places: read with no bounds checks, each field's digits checked
+    // as they are added up.
+    let head: &[u8; 19] = b.first_chunk()?;
+    let digit = |i: usize| {
+        let d = head[i].wrapping_sub(b'0');
+        (d < 10).then_some(i64::from(d))
     };
-    let at = |i: usize, c: u8| b.get(i) == Some(&c);
-    (at(4, b'-') && at(7, b'-') && at(10, b'T') && at(13, b':') && at(16, b':')).then_some(())?;
-    let (year, month, day) = (digits(0, 4)?, digits(5, 7)?, digits(8, 10)?);
-    let (hour, minute, second) = (digits(11, 13)?, digits(14, 16)?, digits(17, 19)?);
+    let two = |i: usize| Some(digit(i)? * 10 + digit(i + 1)?);
+    let separated = head[4] == b'-'
+        && head[7] == b'-'
+        && head[10] == b'T'
+        && head[13] == b':'
+        && head[16] == b':';
+    separated.then_some(())?;
+    let (year, month, day) = (two(0)? * 100 + two(2)?, two(5)?, two(8)?);
+    let (hour, minute, second) = (two(11)?, two(14)?, two(17)?);
     let leap = year % 4 == 0 && (year % 100 != 0 || year % 400 == 0);
     let month_days = match month {
         2 if leap => 29,
@@ -1140,10 +1147,13 @@ fn plain_utc_timestamp(text: &str, unit: TimeUnit) -> Option<i64> {
     in_range.then_some(())?;
     let mut end = 19;
     let mut nanos = 0;
-    if at(19, b'.') {
-        let count = b[20..].iter().take_while(|d| d.is_ascii_digit()).count();
+    if let [b'.', fraction @ ..] = &b[19..] {
+        let count = fraction.iter().take_while(|d| d.is_ascii_digit()).count();
         (1..=9).contains(&count).then_some(())?;
-        nanos = digits(20, 20 + count)? * 10i64.pow(9 - count as u32);
+        let n = fraction[..count]
+            .iter()
+            .fold(0i64, |n, d| n * 10 + i64::from(d - b'0'));
+        nanos = n * 10i64.pow(9 - count as u32);
         end = 20 + count;
     }
     match &b[end..] {
@@ -1300,11 +1310,14 @@ fn parse_whole(text: &str) -> Option<i128> {
         [b'-', digits @ ..] => (true, digits),
         digits => (false, digits),
     };
-    if (1..=18).contains(&digits.len()) && digits.iter().all(u8::is_ascii_digit) {
-        let n = digits
-            .iter()
-            .fold(0i64, |n, d| n * 10 + i64::from(d - b'0'));
-        return Some(i128::from(if negative { -n } else { n }));
+    if (1..=18).contains(&digits.len()) {
+        let n = digits.iter().try_fold(0i64, |n, d| {
+            let d = d.wrapping_sub(b'0');
+            (d < 10).then(|| n * 10 + i64::from(d))
+        });
+        if let Some(n) = n {
+            return Some(i128::from(if negative { -n } else { n }));
+        }
     }
     let text = text.trim();
     if let Ok(n) = text.parse::<i128>() {
