@@ -164,12 +164,13 @@ const DEFAULT_LOG_FILTER: &str = "warn,sluice=info,sluice_engine=info,sluice_con
      object_store::client::retry=info,buoyant_kernel=off,deltalake_core::writer::stats=error,rskafka=error";
 
 /// An error and its causes as one line: each cause added unless the message already says it
-/// (errors that wrap another usually repeat it), line breaks folded into spaces.
+/// (errors that wrap another usually repeat it; a job file error with its control characters
+/// escaped), line breaks folded into spaces.
 fn one_line(error: &anyhow::Error) -> String {
     let mut text = String::new();
     for cause in error.chain() {
         let cause = cause.to_string();
-        if text.contains(cause.as_str()) {
+        if text.contains(cause.as_str()) || text.contains(&*crate::error::on_one_line(&cause)) {
             continue;
         }
         if !text.is_empty() {
@@ -723,5 +724,27 @@ async fn next_signal() {
     #[cfg(not(unix))]
     {
         let _ = ctrl_c.await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A job file error quoting a value with a newline is printed once, on one line: its
+    /// cause (the same text, not escaped) is not added again.
+    #[test]
+    fn an_escaped_job_file_error_is_not_repeated_by_its_cause() {
+        let cause = sluice_engine::Error::InvalidJob("trigger 'a\nb' is not known".into());
+        let error = crate::error::Error::job_file_cause(
+            std::path::Path::new("job.toml"),
+            Some("trigger"),
+            Box::new(cause),
+        );
+        let text = one_line(&anyhow::Error::from(error));
+        assert_eq!(
+            text,
+            "job file job.toml: [trigger]: invalid job: trigger 'a\\nb' is not known"
+        );
     }
 }

@@ -43,7 +43,12 @@ pub enum Error {
     },
     /// The job file is not a job this build can run: a key is unknown, missing or invalid, a
     /// kind is not built in, or a source or sink refused its settings.
-    #[error("job file {}: {}{message}", path.display(), in_section(section))]
+    #[error(
+        "job file {}: {}{}",
+        on_one_line(&path.display().to_string()),
+        on_one_line(&in_section(section)),
+        on_one_line(message)
+    )]
     JobFile {
         /// The job file.
         path: PathBuf,
@@ -101,22 +106,22 @@ fn in_section(section: &Option<String>) -> String {
     }
 }
 
-/// `message` with its control characters escaped (a newline as `\n`), so an error that quotes a
-/// value read from the job file (a string may hold any character) stays one line.
-fn on_one_line(message: String) -> String {
-    if !message.chars().any(char::is_control) {
-        return message;
+/// `text` with its control characters escaped (a newline as `\n`), so a job file error that
+/// quotes what the file holds (a string, a quoted section name, a path may hold any character)
+/// stays one line.
+pub(crate) fn on_one_line(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(char::is_control) {
+        return std::borrow::Cow::Borrowed(text);
     }
-    message
-        .chars()
-        .map(|c| {
-            if c.is_control() {
-                c.escape_default().to_string()
-            } else {
-                c.to_string()
-            }
-        })
-        .collect()
+    let mut escaped = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if c.is_control() {
+            escaped.extend(c.escape_default());
+        } else {
+            escaped.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(escaped)
 }
 
 impl Error {
@@ -136,7 +141,7 @@ impl Error {
         Error::JobFile {
             path: path.to_path_buf(),
             section: section.map(str::to_string),
-            message: on_one_line(message.into()),
+            message: message.into(),
             source: None,
         }
     }
@@ -160,7 +165,7 @@ impl Error {
         Error::JobFile {
             path: path.to_path_buf(),
             section: section.map(str::to_string),
-            message: on_one_line(cause.to_string()),
+            message: cause.to_string(),
             source: Some(cause),
         }
     }

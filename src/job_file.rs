@@ -662,13 +662,33 @@ mod tests {
             .into_iter()
             .find(|(_, text)| text.contains("\"available-now\""))
             .unwrap();
-        let text = text.replace("\"available-now\"", "\"availabl\\now\"");
+        let original = text;
+        let text = original.replace("\"available-now\"", "\"availabl\\now\"");
         let message = parse(&text, &path, None, &Registry::new())
             .err()
             .unwrap()
             .to_string();
         assert!(message.contains("availabl\\now"), "{message}");
         exercise(&text, &path);
+
+        // A quoted section name, and an error built outside the two constructors, added to a
+        // file that loads.
+        let (path, original) = corpus()
+            .into_iter()
+            .find(|(path, text)| parse(text, path, None, &Registry::new()).is_ok())
+            .unwrap();
+        let section = format!("{original}\n[sources.\"a\\nb\"]\nkind = \"bogus\"\n");
+        let expectation = format!(
+            "{original}\n[[expectations]]\nname = \"x\\ty\"\ncheck = \"true\"\non_failure = \"stop\\nnow\"\n"
+        );
+        for (text, quoted) in [(section, "a\\nb"), (expectation, "stop\\nnow")] {
+            let message = parse(&text, &path, None, &Registry::new())
+                .err()
+                .unwrap()
+                .to_string();
+            assert!(message.contains(quoted), "{message}");
+            exercise(&text, &path);
+        }
     }
 
     proptest::proptest! {
