@@ -483,6 +483,20 @@ mod tests {
         assert!(declined.is_empty());
         assert_eq!(names(&rows), vec!["été", "😀"]);
         assert!(AllText::of(&bytes, &around).span.is_none());
-        assert!(AllText::of(&bytes, &lines[..1]).span.is_some());
+
+        // Through the span, which starts past the first byte: the last line alone.
+        let last = AllText::of(&bytes, &lines[2..]);
+        assert_eq!(last.span.map(|(_, start)| start), Some(lines[2].start));
+        assert_eq!(
+            last.line(&bytes, &lines[2]),
+            Some("{\"id\":3,\"name\":\"😀\"}")
+        );
+        assert_eq!(
+            last.line(&bytes, &lines[0]),
+            AllText::of(&bytes, &lines[..1]).line(&bytes, &lines[0])
+        );
+        let (rows, read, _) = flat.read(&bytes, &lines[2..]).unwrap();
+        assert_eq!(numbers(&read), vec![3]);
+        assert_eq!(names(&rows), vec!["😀"]);
     }
 }
