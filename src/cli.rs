@@ -739,7 +739,7 @@ mod tests {
         let error = crate::error::Error::job_file_cause(
             std::path::Path::new("job.toml"),
             Some("trigger"),
-            Box::new(cause),
+            cause,
         );
         let text = one_line(&anyhow::Error::from(error));
         assert_eq!(

@@ -34,7 +34,10 @@ use sluice_sinks::SinkError;
 #[non_exhaustive]
 pub enum Error {
     /// The job file could not be read.
-    #[error("cannot read job file {}: {source}", path.display())]
+    #[error(
+        "cannot read job file {}: {source}",
+        on_one_line(&path.display().to_string())
+    )]
     ReadJobFile {
         /// The job file.
         path: PathBuf,
@@ -174,6 +177,25 @@ impl Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A job file's path holding a newline is shown escaped, on one line.
+    #[test]
+    fn a_path_with_a_newline_is_shown_on_one_line() {
+        let path = std::path::PathBuf::from("jobs/a\nb.toml");
+        let unread = Error::ReadJobFile {
+            path: path.clone(),
+            source: std::io::Error::other("not found"),
+        };
+        assert_eq!(
+            unread.to_string(),
+            "cannot read job file jobs/a\\nb.toml: not found"
+        );
+        let refused = Error::job_file(&path, Some("sink"), "no path");
+        assert_eq!(
+            refused.to_string(),
+            "job file jobs/a\\nb.toml: [sink]: no path"
+        );
+    }
 
     /// A sink's, a connector's and the engine's error are found wherever they sit in the chain,
     /// and the top message includes theirs.

@@ -491,6 +491,12 @@ mod tests {
             last.line(&bytes, &lines[2]),
             Some("{\"id\":3,\"name\":\"😀\"}")
         );
+        // Given no bytes to check on its own, a line is found in the span or not at all.
+        assert_eq!(
+            last.line(&[], &lines[2]),
+            Some("{\"id\":3,\"name\":\"😀\"}")
+        );
+        assert_eq!(last.line(&[], &lines[0]), None);
         assert_eq!(
             last.line(&bytes, &lines[0]),
             AllText::of(&bytes, &lines[..1]).line(&bytes, &lines[0])

@@ -59,10 +59,10 @@ pub(crate) const ROW_GROUP_ROWS: usize = 128 * 1024;
 pub(crate) const DICTIONARY_PAGE_BYTES: usize = 256 * 1024;
 
 /// The least Arrow memory (rows as the query produced them) one writer of a parallel append
-/// encodes: an append is split only from twice this size, 64 MiB — a batch of 460 K Nexmark
-/// bids (`compare.py`'s, from Parquet or JSON files) is just over it and is written as two
-/// files of ~6.6 MB — so files stay large and a streaming job's ordinary batches stay one file
-/// each.
+/// encodes: an append is split only from twice this size, 64 MiB, so files stay tens of
+/// megabytes of Arrow each and a streaming job's ordinary batches stay one file each. (A batch
+/// of 460 K Nexmark bids, `compare.py`'s, is just over it: on two cores, two files of ~6.6 MB
+/// of Parquet.)
 pub(crate) const MIN_ARROW_BYTES_PER_WRITER: usize = 32 * 1024 * 1024;
 
 /// How Sluice's writes (appends, merges, replacements, the rewrites of deletes) encode Parquet:
