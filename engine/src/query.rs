@@ -808,7 +808,7 @@ impl StreamingQuery {
         };
         for (id, state) in recorded {
             match planned.get(id) {
-                Some(fingerprint) if *fingerprint == state.fingerprint => {}
+                Some(fingerprint) if same_state(&state.fingerprint, fingerprint) => {}
                 Some(fingerprint) => {
                     return mismatch(
                         id,
@@ -1330,6 +1330,52 @@ impl SourceTables {
     }
 }
 
+/// Whether an operator's recorded fingerprint and the one this query plans describe the same
+/// state: equal, or equal but for text or bytes held as views on one side (`Utf8View`,
+/// `BinaryView`) and plain on the other. Declared text columns were `Utf8View` before they
+/// became `Utf8` (`schema::parse_schema`); state so written is restored in the current layout
+/// (`StateLog::restore`), so a job keeps its state across that change.
+/// Only the type names are read so, not the same words inside quoted text (a literal).
+fn same_state(recorded: &str, planned: &str) -> bool {
+    recorded == planned || views_as_plain(recorded) == views_as_plain(planned)
+}
+
+/// `fingerprint` with the words `Utf8View` and `BinaryView` outside quotes (`'…'`, `"…"`) as
+/// `Utf8` and `Binary`.
+fn views_as_plain(fingerprint: &str) -> String {
+    let mut out = String::with_capacity(fingerprint.len());
+    let mut quote: Option<char> = None;
+    let mut word = String::new();
+    let flush = |word: &mut String, out: &mut String| {
+        out.push_str(match word.as_str() {
+            "Utf8View" => "Utf8",
+            "BinaryView" => "Binary",
+            w => w,
+        });
+        word.clear();
+    };
+    for c in fingerprint.chars() {
+        match quote {
+            Some(q) => {
+                out.push(c);
+                if c == q {
+                    quote = None;
+                }
+            }
+            None if c.is_alphanumeric() || c == '_' => word.push(c),
+            None => {
+                flush(&mut word, &mut out);
+                if c == '\'' || c == '"' {
+                    quote = Some(c);
+                }
+                out.push(c);
+            }
+        }
+    }
+    flush(&mut word, &mut out);
+    out
+}
+
 /// Each source's rows for one run of the query, by source name: the batches its read
 /// produced, in order. The live loop never copies a source's rows into one batch: that copy
 /// was a pass over the whole input on one thread, and its memory came on top of the read's.
@@ -1436,6 +1482,30 @@ mod tests {
             lineage: true,
             ..QuerySettings::default()
         }
+    }
+
+    #[test]
+    fn state_held_as_views_is_the_same_state_held_plain() {
+        let old = "aggregate over tumble(1m, clicks.ts) by [window_start, window_end, user_id] \
+                   of [count(Int64(1))]; state types [Timestamp(µs, \"UTC\"), Utf8View, \
+                   List(BinaryView), Int64]";
+        let new = "aggregate over tumble(1m, clicks.ts) by [window_start, window_end, user_id] \
+                   of [count(Int64(1))]; state types [Timestamp(µs, \"UTC\"), Utf8, \
+                   List(Binary), Int64]";
+        assert!(same_state(old, new));
+        assert!(same_state(new, new));
+        // Any other difference is another state.
+        assert!(!same_state(old, &new.replace("Int64]", "Float64]")));
+        assert!(!same_state(old, &new.replace("tumble(1m", "tumble(2m")));
+        // The word inside a literal is the literal's text, not a type.
+        let filter = |kind: &str| format!("join of l (l.k Utf8View; WHERE l.kind = '{kind}')");
+        assert!(same_state(
+            &filter("a"),
+            &filter("a").replace("Utf8View", "Utf8")
+        ));
+        assert!(!same_state(&filter("Utf8View"), &filter("Utf8")));
+        assert!(!same_state("k \"Utf8View\"", "k \"Utf8\""));
+        assert!(!same_state("Utf8ViewX", "Utf8X"));
     }
 
     /// What a query reads of each source: the columns its scans keep after projection

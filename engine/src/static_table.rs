@@ -33,6 +33,7 @@ use crate::error::{BoxError, Error, Result};
 use crate::offsets::{BatchId, SourceOffsets};
 use crate::operators::QueryOutput;
 use crate::query::{BatchWatermark, StreamingQuery};
+use crate::schema::same_but_layout;
 use crate::source::{SOURCE_OFFSET, SOURCE_PARTITION};
 
 /// A table read whole at a version the batch intent records.
@@ -217,6 +218,11 @@ impl StaticTables {
             for field in planned.fields() {
                 let column = match batch.column_by_name(field.name()) {
                     Some(c) if c.data_type() == field.data_type() => Arc::clone(c),
+                    // Text or bytes in another layout: a snapshot taken while declared text
+                    // columns were `Utf8View` (see `schema::in_layout_of`).
+                    Some(c) if same_but_layout(c.data_type(), field.data_type()) => {
+                        arrow::compute::cast(c, field.data_type())?
+                    }
                     Some(c) => {
                         return Err(Error::in_table(
                             name,

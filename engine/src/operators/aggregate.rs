@@ -1296,7 +1296,7 @@ impl StatefulAggregate {
         // raises a group's purge value, never lowers it) — so a replay where no row is below
         // any file's bound merges once, as a merge of every file at once would.
         let mut unmerged: Vec<RecordBatch> = Vec::new();
-        for file in log.restore(files).await? {
+        for file in log.restore(files, &self.operator.state_schema()).await? {
             if let Some(purged_under) = file.purged_under {
                 let bound = self.purge_bound(purged_under);
                 if self.groups.may_have_below(bound)

@@ -816,7 +816,12 @@ impl Deduplication {
     ) -> Result<()> {
         self.seen.clear();
         self.expiry.clear();
-        for batch in log.restore(files).await?.into_iter().flat_map(|f| f.rows) {
+        for batch in log
+            .restore(files, &self.state_schema)
+            .await?
+            .into_iter()
+            .flat_map(|f| f.rows)
+        {
             let keys: Vec<ArrayRef> = batch.columns()[..self.key_indices.len()].to_vec();
             let rows = self.converter.convert_columns(&keys)?;
             let times = batch

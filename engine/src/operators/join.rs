@@ -1748,7 +1748,12 @@ impl StreamJoin {
         if let Some(held) = &mut self.closing {
             held.clear();
         }
-        for batch in log.restore(files).await?.into_iter().flat_map(|f| f.rows) {
+        for batch in log
+            .restore(files, &self.state_schema)
+            .await?
+            .into_iter()
+            .flat_map(|f| f.rows)
+        {
             if batch.num_columns() != self.state_schema.fields().len() {
                 return Err(Error::InvalidJob(format!(
                     "a state file of the join has {} columns, not the {} its sides have",

@@ -47,6 +47,7 @@ use rayon::prelude::*;
 use crate::checkpoint::CheckpointStore;
 use crate::error::{Error, Result};
 use crate::offsets::BatchId;
+use crate::schema::in_layout_of;
 use crate::sink::row_groups;
 use crate::source::cpu_bound;
 
@@ -130,12 +131,18 @@ impl StateLog {
     }
 
     /// Reads the files a committed manifest lists, oldest first: the base, then the deltas in
-    /// the order they were written.
+    /// the order they were written. Their rows come in `schema` (the operator's state schema)
+    /// where they differ from it only in how text or bytes are laid out
+    /// (`schema::in_layout_of`).
     ///
     /// # Errors
     /// If a listed file is missing or unreadable — the committed state is gone, which must not
     /// be papered over.
-    pub async fn restore(&mut self, names: &[String]) -> Result<Vec<RestoredFile>> {
+    pub async fn restore(
+        &mut self,
+        names: &[String],
+        schema: &SchemaRef,
+    ) -> Result<Vec<RestoredFile>> {
         self.base = None;
         self.deltas.clear();
         let mut all = Vec::new();
@@ -164,7 +171,8 @@ impl StateLog {
                 .transpose()?;
             let batches = reader
                 .build()?
-                .collect::<std::result::Result<Vec<_>, _>>()?;
+                .map(|batch| in_layout_of(batch?, schema))
+                .collect::<Result<Vec<_>>>()?;
             let file = StateFile {
                 name: name.clone(),
                 rows: batches.iter().map(|b| b.num_rows() as u64).sum(),
@@ -482,15 +490,111 @@ mod tests {
         assert_eq!(log.collect_garbage(BatchId(5)).await.unwrap(), 4);
 
         let mut restored = StateLog::new(&checkpoint, 1);
-        let files = restored.restore(&w.live_files).await.unwrap();
+        let files = restored.restore(&w.live_files, &schema).await.unwrap();
         assert_eq!(files.len(), 1);
         assert_eq!(files[0].rows, full.to_vec());
         let missing = restored
-            .restore(&["00000000000000000001-e0-delta.parquet".to_string()])
+            .restore(
+                &["00000000000000000001-e0-delta.parquet".to_string()],
+                &schema,
+            )
             .await
             .unwrap_err()
             .to_string();
         assert!(missing.contains("is missing"), "{missing}");
+    }
+
+    /// State written with text and bytes as views (declared text columns before they became
+    /// `Utf8`) is restored in the operator's current types, also inside lists and structs; a
+    /// column of another type is left as it was written.
+    #[tokio::test]
+    async fn state_written_as_views_is_restored_in_the_current_layout() {
+        use arrow::array::{
+            Array, ArrayRef, BinaryViewArray, ListBuilder, StringArray, StringViewArray,
+            StringViewBuilder,
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let checkpoint = checkpoint(&dir);
+        let mut items = ListBuilder::new(StringViewBuilder::new());
+        items.append_value([Some("a long text of more than twelve bytes"), None]);
+        items.append_null();
+        let items = items.finish();
+        let written = RecordBatch::try_from_iter(vec![
+            (
+                "k",
+                Arc::new(StringViewArray::from(vec![Some("u1"), None])) as ArrayRef,
+            ),
+            (
+                "b",
+                Arc::new(BinaryViewArray::from(vec![b"x".as_slice(), b"yz"])) as ArrayRef,
+            ),
+            ("items", Arc::new(items) as ArrayRef),
+            ("n", Arc::new(Int64Array::from(vec![1, 2])) as ArrayRef),
+        ])
+        .unwrap();
+        let mut log = StateLog::new(&checkpoint, 0);
+        let w = log
+            .write(
+                BatchId(0),
+                &written.schema(),
+                std::slice::from_ref(&written),
+                None,
+                2,
+                || Ok(vec![written.clone()]),
+            )
+            .await
+            .unwrap();
+        let current = Arc::new(Schema::new(vec![
+            Field::new("k", DataType::Utf8, true),
+            Field::new("b", DataType::Binary, true),
+            Field::new("items", DataType::new_list(DataType::Utf8, true), true),
+            // Not a layout difference: left as written, for the operator to refuse.
+            Field::new("n", DataType::Utf8, true),
+        ]));
+        let files = StateLog::new(&checkpoint, 1)
+            .restore(&w.live_files, &current)
+            .await
+            .unwrap();
+        let read = &files[0].rows[0];
+        let types: Vec<DataType> = read
+            .schema()
+            .fields()
+            .iter()
+            .map(|f| f.data_type().clone())
+            .collect();
+        assert_eq!(
+            types,
+            [
+                DataType::Utf8,
+                DataType::Binary,
+                DataType::new_list(DataType::Utf8, true),
+                DataType::Int64,
+            ]
+        );
+        let keys = read
+            .column(0)
+            .as_any()
+            .downcast_ref::<StringArray>()
+            .unwrap();
+        assert_eq!(keys.iter().collect::<Vec<_>>(), [Some("u1"), None]);
+        let lists = read
+            .column(2)
+            .as_any()
+            .downcast_ref::<arrow::array::ListArray>()
+            .unwrap();
+        let first = lists.value(0);
+        let first = first.as_any().downcast_ref::<StringArray>().unwrap();
+        assert_eq!(
+            first.iter().collect::<Vec<_>>(),
+            [Some("a long text of more than twelve bytes"), None]
+        );
+        assert!(lists.is_null(1));
+        // Already in the current layout: read as written.
+        let same = StateLog::new(&checkpoint, 2)
+            .restore(&w.live_files, &written.schema())
+            .await
+            .unwrap();
+        assert_eq!(same[0].rows, vec![written]);
     }
 
     /// A delta carries the watermark the state had been purged under when its changes were
@@ -512,7 +616,7 @@ mod tests {
             .await
             .unwrap();
         let files = StateLog::new(&checkpoint, 1)
-            .restore(&w.live_files)
+            .restore(&w.live_files, &schema)
             .await
             .unwrap();
         let read: Vec<_> = files.iter().map(|f| (&f.rows, f.purged_under)).collect();
@@ -579,7 +683,10 @@ mod tests {
         assert_ne!(committed.live_files, lost.live_files);
         // Batch 7 commits with the paused run's manifest; the next run takes over from it.
         let mut next_run = StateLog::new(&checkpoint, 5);
-        next_run.restore(&committed.live_files).await.unwrap();
+        next_run
+            .restore(&committed.live_files, &schema)
+            .await
+            .unwrap();
         let eight = next_run
             .write(BatchId(8), &schema, &[rows(&[3])], None, 2, || {
                 Ok(full.to_vec())
