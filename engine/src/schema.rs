@@ -3,7 +3,7 @@
 //! Job files state schemas the way users write tables, so the parsing is DataFusion's own SQL
 //! type mapping rather than a second dialect of ours — but for text: `VARCHAR`, `TEXT` and
 //! `STRING` are Arrow's `Utf8` (offsets and bytes), not the `Utf8View` DataFusion maps them to
-//! by default. An inferred schema's text is `Utf8` too, as is a Delta table's `string`: a
+//! by default. Text inferred from JSON or CSV is `Utf8` too, as is a Delta table's `string`: a
 //! declared column then reaches the sink in the table's own layout, where views were cast
 //! (copied) into it on every write. Measured on Nexmark q0 (5 M bids, JSON and Parquet files
 //! into Delta): 12–14 % less CPU and a quarter less peak memory (see README, benchmarks).
