@@ -48,9 +48,10 @@ pub async fn parse_schema(ddl: &str) -> Result<SchemaRef> {
 /// the layout of text or bytes ([`same_but_layout`]: `Utf8View` or `LargeUtf8` for `Utf8`,
 /// `BinaryView` or `LargeBinary` for `Binary`, also inside lists, structs, maps and
 /// dictionaries) cast to the schema's type. Declared text columns were `Utf8View` before they
-/// became `Utf8` ([`parse_schema`]), so what a job stored before then (operator state, static
-/// table snapshots) is read in its current types. Any other difference is left as it is, for
-/// the reader to refuse.
+/// became `Utf8` ([`parse_schema`]), so operator state a job stored before then is read in its
+/// operator's current types (static table snapshots are conformed column by column by name,
+/// with [`same_but_layout`] alone). Any other difference is left as it is, for the reader to
+/// refuse.
 ///
 /// # Errors
 /// If a cast fails (not expected: these casts only copy).

@@ -219,7 +219,7 @@ impl StaticTables {
                 let column = match batch.column_by_name(field.name()) {
                     Some(c) if c.data_type() == field.data_type() => Arc::clone(c),
                     // Text or bytes in another layout: a snapshot taken while declared text
-                    // columns were `Utf8View` (see `schema::in_layout_of`).
+                    // columns were `Utf8View` (see `schema::same_but_layout`).
                     Some(c) if same_but_layout(c.data_type(), field.data_type()) => {
                         arrow::compute::cast(c, field.data_type())?
                     }
