@@ -221,7 +221,18 @@ impl StaticTables {
                     // Text or bytes in another layout: a snapshot taken while declared text
                     // columns were `Utf8View` (see `schema::same_but_layout`).
                     Some(c) if same_but_layout(c.data_type(), field.data_type()) => {
-                        arrow::compute::cast(c, field.data_type())?
+                        arrow::compute::cast(c, field.data_type()).map_err(|e| {
+                            Error::in_table(
+                                name,
+                                format!(
+                                    "version {version}: column {} as {} could not be read as {}: \
+                                     {e}",
+                                    field.name(),
+                                    c.data_type(),
+                                    field.data_type()
+                                ),
+                            )
+                        })?
                     }
                     Some(c) => {
                         return Err(Error::in_table(
