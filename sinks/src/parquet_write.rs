@@ -4,9 +4,10 @@
 //! ## Writer settings
 //! Snappy (cheap to encode and decode; what Delta and Spark write by default), dictionaries
 //! with a bounded page ([`DICTIONARY_PAGE_BYTES`]), row groups of [`ROW_GROUP_ROWS`], and
-//! Parquet's default statistics (chunk and page min/max: readers prune on them, and they cost a
-//! few per cent of the encode). Delta's own per-file statistics (the `stats` of each `add`) are
-//! delta-rs's, on the first 32 columns unless the table says otherwise.
+//! Parquet's default statistics (chunk and page min/max: readers prune on them, and delta-rs
+//! builds each file's Delta statistics — the `stats` of each `add`, on the first 32 columns
+//! unless the table says otherwise — from them). They cost about a tenth of a passthrough's CPU
+//! (Nexmark q0: 2.36 → 2.11 s without them), kept for the files Delta readers can skip.
 //!
 //! ## Parallel encode
 //! Encoding Parquet is the most expensive step of a stateless batch, and one writer is one
