@@ -22,6 +22,7 @@
 
 use std::sync::Arc;
 
+use arrow::array::builder::{BooleanBufferBuilder, NullBufferBuilder};
 use arrow::array::{
     Array, ArrayRef, AsArray, BooleanArray, PrimitiveArray, RecordBatch, StringArray,
 };
@@ -29,7 +30,7 @@ use arrow::compute::kernels::cast_utils::{Parser, string_to_datetime};
 use arrow::datatypes::{ArrowPrimitiveType, DataType, Field, Schema, SchemaRef, TimeUnit};
 use rayon::prelude::*;
 
-use crate::flat_json::FlatJson;
+use crate::flat_json::{FlatJson, FlatRead};
 
 /// A line of a file: 1-based number and byte span (without the newline).
 #[derive(Debug, Clone, Copy)]
@@ -237,15 +238,29 @@ pub(crate) fn decode_json_lines(
     let runs: Vec<Decoded> = lines
         .par_chunks(DECODE_ROWS)
         .map(|run| {
-            let read_rows = flat.read(bytes, run).and_then(|(rows, read, declined)| {
-                let rows = rows.project(kept_of_built.as_deref())?;
-                Ok((drop_bad_rows(bytes, &read, rows)?, declined))
+            let flat_read = flat.read(bytes, run).and_then(|r| match &kept_of_built {
+                None => Ok(r),
+                Some(kept) => {
+                    let batch = r.batch.project(kept).map_err(|e| e.to_string())?;
+                    Ok(FlatRead { batch, ..r })
+                }
             });
-            let Ok(((batch, numbers, mut bad), declined)) = read_rows else {
+            let Ok(FlatRead {
+                batch,
+                read,
+                bad,
+                declined,
+            }) = flat_read
+            else {
                 // The conversion failed as a whole (as it would for any lines): the decoder's
                 // path gives each line its reason.
                 return decode_sorted_run(bytes, run, &passes, &decode_passed, &decode_alone);
             };
+            let numbers = read.iter().map(|l| l.number).collect();
+            let mut bad: Vec<_> = bad
+                .into_iter()
+                .map(|(l, reason)| (l.number, bytes[l.start..l.end].to_vec(), reason))
+                .collect();
             let (others, others_bad) =
                 decode_sorted_run(bytes, &declined, &passes, &decode_passed, &decode_alone);
             let good = merge_pieces(vec![(batch, numbers)], others);
@@ -875,19 +890,30 @@ fn convert_all(
     bad_rows: &mut Vec<(usize, String)>,
 ) -> ArrayRef {
     for (row, value) in text.iter().enumerate() {
-        converting.append(row, value, bad_rows);
+        if let Err(reason) = converting.append(value) {
+            bad_rows.push((row, reason));
+            converting.append_default();
+        }
     }
     converting.finish()
 }
 
-/// A number, boolean or timestamp column built from its values' text one value at a time: a
-/// value that does not convert takes the type's default (its row is to be dropped; a null would
-/// break a NOT NULL column) and adds its row and reason to the bad rows. [`convert_column`]
-/// converts a column of text with one; [`FlatJson`] builds such columns with them as it reads
-/// the lines, with no column of text between.
+/// A number, boolean or timestamp column built from its values' text one value at a time. A
+/// value that does not convert appends nothing and gives its reason: [`convert_all`] then puts
+/// the type's default in its place (its row is to be dropped; a null would break a NOT NULL
+/// column), while [`FlatJson`], which builds such columns as it reads lines, takes back the
+/// line's values in the other columns ([`FromText::truncate`]) so a bad line never enters the
+/// batch — no filter copies the rows around it.
 pub(crate) trait FromText {
-    /// Appends row `row`'s value converted from `text` (`None`: null or absent).
-    fn append(&mut self, row: usize, text: Option<&str>, bad_rows: &mut Vec<(usize, String)>);
+    /// Appends a value converted from `text` (`None`: null or absent); if it does not convert
+    /// (or is absent from a NOT NULL column), appends nothing and gives the reason.
+    fn append(&mut self, text: Option<&str>) -> std::result::Result<(), String>;
+
+    /// Appends the type's default value: the place of a bad value in a row to be dropped.
+    fn append_default(&mut self);
+
+    /// Keeps the first `len` values only.
+    fn truncate(&mut self, len: usize);
 
     /// The column of the values appended so far (the builder starts again empty).
     fn finish(&mut self) -> ArrayRef;
@@ -947,9 +973,11 @@ pub(crate) fn json_from_text(
     })
 }
 
-/// A [`FromText`] column of primitive values.
+/// A [`FromText`] column of primitive values: their values and nulls kept apart, so the last
+/// ones can be taken back.
 struct Parsed<T: ArrowPrimitiveType, P> {
-    values: arrow::array::PrimitiveBuilder<T>,
+    values: Vec<T::Native>,
+    nulls: NullBufferBuilder,
     field: Field,
     parse: P,
 }
@@ -959,23 +987,36 @@ where
     T: ArrowPrimitiveType,
     P: Fn(&str, &Field) -> std::result::Result<T::Native, String>,
 {
-    fn append(&mut self, row: usize, text: Option<&str>, bad_rows: &mut Vec<(usize, String)>) {
-        match text.map(|value| (self.parse)(value, &self.field)) {
-            None if self.field.is_nullable() => self.values.append_null(),
-            None => {
-                bad_rows.push((row, not_null(&self.field)));
-                self.values.append_value(T::Native::default());
+    fn append(&mut self, text: Option<&str>) -> std::result::Result<(), String> {
+        match text {
+            Some(value) => {
+                let n = (self.parse)(value, &self.field)?;
+                self.values.push(n);
+                self.nulls.append_non_null();
             }
-            Some(Ok(n)) => self.values.append_value(n),
-            Some(Err(reason)) => {
-                bad_rows.push((row, reason));
-                self.values.append_value(T::Native::default());
+            None if self.field.is_nullable() => {
+                self.values.push(T::Native::default());
+                self.nulls.append_null();
             }
+            None => return Err(not_null(&self.field)),
         }
+        Ok(())
+    }
+
+    fn append_default(&mut self) {
+        self.values.push(T::Native::default());
+        self.nulls.append_non_null();
+    }
+
+    fn truncate(&mut self, len: usize) {
+        self.values.truncate(len);
+        self.nulls.truncate(len);
     }
 
     fn finish(&mut self) -> ArrayRef {
-        Arc::new(self.values.finish())
+        let values = std::mem::take(&mut self.values);
+        let array = PrimitiveArray::<T>::new(values.into(), self.nulls.finish());
+        Arc::new(array.with_data_type(self.field.data_type().clone()))
     }
 }
 
@@ -985,17 +1026,18 @@ fn parsed<T: ArrowPrimitiveType>(
     capacity: usize,
     parse: impl Fn(&str, &Field) -> std::result::Result<T::Native, String> + 'static,
 ) -> Box<dyn FromText> {
-    Box::new(Parsed {
-        values: arrow::array::PrimitiveBuilder::<T>::with_capacity(capacity)
-            .with_data_type(field.data_type().clone()),
+    Box::new(Parsed::<T, _> {
+        values: Vec::with_capacity(capacity),
+        nulls: NullBufferBuilder::new(capacity),
         field: field.clone(),
         parse,
     })
 }
 
-/// A [`FromText`] column of booleans (a bad value `false` until its row is dropped).
+/// A [`FromText`] column of booleans.
 struct Booleans<P> {
-    values: arrow::array::BooleanBuilder,
+    values: BooleanBufferBuilder,
+    nulls: NullBufferBuilder,
     field: Field,
     parse: P,
 }
@@ -1004,23 +1046,34 @@ impl<P> FromText for Booleans<P>
 where
     P: Fn(&str, &Field) -> std::result::Result<bool, String>,
 {
-    fn append(&mut self, row: usize, text: Option<&str>, bad_rows: &mut Vec<(usize, String)>) {
-        match text.map(|value| (self.parse)(value, &self.field)) {
-            None if self.field.is_nullable() => self.values.append_null(),
-            None => {
-                bad_rows.push((row, not_null(&self.field)));
-                self.values.append_value(false);
+    fn append(&mut self, text: Option<&str>) -> std::result::Result<(), String> {
+        match text {
+            Some(value) => {
+                let b = (self.parse)(value, &self.field)?;
+                self.values.append(b);
+                self.nulls.append_non_null();
             }
-            Some(Ok(b)) => self.values.append_value(b),
-            Some(Err(reason)) => {
-                bad_rows.push((row, reason));
-                self.values.append_value(false);
+            None if self.field.is_nullable() => {
+                self.values.append(false);
+                self.nulls.append_null();
             }
+            None => return Err(not_null(&self.field)),
         }
+        Ok(())
+    }
+
+    fn append_default(&mut self) {
+        self.values.append(false);
+        self.nulls.append_non_null();
+    }
+
+    fn truncate(&mut self, len: usize) {
+        self.values.truncate(len);
+        self.nulls.truncate(len);
     }
 
     fn finish(&mut self) -> ArrayRef {
-        Arc::new(self.values.finish())
+        Arc::new(BooleanArray::new(self.values.finish(), self.nulls.finish()))
     }
 }
 
@@ -1031,7 +1084,8 @@ fn booleans(
     parse: impl Fn(&str, &Field) -> std::result::Result<bool, String> + 'static,
 ) -> Box<dyn FromText> {
     Box::new(Booleans {
-        values: arrow::array::BooleanBuilder::with_capacity(capacity),
+        values: BooleanBufferBuilder::new(capacity),
+        nulls: NullBufferBuilder::new(capacity),
         field: field.clone(),
         parse,
     })
@@ -2298,20 +2352,30 @@ mod tests {
         let lines = &lines[..lines.len() - 1];
         let s = flat_schema();
         let flat = FlatJson::new(&s, false, None).unwrap();
-        let (rows, read, declined) = flat.read(bytes, lines).unwrap();
-        let batch = rows.batch;
+        let FlatRead {
+            batch,
+            read,
+            bad,
+            declined,
+        } = flat.read(bytes, lines).unwrap();
         let numbers = |lines: &[Line]| lines.iter().map(|l| l.number).collect::<Vec<_>>();
         // A nested value, a missing comma, a repeated key, an escaped key and a second object
-        // are left to the decoder; a bad value is read here and fails its row as it converts.
-        assert_eq!(numbers(&read), vec![1, 2, 3, 8, 9, 11, 15, 16]);
+        // are left to the decoder; a bad value is read here and fails its line as it converts,
+        // the line's other values taken back: it has no row.
+        assert_eq!(numbers(&read), vec![1, 2, 3, 15, 16]);
+        assert_eq!(batch.num_rows(), 5);
+        let bad_lines: Vec<usize> = bad.iter().map(|(l, _)| l.number).collect();
+        assert_eq!(bad_lines, vec![8, 9, 11]);
         assert_eq!(numbers(&declined), vec![4, 5, 6, 7, 10, 12, 13, 14]);
         let names = batch.column(1).as_string_view();
         assert_eq!(names.value(1), "tab\tq\"é😀");
-        assert_eq!(names.value(6), "a/bA");
-        assert_eq!(names.value(7), "𠮷");
+        assert_eq!(names.value(3), "a/bA");
+        assert_eq!(names.value(4), "𠮷");
         assert!(!batch.column(4).as_boolean().value(1));
-        let bad_rows: Vec<usize> = rows.bad_rows.iter().map(|(row, _)| *row).collect();
-        assert_eq!(bad_rows, vec![3, 4, 5]);
+        let ids = batch
+            .column(0)
+            .as_primitive::<arrow::datatypes::Int64Type>();
+        assert_eq!(ids.values().to_vec(), vec![1, -7, 3, 16, 17]);
         assert!(FlatJson::new(&s, true, None).is_some());
         assert!(FlatJson::new(&nested_schema(), false, None).is_none());
         let decoded = decode_json_lines(&s, None, bytes, lines, false);

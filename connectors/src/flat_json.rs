@@ -27,8 +27,8 @@ use arrow::array::{
 use arrow::datatypes::{DataType, SchemaRef};
 
 use crate::decode::{
-    DecodedRows, FromText, Line, converted_from_text, json_from_text, literal_end, skip_whitespace,
-    text_schema, unicode_escape,
+    FromText, Line, converted_from_text, json_from_text, literal_end, skip_whitespace, text_schema,
+    unicode_escape,
 };
 
 /// A reader of flat JSON objects into a schema of text columns, numbers, booleans and
@@ -102,33 +102,43 @@ enum Value {
     False,
 }
 
-enum Column {
+/// A text column being built.
+enum TextColumn {
     Utf8(StringBuilder),
     LargeUtf8(LargeStringBuilder),
     Utf8View(StringViewBuilder),
-    /// A number, boolean or timestamp column.
-    Converted(Box<dyn FromText>),
 }
 
-impl Column {
-    /// Appends row `row`'s value (a value that does not convert adds its row to `bad_rows`).
-    fn append(&mut self, row: usize, value: Option<&str>, bad_rows: &mut Vec<(usize, String)>) {
+impl TextColumn {
+    fn append(&mut self, value: Option<&str>) {
         match self {
-            Column::Utf8(b) => b.append_option(value),
-            Column::LargeUtf8(b) => b.append_option(value),
-            Column::Utf8View(b) => b.append_option(value),
-            Column::Converted(c) => c.append(row, value, bad_rows),
+            TextColumn::Utf8(b) => b.append_option(value),
+            TextColumn::LargeUtf8(b) => b.append_option(value),
+            TextColumn::Utf8View(b) => b.append_option(value),
         }
     }
 
     fn finish(&mut self) -> ArrayRef {
         match self {
-            Column::Utf8(b) => Arc::new(b.finish()),
-            Column::LargeUtf8(b) => Arc::new(b.finish()),
-            Column::Utf8View(b) => Arc::new(b.finish()),
-            Column::Converted(c) => c.finish(),
+            TextColumn::Utf8(b) => Arc::new(b.finish()),
+            TextColumn::LargeUtf8(b) => Arc::new(b.finish()),
+            TextColumn::Utf8View(b) => Arc::new(b.finish()),
         }
     }
+}
+
+/// What [`FlatJson::read`] made of some lines.
+#[derive(Debug)]
+pub(crate) struct FlatRead {
+    /// The rows of the lines read (the `built` columns), one per line of `read`.
+    pub batch: RecordBatch,
+    /// The lines read into the batch, in order.
+    pub read: Vec<Line>,
+    /// The lines read whose value did not convert (or had none for a NOT NULL column), with
+    /// the first such column's reason, in order. They have no row in the batch.
+    pub bad: Vec<(Line, String)>,
+    /// The lines declined, in order: for Arrow's decoder.
+    pub declined: Vec<Line>,
 }
 
 impl FlatJson {
@@ -166,9 +176,10 @@ impl FlatJson {
         })
     }
 
-    /// Reads what it can of `lines` of `bytes`: the rows of the lines it read (the `built`
-    /// columns), with those whose value did not convert among them as bad rows (the first
-    /// such column's reason), those lines, in order, and the lines it declined, in order.
+    /// Reads what it can of `lines` of `bytes` ([`FlatRead`]). A line's converted columns
+    /// (numbers, booleans, timestamps) are appended first: where a value does not convert, the
+    /// line's values appended before it are taken back and the line is bad, so a bad line
+    /// costs about what a good one does — no filter copies its neighbours afterwards.
     ///
     /// # Errors
     /// If a column cannot be converted from text at all (its time zone does not parse), or the
@@ -177,31 +188,48 @@ impl FlatJson {
         &self,
         bytes: &[u8],
         lines: &[Line],
-    ) -> std::result::Result<(DecodedRows, Vec<Line>, Vec<Line>), String> {
+    ) -> std::result::Result<FlatRead, String> {
         let span: usize = lines.iter().map(|l| l.end - l.start).sum();
         if span > i32::MAX as usize {
             // A column's text could outgrow 32-bit offsets: the decoder says so, line by line.
-            let empty = RecordBatch::new_empty(Arc::clone(&self.built_schema));
-            return Ok((empty.into(), Vec::new(), lines.to_vec()));
+            return Ok(FlatRead {
+                batch: RecordBatch::new_empty(Arc::clone(&self.built_schema)),
+                read: Vec::new(),
+                bad: Vec::new(),
+                declined: lines.to_vec(),
+            });
         }
         let per_column = span / self.schema.fields().len().max(1);
-        let mut columns: Vec<Column> = Vec::with_capacity(self.built.len());
-        for f in self.built_schema.fields() {
-            columns.push(match f.data_type() {
-                t if converted_from_text(t) => Column::Converted(json_from_text(f, lines.len())?),
-                DataType::LargeUtf8 => {
-                    Column::LargeUtf8(LargeStringBuilder::with_capacity(lines.len(), per_column))
+        // The built columns by kind, each with its index in `built` and in the schema.
+        let mut converted: Vec<(usize, usize, Box<dyn FromText>)> = Vec::new();
+        let mut text_columns: Vec<(usize, usize, TextColumn)> = Vec::new();
+        for (at, (f, &index)) in self
+            .built_schema
+            .fields()
+            .iter()
+            .zip(&self.built)
+            .enumerate()
+        {
+            let text_column = match f.data_type() {
+                t if converted_from_text(t) => {
+                    converted.push((at, index, json_from_text(f, lines.len())?));
+                    continue;
                 }
+                DataType::LargeUtf8 => TextColumn::LargeUtf8(LargeStringBuilder::with_capacity(
+                    lines.len(),
+                    per_column,
+                )),
                 DataType::Utf8View => {
-                    Column::Utf8View(StringViewBuilder::with_capacity(lines.len()))
+                    TextColumn::Utf8View(StringViewBuilder::with_capacity(lines.len()))
                 }
-                _ => Column::Utf8(StringBuilder::with_capacity(lines.len(), per_column)),
-            });
+                _ => TextColumn::Utf8(StringBuilder::with_capacity(lines.len(), per_column)),
+            };
+            text_columns.push((at, index, text_column));
         }
         let mut values: Vec<Option<Value>> = vec![None; self.schema.fields().len()];
         let mut unescaped = String::new();
-        let (mut read, mut declined) = (Vec::with_capacity(lines.len()), Vec::new());
-        let mut bad_rows = Vec::new();
+        let mut read = Vec::with_capacity(lines.len());
+        let (mut bad, mut declined) = (Vec::new(), Vec::new());
         let all_text = AllText::of(bytes, lines);
         for line in lines {
             let Some(text) = all_text
@@ -211,29 +239,50 @@ impl FlatJson {
                 declined.push(*line);
                 continue;
             };
+            let value_of = |index: usize| match values[index] {
+                None | Some(Value::Null) => None,
+                Some(Value::Text(from, to)) => Some(&text[from..to]),
+                Some(Value::Escaped(from, to)) => Some(&unescaped[from..to]),
+                Some(Value::True) => Some("true"),
+                Some(Value::False) => Some("false"),
+            };
             let row = read.len();
-            for (column, &index) in columns.iter_mut().zip(&self.built) {
-                let value = match values[index] {
-                    None | Some(Value::Null) => None,
-                    Some(Value::Text(from, to)) => Some(&text[from..to]),
-                    Some(Value::Escaped(from, to)) => Some(&unescaped[from..to]),
-                    Some(Value::True) => Some("true"),
-                    Some(Value::False) => Some("false"),
-                };
-                column.append(row, value, &mut bad_rows);
+            let failed = converted
+                .iter_mut()
+                .enumerate()
+                .find_map(|(c, (_, index, column))| {
+                    column.append(value_of(*index)).err().map(|e| (c, e))
+                });
+            if let Some((c, reason)) = failed {
+                for (_, _, column) in &mut converted[..c] {
+                    column.truncate(row);
+                }
+                bad.push((*line, reason));
+                continue;
+            }
+            for (_, index, column) in &mut text_columns {
+                column.append(value_of(*index));
             }
             read.push(*line);
         }
-        // A row's reason is its first bad column's (they are added in column order).
-        bad_rows.dedup_by_key(|(row, _)| *row);
-        let arrays = columns.iter_mut().map(Column::finish).collect();
+        let mut arrays: Vec<(usize, ArrayRef)> = converted
+            .iter_mut()
+            .map(|(at, _, c)| (*at, c.finish()))
+            .chain(text_columns.iter_mut().map(|(at, _, c)| (*at, c.finish())))
+            .collect();
+        arrays.sort_by_key(|(at, _)| *at);
         let batch = RecordBatch::try_new_with_options(
             Arc::clone(&self.built_schema),
-            arrays,
+            arrays.into_iter().map(|(_, array)| array).collect(),
             &RecordBatchOptions::new().with_row_count(Some(read.len())),
         )
         .map_err(|e| e.to_string())?;
-        Ok((DecodedRows { batch, bad_rows }, read, declined))
+        Ok(FlatRead {
+            batch,
+            read,
+            bad,
+            declined,
+        })
     }
 
     /// The values of the flat object `text`, by column, into `values` (escaped strings
@@ -465,22 +514,22 @@ mod tests {
         bytes.extend_from_slice(b"{\"id\":3,\"name\":\"\xf0\x9f\x98\x80\"}");
         let lines = crate::decode::split_lines(&bytes);
         let numbers = |lines: &[Line]| lines.iter().map(|l| l.number).collect::<Vec<_>>();
-        let names = |rows: &DecodedRows| {
+        let names = |rows: &FlatRead| {
             let names = rows.batch.column(1).as_string::<i32>();
             (0..names.len())
                 .map(|i| names.value(i).to_string())
                 .collect::<Vec<_>>()
         };
 
-        let (rows, read, declined) = flat.read(&bytes, &lines).unwrap();
-        assert_eq!(numbers(&read), vec![1, 3]);
-        assert_eq!(numbers(&declined), vec![2]);
+        let rows = flat.read(&bytes, &lines).unwrap();
+        assert_eq!(numbers(&rows.read), vec![1, 3]);
+        assert_eq!(numbers(&rows.declined), vec![2]);
         assert_eq!(names(&rows), vec!["été", "😀"]);
 
         let around = [lines[0], lines[2]];
-        let (rows, read, declined) = flat.read(&bytes, &around).unwrap();
-        assert_eq!(numbers(&read), vec![1, 3]);
-        assert!(declined.is_empty());
+        let rows = flat.read(&bytes, &around).unwrap();
+        assert_eq!(numbers(&rows.read), vec![1, 3]);
+        assert!(rows.declined.is_empty());
         assert_eq!(names(&rows), vec!["été", "😀"]);
         assert!(AllText::of(&bytes, &around).span.is_none());
 
@@ -501,8 +550,8 @@ mod tests {
             last.line(&bytes, &lines[0]),
             AllText::of(&bytes, &lines[..1]).line(&bytes, &lines[0])
         );
-        let (rows, read, _) = flat.read(&bytes, &lines[2..]).unwrap();
-        assert_eq!(numbers(&read), vec![3]);
+        let rows = flat.read(&bytes, &lines[2..]).unwrap();
+        assert_eq!(numbers(&rows.read), vec![3]);
         assert_eq!(names(&rows), vec!["😀"]);
     }
 }
