@@ -945,7 +945,10 @@ impl TableHandle {
     /// With `in_sequence` (the output table), the table's txn version must be the previous batch;
     /// a later one means another instance committed ([`sluice_engine::Error::AnotherInstance`]). A commit that delta-rs rejects because a
     /// concurrent commit removed files (a backfill replacing rows) is retried on the new version:
-    /// appended rows never depend on what other commits removed.
+    /// appended rows never depend on what other commits removed. `loaded`: the table as the
+    /// caller has just brought it to its latest version, for the first attempt (each retry loads
+    /// it again); a commit that lands on a version another writer took since fails and retries.
+    #[allow(clippy::too_many_arguments)]
     async fn append_batch(
         &self,
         job_id: &str,
@@ -954,10 +957,14 @@ impl TableHandle {
         properties: impl Fn() -> CommitProperties,
         write: BatchWrite<'_>,
         in_sequence: bool,
+        mut loaded: Option<DeltaTable>,
     ) -> Result<Option<(u64, u64, u64)>> {
         let mut retry = ConflictRetry::new(self, format!("batch {}", batch_id.0));
         loop {
-            let table = self.latest().await?;
+            let table = match loaded.take() {
+                Some(table) => table,
+                None => self.latest().await?,
+            };
             let found = self.txn_version(&table, job_id).await?;
             match found {
                 Some(v) if v == batch_id.0 => return Ok(None),
@@ -1517,7 +1524,7 @@ impl Sink for DeltaSink {
                     target_file_size: self.target_file_size,
                 };
                 table
-                    .append_batch(&self.job_id, batch_id, rows, props, write, false)
+                    .append_batch(&self.job_id, batch_id, rows, props, write, false, None)
                     .await?;
             }
         }
@@ -1538,6 +1545,7 @@ impl Sink for DeltaSink {
                     },
                 },
                 true,
+                Some(output),
             )
             .await?
         else {
