@@ -9,7 +9,9 @@
 //! number, boolean or timestamp converted from its text there and then, by the same conversion
 //! ([`crate::decode::json_from_text`]) the decoder's text columns go through. A read
 //! that keeps only some columns (a query using a few of many) still reads every value of a line
-//! — so a line is taken or declined alike — but appends only the kept columns' values.
+//! — so a line is taken or declined alike — and still converts the number, boolean and
+//! timestamp values of the columns not kept (a value that does not convert fails its line), but
+//! copies only the kept text columns' values.
 //!
 //! A line this reader is not sure of it declines, and `decode` gives it to Arrow's decoder as
 //! before: a nested value, a key written with an escape, a key given twice, a missing or
@@ -134,8 +136,9 @@ pub(crate) struct FlatRead {
     pub batch: RecordBatch,
     /// The lines read into the batch, in order.
     pub read: Vec<Line>,
-    /// The lines read whose value did not convert (or had none for a NOT NULL column), with
-    /// the first such column's reason, in order. They have no row in the batch.
+    /// The lines read whose value did not convert, with the first such column's reason, in
+    /// order. They have no row in the batch. (A line with no value for a NOT NULL column is
+    /// declined, not read.)
     pub bad: Vec<(Line, String)>,
     /// The lines declined, in order: for Arrow's decoder.
     pub declined: Vec<Line>,
