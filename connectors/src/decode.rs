@@ -245,16 +245,19 @@ pub(crate) fn decode_json_lines(
                     Ok(FlatRead { batch, ..r })
                 }
             });
-            let Ok(FlatRead {
+            let FlatRead {
                 batch,
                 read,
                 bad,
                 declined,
-            }) = flat_read
-            else {
-                // The conversion failed as a whole (as it would for any lines): the decoder's
-                // path gives each line its reason.
-                return decode_sorted_run(bytes, run, &passes, &decode_passed, &decode_alone);
+            } = match flat_read {
+                Ok(flat_read) => flat_read,
+                Err(error) => {
+                    // The conversion failed as a whole (as it would for any lines): the
+                    // decoder's path gives each line its reason.
+                    tracing::debug!(%error, lines = run.len(), "the one-pass JSON reader left a run to the decoder");
+                    return decode_sorted_run(bytes, run, &passes, &decode_passed, &decode_alone);
+                }
             };
             let numbers = read.iter().map(|l| l.number).collect();
             let mut bad: Vec<_> = bad
