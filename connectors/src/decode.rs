@@ -255,7 +255,11 @@ pub(crate) fn decode_json_lines(
                 Err(error) => {
                     // The conversion failed as a whole (as it would for any lines): the
                     // decoder's path gives each line its reason.
-                    tracing::debug!(%error, lines = run.len(), "the one-pass JSON reader left a run to the decoder");
+                    tracing::debug!(
+                        %error,
+                        lines = run.len(),
+                        "the one-pass JSON reader left a run to the decoder"
+                    );
                     return decode_sorted_run(bytes, run, &passes, &decode_passed, &decode_alone);
                 }
             };

@@ -946,11 +946,12 @@ impl TableHandle {
     /// a later one means another instance committed ([`sluice_engine::Error::AnotherInstance`]).
     /// A commit that delta-rs rejects because a concurrent commit removed files (a backfill
     /// replacing rows) is retried on the new version: appended rows never depend on what other
-    /// commits removed. `loaded`: the table as the caller brought it to its latest version before this call (the output table, loaded for
-    /// the another-instance check before the side tables commit), for the first attempt; each
-    /// retry loads it again. Should another writer commit meanwhile, delta-rs either puts this
-    /// commit after it (no conflict: an append, a compaction) or refuses it as a conflict — a
-    /// txn of the same job among them — and the retry sees that commit.
+    /// commits removed. `loaded`: the table as the caller brought it to its latest version
+    /// before this call (the output table, loaded for the another-instance check before the
+    /// side tables commit), for the first attempt; each retry loads it again. Should another
+    /// writer commit meanwhile, delta-rs either puts this commit after it (no conflict: an
+    /// append, a compaction) or refuses it as a conflict — a txn of the same job among them —
+    /// and the retry sees that commit.
     #[allow(clippy::too_many_arguments)]
     async fn append_batch(
         &self,
