@@ -674,7 +674,7 @@ impl TableHandle {
             info!(table = %self.url, columns = %columns.join(", "), "columns added to the table in this commit");
         }
         let writers = writers_for(&batches);
-        let table = if rows == 0 {
+        if rows == 0 {
             let snapshot = table.snapshot().map_err(|e| self.err(e))?;
             let mut actions = vec![];
             if let Some(merged) = &added {
@@ -690,8 +690,12 @@ impl TableHandle {
                     .map_err(|e| self.err(e.into()))?;
                 actions.push(Action::Metadata(metadata));
             }
-            self.commit_appended(table, actions, properties).await?
-        } else if writers > 1
+            // No file added: nothing to read back from the commit.
+            let table = self.commit_appended(table, actions, properties).await?;
+            *self.table.lock().await = Some(table);
+            return Ok((0, 0, 0));
+        }
+        if writers > 1
             && added.is_none()
             && plain_for_append(&table)
             && batches
@@ -711,27 +715,31 @@ impl TableHandle {
             let table = self.commit_appended(table, actions, properties).await?;
             *self.table.lock().await = Some(table);
             return Ok((rows, files, bytes));
-        } else {
-            let mut write = table
-                .write(batches.into_iter().filter(|b| b.num_rows() > 0))
-                .with_save_mode(SaveMode::Append)
-                .with_writer_properties(writer_properties())
-                .with_commit_properties(properties);
-            if target_file_size.is_some() {
-                write = write.with_target_file_size(target_file_size);
-            }
-            if added.is_some() {
-                write = write.with_schema_mode(SchemaMode::Merge);
-            }
-            write.await.map_err(|e| self.err(e))?
-        };
+        }
+        let mut write = table
+            .write(batches.into_iter().filter(|b| b.num_rows() > 0))
+            .with_save_mode(SaveMode::Append)
+            .with_writer_properties(writer_properties())
+            .with_commit_properties(properties);
+        if target_file_size.is_some() {
+            write = write.with_target_file_size(target_file_size);
+        }
+        if added.is_some() {
+            write = write.with_schema_mode(SchemaMode::Merge);
+        }
+        let table = write.await.map_err(|e| self.err(e))?;
         let (files, bytes) = self.added_files(&table).await?;
         *self.table.lock().await = Some(table);
         Ok((rows, files, bytes))
     }
 
     /// Commits `actions` (added files, a schema change, or nothing but the txn) as an append to
-    /// `table` with `properties`, and returns the table at its latest version.
+    /// `table` with `properties`, and returns the table at the version committed.
+    ///
+    /// The table's state is the one delta-rs brought up to that version after the commit (its
+    /// post-commit step reads the new commit into the snapshot it was given), as its own `write`
+    /// operation returns it; loading it again cost every such commit another listing of the log
+    /// (about 2 ms a batch on a local disk, more as the log grows).
     async fn commit_appended(
         &self,
         mut table: DeltaTable,
@@ -744,12 +752,12 @@ impl TableHandle {
             partition_by: None,
             predicate: None,
         };
-        CommitBuilder::from(properties)
+        let committed = CommitBuilder::from(properties)
             .with_actions(actions)
             .build(Some(snapshot), table.log_store(), operation)
             .await
             .map_err(|e| self.err(e))?;
-        table.update_state().await.map_err(|e| self.err(e))?;
+        table.state = Some(committed.snapshot);
         Ok(table)
     }
 
@@ -890,12 +898,12 @@ impl TableHandle {
                 write.await
             };
             match result {
+                // The table as delta-rs's write committed it (see `commit_appended`).
                 Ok(mut table) => {
-                    table.update_state().await.map_err(|e| self.err(e))?;
                     if self.txn_version(&table, app_id).await? != Some(0) {
                         // Nothing matched and nothing was written: record the txn alone.
                         let snapshot = table.snapshot().map_err(|e| self.err(e))?;
-                        CommitBuilder::from(properties())
+                        let committed = CommitBuilder::from(properties())
                             .with_actions(vec![])
                             .build(
                                 Some(snapshot),
@@ -906,7 +914,7 @@ impl TableHandle {
                             )
                             .await
                             .map_err(|e| self.err(e))?;
-                        table.update_state().await.map_err(|e| self.err(e))?;
+                        table.state = Some(committed.snapshot);
                     }
                     let (files, bytes) = self.added_files(&table).await?;
                     let rows = written.load(SeqCst);
