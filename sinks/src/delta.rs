@@ -187,7 +187,7 @@ pub struct DeltaSink {
     conflicts: Arc<AtomicU64>,
 }
 
-/// One Delta table: what it is for, where it is, and its latest loaded state.
+/// One Delta table: what it is for, where it is, and its state as of its last load or commit.
 #[derive(Debug)]
 struct TableHandle {
     /// "output", "dead-letter" or "late", for messages.
@@ -898,8 +898,11 @@ impl TableHandle {
                 write.await
             };
             match result {
-                // The table as delta-rs's write committed it (see `commit_appended`).
                 Ok(mut table) => {
+                    // Brought up to date first: a delete that matched nothing committed
+                    // nothing, and its table is the version read above — the txn-only commit
+                    // below is built on the latest, and another backfill's txn is seen.
+                    table.update_state().await.map_err(|e| self.err(e))?;
                     if self.txn_version(&table, app_id).await? != Some(0) {
                         // Nothing matched and nothing was written: record the txn alone.
                         let snapshot = table.snapshot().map_err(|e| self.err(e))?;
@@ -1028,7 +1031,8 @@ impl TableHandle {
         }
     }
 
-    /// Files and bytes added by the table's latest commit.
+    /// Files and bytes added by the commit at the version `table` holds (the one this instance
+    /// just made).
     async fn added_files(&self, table: &DeltaTable) -> Result<(u64, u64)> {
         let Some(version) = table.version() else {
             return Ok((0, 0));
