@@ -1031,8 +1031,9 @@ impl TableHandle {
         }
     }
 
-    /// Files and bytes added by the commit at the version `table` holds (the one this instance
-    /// just made).
+    /// Files and bytes added by the commit at the version `table` holds: on the append paths,
+    /// this instance's own (a replace brings its table up to date first, so there it may be a
+    /// later writer's).
     async fn added_files(&self, table: &DeltaTable) -> Result<(u64, u64)> {
         let Some(version) = table.version() else {
             return Ok((0, 0));
