@@ -1993,6 +1993,70 @@ mod tests {
         assert_eq!(open().await.committed_batch("job").await.unwrap(), last);
     }
 
+    /// A commit leaves the handle with the table at the version it committed, taken from
+    /// delta-rs's commit rather than loaded again: through batches with no rows (the txn
+    /// alone), batches with rows and a Delta checkpoint, the table held is the log's latest
+    /// version with the same files and the batch's txn, and each batch's files are counted.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_commit_leaves_the_table_at_the_version_it_committed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("out");
+        let mut sink = DeltaSink::new(DeltaSinkConfig::new(path.to_str().unwrap())).unwrap();
+        sink.open("job", OutputTables::append(numbers(1).schema()))
+            .await
+            .unwrap();
+        let files = |table: &DeltaTable| {
+            let mut paths: Vec<String> = table
+                .snapshot()
+                .unwrap()
+                .log_data()
+                .iter()
+                .map(|f| f.path().to_string())
+                .collect();
+            paths.sort();
+            paths
+        };
+        for b in 0..CHECKPOINT_INTERVAL as i64 + 3 {
+            let output = match b % 3 {
+                0 => vec![numbers(5)],
+                _ => Vec::new(),
+            };
+            let expected = match output.is_empty() {
+                true => (0, 0),
+                false => (5, 1),
+            };
+            let outcome = sink.commit(commit(b, output)).await.unwrap();
+            let CommitOutcome::Committed {
+                rows,
+                files: added,
+                version,
+                ..
+            } = outcome
+            else {
+                panic!("batch {b}: {outcome:?}");
+            };
+            assert_eq!((rows, added), expected, "batch {b}");
+            let held = sink.output.table.lock().await.clone().unwrap();
+            let fresh = deltalake::open_table(sink.output.url.clone())
+                .await
+                .unwrap();
+            assert_eq!(held.version(), fresh.version(), "batch {b}");
+            assert_eq!(version, fresh.version().map(|v| v as i64), "batch {b}");
+            assert_eq!(files(&held), files(&fresh), "batch {b}");
+            let txn = held
+                .snapshot()
+                .unwrap()
+                .transaction_version(held.log_store().as_ref(), "job")
+                .await
+                .unwrap();
+            assert_eq!(txn, Some(b), "batch {b}");
+        }
+        assert!(
+            path.join("_delta_log/_last_checkpoint").exists(),
+            "the commits passed a Delta checkpoint"
+        );
+    }
+
     /// A batch of 70 MB of Arrow (above twice `MIN_ARROW_BYTES_PER_WRITER`): on two cores or
     /// more it is encoded by several writers into several files, all in the batch's one
     /// commit with its txn; every row is there once, and every file has Delta statistics.
