@@ -26,6 +26,7 @@ use arrow::array::builder::{BooleanBufferBuilder, NullBufferBuilder};
 use arrow::array::{
     Array, ArrayRef, AsArray, BooleanArray, PrimitiveArray, RecordBatch, StringArray,
 };
+use arrow::buffer::NullBuffer;
 use arrow::compute::kernels::cast_utils::{Parser, string_to_datetime};
 use arrow::datatypes::{ArrowPrimitiveType, DataType, Field, Schema, SchemaRef, TimeUnit};
 use rayon::prelude::*;
@@ -980,29 +981,76 @@ pub(crate) fn json_from_text(
     })
 }
 
-/// A [`FromText`] column of primitive values: their values and nulls kept apart, so the last
-/// ones can be taken back.
-struct Parsed<T: ArrowPrimitiveType, P> {
-    values: Vec<T::Native>,
+/// A [`FromText`] column: its values and nulls kept apart, so the last ones can be taken back,
+/// each value parsed by `parse`.
+struct Parsed<V, P> {
+    values: V,
     nulls: NullBufferBuilder,
     field: Field,
     parse: P,
 }
 
-impl<T, P> FromText for Parsed<T, P>
+/// Where a [`Parsed`] column keeps its values: natives in a `Vec`, booleans as bits.
+trait Values {
+    /// One value; its default stands where a value is null or bad.
+    type Value: Default;
+    fn push(&mut self, value: Self::Value);
+    fn truncate(&mut self, len: usize);
+    /// The column of the values kept so far (emptied), with `nulls`, of `field`'s type.
+    fn finish(&mut self, nulls: Option<NullBuffer>, field: &Field) -> ArrayRef;
+}
+
+/// The values of a primitive column of type `T`.
+struct Natives<T: ArrowPrimitiveType>(Vec<T::Native>);
+
+impl<T: ArrowPrimitiveType> Values for Natives<T> {
+    type Value = T::Native;
+
+    fn push(&mut self, value: T::Native) {
+        self.0.push(value);
+    }
+
+    fn truncate(&mut self, len: usize) {
+        self.0.truncate(len);
+    }
+
+    fn finish(&mut self, nulls: Option<NullBuffer>, field: &Field) -> ArrayRef {
+        let values = std::mem::take(&mut self.0);
+        let array = PrimitiveArray::<T>::new(values.into(), nulls);
+        Arc::new(array.with_data_type(field.data_type().clone()))
+    }
+}
+
+impl Values for BooleanBufferBuilder {
+    type Value = bool;
+
+    fn push(&mut self, value: bool) {
+        self.append(value);
+    }
+
+    fn truncate(&mut self, len: usize) {
+        BooleanBufferBuilder::truncate(self, len);
+    }
+
+    fn finish(&mut self, nulls: Option<NullBuffer>, _field: &Field) -> ArrayRef {
+        Arc::new(BooleanArray::new(BooleanBufferBuilder::finish(self), nulls))
+    }
+}
+
+impl<V, P> FromText for Parsed<V, P>
 where
-    T: ArrowPrimitiveType,
-    P: Fn(&str, &Field) -> std::result::Result<T::Native, String>,
+    V: Values,
+    P: Fn(&str, &Field) -> std::result::Result<V::Value, String>,
 {
     fn append(&mut self, text: Option<&str>) -> std::result::Result<(), String> {
         match text {
             Some(value) => {
-                let n = (self.parse)(value, &self.field)?;
-                self.values.push(n);
+                let value = (self.parse)(value, &self.field)?;
+                self.values.push(value);
                 self.nulls.append_non_null();
             }
             None if self.field.is_nullable() => {
-                self.values.push(T::Native::default());
+                self.values.push(V::Value::default());
                 self.nulls.append_null();
             }
             None => return Err(not_null(&self.field)),
@@ -1011,7 +1059,7 @@ where
     }
 
     fn append_default(&mut self) {
-        self.values.push(T::Native::default());
+        self.values.push(V::Value::default());
         self.nulls.append_non_null();
     }
 
@@ -1021,9 +1069,7 @@ where
     }
 
     fn finish(&mut self) -> ArrayRef {
-        let values = std::mem::take(&mut self.values);
-        let array = PrimitiveArray::<T>::new(values.into(), self.nulls.finish());
-        Arc::new(array.with_data_type(self.field.data_type().clone()))
+        self.values.finish(self.nulls.finish(), &self.field)
     }
 }
 
@@ -1033,55 +1079,12 @@ fn parsed<T: ArrowPrimitiveType>(
     capacity: usize,
     parse: impl Fn(&str, &Field) -> std::result::Result<T::Native, String> + 'static,
 ) -> Box<dyn FromText> {
-    Box::new(Parsed::<T, _> {
-        values: Vec::with_capacity(capacity),
+    Box::new(Parsed {
+        values: Natives::<T>(Vec::with_capacity(capacity)),
         nulls: NullBufferBuilder::new(capacity),
         field: field.clone(),
         parse,
     })
-}
-
-/// A [`FromText`] column of booleans.
-struct Booleans<P> {
-    values: BooleanBufferBuilder,
-    nulls: NullBufferBuilder,
-    field: Field,
-    parse: P,
-}
-
-impl<P> FromText for Booleans<P>
-where
-    P: Fn(&str, &Field) -> std::result::Result<bool, String>,
-{
-    fn append(&mut self, text: Option<&str>) -> std::result::Result<(), String> {
-        match text {
-            Some(value) => {
-                let b = (self.parse)(value, &self.field)?;
-                self.values.append(b);
-                self.nulls.append_non_null();
-            }
-            None if self.field.is_nullable() => {
-                self.values.append(false);
-                self.nulls.append_null();
-            }
-            None => return Err(not_null(&self.field)),
-        }
-        Ok(())
-    }
-
-    fn append_default(&mut self) {
-        self.values.append(false);
-        self.nulls.append_non_null();
-    }
-
-    fn truncate(&mut self, len: usize) {
-        self.values.truncate(len);
-        self.nulls.truncate(len);
-    }
-
-    fn finish(&mut self) -> ArrayRef {
-        Arc::new(BooleanArray::new(self.values.finish(), self.nulls.finish()))
-    }
 }
 
 /// A [`FromText`] column of booleans, each value parsed by `parse`.
@@ -1090,7 +1093,7 @@ fn booleans(
     capacity: usize,
     parse: impl Fn(&str, &Field) -> std::result::Result<bool, String> + 'static,
 ) -> Box<dyn FromText> {
-    Box::new(Booleans {
+    Box::new(Parsed {
         values: BooleanBufferBuilder::new(capacity),
         nulls: NullBufferBuilder::new(capacity),
         field: field.clone(),
