@@ -695,15 +695,14 @@ impl TableHandle {
             *self.table.lock().await = Some(table);
             return Ok((0, 0, 0));
         }
-        if writers > 1
-            && added.is_none()
+        if added.is_none()
             && plain_for_append(&table)
             && batches
                 .iter()
                 .all(|b| casts_losslessly(&b.schema(), &table_schema))
         {
-            // A large batch: encoded by several writers at once, one commit (see
-            // `parquet_write`).
+            // Encoded by our own writers (several at once for a large batch), one commit: see
+            // `parquet_write`.
             let adds = encode_parallel(&table, batches, writers, target_file_size)
                 .await
                 .map_err(|e| self.err(e))?;

@@ -18,11 +18,14 @@
 //! and one file, so a streaming job's small batches do not make more small files. Rows keep
 //! their order within each file, and the files of a commit cover the rows in order.
 //!
-//! The parallel path writes with delta-rs's [`RecordBatchWriter`], which checks types and
+//! An append with rows is encoded here ([`encode_parallel`], one writer for a small batch) with
+//! delta-rs's [`RecordBatchWriter`], and its `add` actions committed by the sink: delta-rs's
+//! `write` operation plans and runs a DataFusion plan for each append and reads its commit
+//! back, about 2 ms of CPU a commit (Nexmark q2, by profile). That writer checks types and
 //! nullability but not what some table features demand of a writer (CHECK constraints,
-//! invariants, generated or identity columns, column mapping, row tracking). It is taken only
-//! on tables whose protocol asks nothing more of an append ([`plain_for_append`]), and only when
-//! the batch adds no columns and its types go into the table's without loss
+//! invariants, generated or identity columns, column mapping, row tracking). So this path is
+//! taken only on tables whose protocol asks nothing more of an append ([`plain_for_append`]),
+//! and only when the batch adds no columns and its types go into the table's without loss
 //! ([`casts_losslessly`]); everything else goes through delta-rs's `write` operation, which
 //! enforces constraints and refuses truncating casts.
 
