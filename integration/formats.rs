@@ -370,6 +370,127 @@ async fn rows_of_a_file_that_cannot_be_read_whole_keep_the_columns_read() {
     assert!(stderr.contains("could not be read again whole"), "{stderr}");
 }
 
+/// A stateless query that does not read `_source_position` has its reads give each row's
+/// number in place of its position's text; the rows bound for the dead-letter table get the
+/// same positions and whole records as when the query reads the position as text. Over a JSON
+/// file whose line numbers are not its rows' ordinals (a malformed line comes first), and a
+/// Parquet file whose rows cannot be read again whole (a column the query does not read is
+/// corrupt), whose positions then come from the source's prefix and the number alone.
+#[tokio::test(flavor = "multi_thread")]
+async fn positions_read_as_numbers_give_side_tables_the_same_text() {
+    let lines = [
+        r#"{"id":1,"ts":"2024-01-01T00:00:10Z","note":"first","amount":5}"#,
+        "not json",
+        r#"{"id":3,"note":"no time","amount":1}"#,
+        r#"{"id":4,"ts":"2024-01-01T00:02:10Z","note":"zero","amount":0}"#,
+        r#"{"id":5,"ts":"2024-01-01T00:03:00Z","note":"fifth","amount":2}"#,
+    ];
+    let sql = "SELECT id, 100 / amount AS q FROM input";
+    // A query naming the position reads it as text; one that does not, as numbers.
+    let naming = "SELECT id, 100 / amount AS q, _source_position AS at FROM input";
+    let mut dead_by_form = Vec::new();
+    for (query, form) in [(naming, "Text"), (sql, "Numbers")] {
+        let ws = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(ws.path().join("input")).unwrap();
+        std::fs::write(ws.path().join("input/notes.json"), lines.join("\n") + "\n").unwrap();
+        let declared = "schema = \"id BIGINT, ts TIMESTAMP, note VARCHAR, amount BIGINT\"\n\
+                        event_time = \"ts\"";
+        let path = job(ws.path(), "numbered", "json", declared, query);
+        let run = run_sluice(&["run", path.to_str().unwrap()], &[("RUST_LOG", "info")]);
+        assert_ok(&run);
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        assert!(stderr.contains(&format!("positions={form}")), "{stderr}");
+        let out = ws.path().join("out");
+        let mut rows: Vec<(i64, Option<String>)> = table_values(&out, &[])
+            .await
+            .iter()
+            .map(|r| {
+                (
+                    r["id"].as_i64().unwrap(),
+                    r.get("at").and_then(|at| at.as_str()).map(str::to_string),
+                )
+            })
+            .collect();
+        rows.sort();
+        let ids: Vec<i64> = rows.iter().map(|r| r.0).collect();
+        assert_eq!(ids, [1, 5], "{form}");
+        if form == "Text" {
+            let at: Vec<Option<&str>> = rows.iter().map(|r| r.1.as_deref()).collect();
+            assert_eq!(at, [Some("notes.json:1"), Some("notes.json:5")]);
+        }
+        let mut dead: Vec<(String, String, String)> = table_values(&dead_letter_table(&out), &[])
+            .await
+            .iter()
+            .map(|d| {
+                (
+                    d["_source_position"].as_str().unwrap().to_string(),
+                    String::from_utf8(hex_bytes(d["raw"].as_str().unwrap())).unwrap(),
+                    d["error"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect();
+        dead.sort();
+        dead_by_form.push(dead);
+    }
+    assert_eq!(dead_by_form[0], dead_by_form[1]);
+    let dead = &dead_by_form[1];
+    let positions: Vec<&str> = dead.iter().map(|d| d.0.as_str()).collect();
+    assert_eq!(positions, ["notes.json:2", "notes.json:3", "notes.json:4"]);
+    assert_eq!(dead[0].1, "not json");
+    // Whole records: the note, a column the query does not read, is there.
+    assert!(dead[1].1.contains("no time"), "{dead:?}");
+    assert!(dead[2].1.contains("\"zero\""), "{dead:?}");
+    assert!(dead[2].2.contains("Divide by zero"), "{dead:?}");
+
+    // Rows that cannot be read again whole keep the columns read, and their positions.
+    let ws = tempfile::tempdir().unwrap();
+    let input = ws.path().join("input");
+    std::fs::create_dir_all(&input).unwrap();
+    let note = write_notes(
+        &input.join("part-0.parquet"),
+        &[
+            (1, Some(10_000_000), "first", 5),
+            (2, Some(20_000_000), "zero", 0),
+            (3, None, "no time", 1),
+        ],
+    );
+    let path = input.join("part-0.parquet");
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[note.start as usize..note.start as usize + 8].fill(0xFF);
+    std::fs::write(&path, bytes).unwrap();
+    let job = job(ws.path(), "numbered", "parquet", "event_time = \"ts\"", sql);
+    let run = run_sluice(&["run", job.to_str().unwrap()], &[("RUST_LOG", "info")]);
+    assert_ok(&run);
+    assert!(String::from_utf8_lossy(&run.stderr).contains("positions=Numbers"));
+    let mut dead: Vec<(String, String, String)> =
+        table_values(&dead_letter_table(&ws.path().join("out")), &[])
+            .await
+            .iter()
+            .map(|d| {
+                (
+                    d["_source_position"].as_str().unwrap().to_string(),
+                    String::from_utf8(hex_bytes(d["raw"].as_str().unwrap())).unwrap(),
+                    d["error"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect();
+    dead.sort();
+    let positions: Vec<&str> = dead.iter().map(|d| d.0.as_str()).collect();
+    assert_eq!(
+        positions,
+        ["part-0.parquet:2", "part-0.parquet:3"],
+        "{dead:?}"
+    );
+    for (_, raw, error) in &dead {
+        assert!(
+            raw.contains("\"amount\"") && !raw.contains("note"),
+            "{dead:?}"
+        );
+        assert!(error.contains("read again whole"), "{dead:?}");
+    }
+    assert!(dead[0].2.contains("Divide by zero"), "{dead:?}");
+}
+
 /// A row of [`write_notes`]' files: id, event time, note, amount.
 type NoteRow<'a> = (i64, Option<i64>, &'a str, i64);
 

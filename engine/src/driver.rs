@@ -783,9 +783,9 @@ impl Pipeline {
             let ranges = next_ranges(ends, latest, cap, s.source.max_per_batch());
             for (partition, range) in ranges.into_iter().filter(|(_, r)| !r.is_empty()) {
                 let (source, columns) = (Arc::clone(&s.source), s.read_columns.clone());
-                let at = partition.clone();
+                let (at, positions) = (partition.clone(), s.positions);
                 let task = tokio::spawn(async move {
-                    read_from(source.as_ref(), columns.as_deref(), &at, range).await
+                    read_from(source.as_ref(), columns.as_deref(), positions, &at, range).await
                 });
                 reads.push(RangeReadAhead {
                     source: s.name.clone(),
@@ -854,6 +854,7 @@ impl Pipeline {
             let mut letters = letters;
             if let Some(first) = late_narrow.first() {
                 let narrow = concat_batches(&first.schema(), &late_narrow)?;
+                let narrow = s.with_position_text(&narrow).await?;
                 let whole = whole_rows(s, &narrow, true).await?;
                 let mut found = Vec::with_capacity(whole.len());
                 for (i, whole) in whole.into_iter().enumerate() {

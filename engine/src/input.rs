@@ -4,6 +4,7 @@
 //! Shared by the live loop ([`crate::driver`]), [`crate::backfill`] and [`crate::reconcile`],
 //! so all three see the same rows for the same offsets.
 
+use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
@@ -23,8 +24,8 @@ use crate::offsets::{OffsetRange, PartitionId};
 use crate::query::{Query, QuerySettings, StreamingQuery};
 use crate::sink::{Sink, TableScan};
 use crate::source::{
-    DeadLetter, SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_POSITION, Source, SourceContext,
-    SourceRead, is_lineage,
+    DeadLetter, PositionForm, SOURCE_OFFSET, SOURCE_PARTITION, SOURCE_POSITION, SOURCE_ROW, Source,
+    SourceContext, SourceRead, is_lineage, schema_in_form,
 };
 use crate::static_table::{StaticTables, TableSpec};
 
@@ -43,14 +44,18 @@ pub(crate) struct OpenSource {
     pub(crate) planned: SchemaRef,
     /// The data columns read, when only some are ([`narrow_reads`]); `None`: all.
     pub(crate) read_columns: Option<Vec<String>>,
+    /// The form of the positions its narrowed reads give ([`narrow_reads`]): numbers when the
+    /// query does not read them. Reads of every column give text.
+    pub(crate) positions: PositionForm,
 }
 
 impl OpenSource {
     /// `schema` (a schema of this source's batches, as read or as the query sees them) with
-    /// only the columns its reads return: the data columns read, and the lineage columns.
+    /// only the columns its reads return: the data columns read, and the lineage columns (the
+    /// position in the form read).
     fn as_read(&self, schema: &SchemaRef) -> SchemaRef {
         match &self.read_columns {
-            Some(read) => only_columns(schema, read),
+            Some(read) => schema_in_form(&only_columns(schema, read), self.positions),
             None => Arc::clone(schema),
         }
     }
@@ -60,11 +65,63 @@ impl OpenSource {
         let read = read_from(
             self.source.as_ref(),
             self.read_columns.as_deref(),
+            self.positions,
             partition,
             range,
         )
         .await?;
         self.narrowed(read)
+    }
+
+    /// `rows` (of this source) with their positions as text: a narrowed read's
+    /// [`SOURCE_ROW`] numbers become [`SOURCE_POSITION`], in their place, each the source's
+    /// prefix for the row's offset ([`Source::position_prefix`]) and the number — the text a
+    /// read of every column gives. Rows already in text are returned as they are. For the few
+    /// rows bound for a side table (whole records are matched by their position).
+    ///
+    /// # Errors
+    /// If the lineage columns are not as a read gives them, or the source has no prefix.
+    pub(crate) async fn with_position_text(&self, rows: &RecordBatch) -> Result<RecordBatch> {
+        let schema = rows.schema();
+        let Ok(index) = schema.index_of(SOURCE_ROW) else {
+            return Ok(rows.clone());
+        };
+        let numbers = rows.column(index).as_primitive_opt::<Int64Type>();
+        let partitions = rows
+            .column_by_name(SOURCE_PARTITION)
+            .and_then(|c| c.as_string_opt::<i32>());
+        let offsets = rows
+            .column_by_name(SOURCE_OFFSET)
+            .and_then(|c| c.as_primitive_opt::<Int64Type>());
+        let (Some(numbers), Some(partitions), Some(offsets)) = (numbers, partitions, offsets)
+        else {
+            return Err(Error::in_source(
+                &self.name,
+                "a read's lineage columns are malformed",
+            ));
+        };
+        let mut prefixes: HashMap<(&str, i64), String> = HashMap::new();
+        let mut text = arrow::array::StringBuilder::with_capacity(rows.num_rows(), 0);
+        for row in 0..rows.num_rows() {
+            let at = (partitions.value(row), offsets.value(row));
+            let prefix = match prefixes.entry(at) {
+                Entry::Occupied(known) => known.into_mut(),
+                Entry::Vacant(new) => {
+                    new.insert(self.source.position_prefix(&at.0.to_string(), at.1).await?)
+                }
+            };
+            text.append_value(format!("{prefix}{}", numbers.value(row)));
+        }
+        let mut fields: Vec<arrow::datatypes::FieldRef> = schema.fields().iter().cloned().collect();
+        fields[index] = Arc::new(arrow::datatypes::Field::new(
+            SOURCE_POSITION,
+            DataType::Utf8,
+            false,
+        ));
+        let mut columns = rows.columns().to_vec();
+        columns[index] = Arc::new(text.finish());
+        let schema = Schema::new_with_metadata(fields, schema.metadata().clone());
+        Ok(RecordBatch::try_new(Arc::new(schema), columns)?)
     }
 
     /// `read` (of [`read_from`] with this source's [`OpenSource::read_columns`]) with only the
@@ -94,12 +151,17 @@ impl OpenSource {
 pub(crate) async fn read_from(
     source: &dyn Source,
     columns: Option<&[String]>,
+    positions: PositionForm,
     partition: &PartitionId,
     range: OffsetRange,
 ) -> Result<SourceRead> {
     match columns {
         None => source.read(partition, range).await,
-        Some(columns) => source.read_columns(partition, range, columns).await,
+        Some(columns) => {
+            source
+                .read_columns(partition, range, columns, positions)
+                .await
+        }
     }
 }
 
@@ -114,6 +176,14 @@ pub(crate) type ReadsAhead = BTreeMap<PartitionId, (OffsetRange, SourceRead)>;
 /// `definition` again over those columns. Decoding is most of a batch that reads a few of many
 /// columns. The rows that go to the dead-letter and late tables, which keep whole
 /// records, are read again whole ([`whole_rows`]), and the late table keeps the whole schema.
+///
+/// A stateless query that does not read [`SOURCE_POSITION`] (its output's lineage is the
+/// partition and offset) has it read as numbers ([`PositionForm::Numbers`], where the source can): formatting a position
+/// for every row was ~15 % of such a query's CPU, and only the rows bound for a side table
+/// need one ([`OpenSource::with_position_text`]). A stateful query keeps text: its operators
+/// keep lineage in their state and their failed rows. So does a source whose reads may grow
+/// its schema: the batch that grows it is read again whole, in text, and given to the query
+/// planned again.
 ///
 /// The narrower plan is kept only if it runs exactly the plan `query` runs
 /// ([`StreamingQuery::runs_as`]): a column the SQL names but the optimizer drops (`WHERE x IS
@@ -130,12 +200,13 @@ pub(crate) async fn narrow_reads(
 ) -> Result<StreamingQuery> {
     for s in sources.iter_mut() {
         s.read_columns = None;
+        s.positions = PositionForm::Text;
         s.planned = Arc::clone(&s.schema);
     }
     let Some(read) = query.columns_read()? else {
         return Ok(query);
     };
-    let mut narrowed: BTreeMap<usize, Vec<String>> = BTreeMap::new();
+    let mut narrowed: BTreeMap<usize, (Vec<String>, PositionForm)> = BTreeMap::new();
     for (index, s) in sources.iter().enumerate() {
         if !s.source.reads_columns() {
             continue;
@@ -156,8 +227,17 @@ pub(crate) async fn narrow_reads(
             })
             .map(|name| (*name).clone())
             .collect();
-        if columns.len() < data.len() {
-            narrowed.insert(index, columns);
+        let numbers = !query.is_stateful()
+            && s.source.numbers_positions()
+            && !s.source.reads_may_grow_schema()
+            && s.schema.index_of(SOURCE_POSITION).is_ok()
+            && !used.is_some_and(|u| u.contains(SOURCE_POSITION));
+        let positions = match numbers {
+            true => PositionForm::Numbers,
+            false => PositionForm::Text,
+        };
+        if columns.len() < data.len() || numbers {
+            narrowed.insert(index, (columns, positions));
         }
     }
     if narrowed.is_empty() {
@@ -166,7 +246,9 @@ pub(crate) async fn narrow_reads(
     let mut schemas = Vec::with_capacity(sources.len());
     for (index, s) in sources.iter().enumerate() {
         let schema = match narrowed.get(&index) {
-            Some(columns) => only_columns(&s.schema, columns),
+            Some((columns, positions)) => {
+                schema_in_form(&only_columns(&s.schema, columns), *positions)
+            }
             None => Arc::clone(&s.schema),
         };
         schemas.push((s.name.clone(), schema));
@@ -181,12 +263,13 @@ pub(crate) async fn narrow_reads(
         }
     };
     let mut whole = BTreeMap::new();
-    for (index, columns) in narrowed {
+    for (index, (columns, positions)) in narrowed {
         let s = &mut sources[index];
-        tracing::info!(source = %s.name, columns = %columns.join(", "), of = s.schema.fields().iter().filter(|f| !is_lineage(f.name())).count(), "reading only the columns the query uses");
+        tracing::info!(source = %s.name, columns = %columns.join(", "), of = s.schema.fields().iter().filter(|f| !is_lineage(f.name())).count(), positions = ?positions, "reading only the columns the query uses");
         whole.insert(s.name.clone(), Arc::clone(&s.schema));
-        s.planned = only_columns(&s.schema, &columns);
         s.read_columns = Some(columns);
+        s.positions = positions;
+        s.planned = s.as_read(&s.schema);
     }
     Ok(narrow.with_whole_sources(whole))
 }
@@ -248,6 +331,7 @@ pub(crate) async fn open_sources_and_query(
             planned: Arc::clone(&schema),
             schema,
             read_columns: None,
+            positions: PositionForm::Text,
         });
     }
     let schemas: Vec<(String, SchemaRef)> = sources
@@ -575,8 +659,10 @@ pub(crate) async fn read_source(
             if let FutureTimes::AsRecorded(recorded) = future
                 && !recorded.is_empty()
             {
+                // Keyed by the positions' text (as the dead-letter table records them).
+                let keyed = s.with_position_text(&batch).await?;
                 for row in 0..batch.num_rows() {
-                    if let Some(reason) = recorded.get(&row_key(&batch, row))
+                    if let Some(reason) = recorded.get(&row_key(&keyed, row))
                         && !bad.iter().any(|b| b.row == row)
                     {
                         bad.push(crate::event_time::BadEventTime {
@@ -605,12 +691,17 @@ pub(crate) async fn read_source(
     }
     if !no_time.is_empty() {
         let narrow: Vec<&RecordBatch> = no_time.iter().map(|(_, row, _)| row).collect();
-        let whole = whole_rows(s, &concat_batches(&narrow[0].schema(), narrow)?, false).await?;
+        let narrow = concat_batches(&narrow[0].schema(), narrow)?;
+        let narrow = s.with_position_text(&narrow).await?;
+        let whole = whole_rows(s, &narrow, false).await?;
         // From the last, so each goes in where it was found among the others.
-        for ((at, row, reason), whole) in no_time.iter().zip(whole).rev() {
+        for (i, ((at, _, reason), whole)) in no_time.iter().zip(whole).enumerate().rev() {
             let letter = match whole {
                 Some(whole) => dead_letter_from_row(&whole, reason)?,
-                None => dead_letter_from_row(row, &format!("{reason} ({NOT_READ_WHOLE})"))?,
+                None => dead_letter_from_row(
+                    &narrow.slice(i, 1),
+                    &format!("{reason} ({NOT_READ_WHOLE})"),
+                )?,
             };
             letters.insert(*at, letter);
         }
@@ -763,6 +854,8 @@ pub(crate) async fn whole_rows(
     rows: &RecordBatch,
     as_queried: bool,
 ) -> Result<Vec<Option<RecordBatch>>> {
+    // Matched by the positions' text, as a read of every column gives them.
+    let rows = &s.with_position_text(rows).await?;
     let keys: Vec<RowKey> = (0..rows.num_rows()).map(|r| row_key(rows, r)).collect();
     // (partition, offset) → position → the rows asking for it.
     let mut wanted: BTreeMap<(&str, i64), HashMap<&str, Vec<usize>>> = BTreeMap::new();
@@ -826,7 +919,8 @@ pub(crate) async fn whole_rows(
 /// `rows` (one row each, of source `s`) with the rows of its narrowed reads made whole
 /// ([`whole_rows`], as the query sees rows); the rows an operator made (a failed group or
 /// pair, offset -1), which carry no record, stay as they are. Returns the indices of the rows
-/// that could not be read again whole (they keep the columns read: see [`NOT_READ_WHOLE`]).
+/// that could not be read again whole (they keep the columns read, their positions as text:
+/// see [`NOT_READ_WHOLE`]).
 pub(crate) async fn make_whole(s: &OpenSource, rows: &mut [RecordBatch]) -> Result<Vec<usize>> {
     if s.read_columns.is_none() {
         return Ok(Vec::new());
@@ -838,12 +932,16 @@ pub(crate) async fn make_whole(s: &OpenSource, rows: &mut [RecordBatch]) -> Resu
         return Ok(Vec::new());
     }
     let narrow = concat_batches(&s.planned, read.iter().map(|&i| &rows[i]))?;
+    let narrow = s.with_position_text(&narrow).await?;
     let whole = whole_rows(s, &narrow, true).await?;
     let mut not_whole = Vec::new();
-    for (&i, whole) in read.iter().zip(whole) {
+    for (k, (&i, whole)) in read.iter().zip(whole).enumerate() {
         match whole {
             Some(whole) => rows[i] = whole,
-            None => not_whole.push(i),
+            None => {
+                rows[i] = narrow.slice(k, 1);
+                not_whole.push(i);
+            }
         }
     }
     Ok(not_whole)

@@ -64,8 +64,8 @@ pub use sink::{
     ReplacedWindows, Replacement, SideTableBatch, Sink, TableScan,
 };
 pub use source::{
-    AvailableRange, DeadLetter, InferredColumn, SchemaInference, Source, SourceContext, SourceRead,
-    cpu_bound,
+    AvailableRange, DeadLetter, InferredColumn, PositionForm, SchemaInference, Source,
+    SourceContext, SourceRead, cpu_bound,
 };
 pub use static_table::{StaticTable, TableSpec};
 

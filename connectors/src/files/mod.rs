@@ -49,11 +49,11 @@ use object_store::{ObjectStore, ObjectStoreExt};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use sluice_engine::checkpoint::CheckpointStore;
-use sluice_engine::source::{attach_lineage, numbered_positions, with_lineage_fields};
+use sluice_engine::source::{PositionForm, attach_numbered_lineage, with_lineage_fields};
 use sluice_engine::storage::{StorageOptions, read_immutable_body};
 use sluice_engine::{
-    AvailableRange, DeadLetter, InferredColumn, OffsetRange, PartitionId, SchemaInference, Source,
-    SourceContext, SourceRead, cpu_bound,
+    AvailableRange, DeadLetter, InferredColumn, Offset, OffsetRange, PartitionId, SchemaInference,
+    Source, SourceContext, SourceRead, cpu_bound,
 };
 use tokio::sync::Mutex;
 use url::Url;
@@ -469,7 +469,8 @@ impl Source for FilesSource {
         partition: &PartitionId,
         range: OffsetRange,
     ) -> sluice_engine::Result<SourceRead> {
-        self.read_files(partition, range, None).await
+        self.read_files(partition, range, None, PositionForm::Text)
+            .await
     }
 
     fn reads_columns(&self) -> bool {
@@ -481,8 +482,28 @@ impl Source for FilesSource {
         partition: &PartitionId,
         range: OffsetRange,
         columns: &[String],
+        positions: PositionForm,
     ) -> sluice_engine::Result<SourceRead> {
-        self.read_files(partition, range, Some(columns)).await
+        self.read_files(partition, range, Some(columns), positions)
+            .await
+    }
+
+    fn numbers_positions(&self) -> bool {
+        self.reads_columns()
+    }
+
+    async fn position_prefix(
+        &self,
+        partition: &PartitionId,
+        offset: Offset,
+    ) -> sluice_engine::Result<String> {
+        let files = self
+            .files_at(partition, OffsetRange::new(offset, offset + 1))
+            .await?;
+        Ok(files
+            .first()
+            .map(|(_, file)| format!("{}:", file.name))
+            .unwrap_or_default())
     }
 
     async fn current_schema(&self) -> Option<SchemaRef> {
@@ -509,14 +530,12 @@ impl Source for FilesSource {
 }
 
 impl FilesSource {
-    /// The files at offsets `range`, with every column or (Parquet and JSON) the data `columns`
-    /// named.
-    async fn read_files(
+    /// The recorded files at offsets `range`, with their offsets.
+    async fn files_at(
         &self,
         partition: &PartitionId,
         range: OffsetRange,
-        columns: Option<&[String]>,
-    ) -> sluice_engine::Result<SourceRead> {
+    ) -> sluice_engine::Result<Vec<(i64, RecordedFile)>> {
         let opened = self
             .opened()
             .map_err(|e| sluice_engine::Error::in_source("files", e))?;
@@ -526,24 +545,38 @@ impl FilesSource {
                 "a files source has only partition {PARTITION}, not '{partition}'"
             ))));
         }
-        let files: Vec<(i64, RecordedFile)> = {
-            let mut listing = opened.listing.lock().await;
-            if range.end as usize > listing.log.files.len() {
-                // Recorded by another run since this one loaded the log (a batch it planned).
-                listing.log = FileLog::load(&opened.checkpoint).await.map_err(wrap)?;
-            }
-            let log = &listing.log;
-            if range.start < 0 || range.end as usize > log.files.len() {
-                return Err(wrap(ConnectorError::Config(format!(
-                    "offsets {range} are outside the {} recorded files (was the file log in \
-                     the checkpoint deleted?)",
-                    log.files.len()
-                ))));
-            }
-            (range.start..range.end)
-                .map(|o| (o, log.files[o as usize].clone()))
-                .collect()
-        };
+        let mut listing = opened.listing.lock().await;
+        if range.end as usize > listing.log.files.len() {
+            // Recorded by another run since this one loaded the log (a batch it planned).
+            listing.log = FileLog::load(&opened.checkpoint).await.map_err(wrap)?;
+        }
+        let log = &listing.log;
+        if range.start < 0 || range.end as usize > log.files.len() {
+            return Err(wrap(ConnectorError::Config(format!(
+                "offsets {range} are outside the {} recorded files (was the file log in the \
+                 checkpoint deleted?)",
+                log.files.len()
+            ))));
+        }
+        Ok((range.start..range.end)
+            .map(|o| (o, log.files[o as usize].clone()))
+            .collect())
+    }
+
+    /// The files at offsets `range`, with every column or (Parquet and JSON) the data `columns`
+    /// named, their rows' positions in `positions`' form.
+    async fn read_files(
+        &self,
+        partition: &PartitionId,
+        range: OffsetRange,
+        columns: Option<&[String]>,
+        positions: PositionForm,
+    ) -> sluice_engine::Result<SourceRead> {
+        let files = self.files_at(partition, range).await?;
+        let opened = self
+            .opened()
+            .map_err(|e| sluice_engine::Error::in_source("files", e))?;
+        let wrap = |e: ConnectorError| sluice_engine::Error::in_source(&opened.name, e);
         // Decoded with the schema in force; under `add_columns`, fields it lacks grow it (the
         // growth recorded first) and the files are read again with the grown schema.
         for _ in 0..MAX_EVOLUTIONS_PER_READ {
@@ -572,7 +605,8 @@ impl FilesSource {
                         .into_par_iter()
                         .map(|((offset, file), bytes)| {
                             let columns = columns.as_deref();
-                            decoding.decode(&schema, columns, evolution, &file, offset, bytes)
+                            let read = (columns, positions);
+                            decoding.decode(&schema, read, evolution, &file, offset, bytes)
                         })
                         .collect()
                 });
@@ -616,12 +650,12 @@ struct Decoding {
 }
 
 impl Decoding {
-    /// Decodes one file into rows with lineage, and dead letters.
-    /// `columns`: the data columns to keep (Parquet and JSON; `None` for all, and for CSV).
+    /// Decodes one file into rows with lineage, and dead letters. `columns`: the data columns
+    /// to keep (Parquet and JSON; `None` for all, and for CSV); `positions`: their form.
     fn decode(
         &self,
         schema: &SchemaRef,
-        columns: Option<&[String]>,
+        (columns, positions): (Option<&[String]>, PositionForm),
         evolution: SchemaEvolution,
         file: &RecordedFile,
         offset: i64,
@@ -682,9 +716,9 @@ impl Decoding {
         };
         let mut read = SourceRead::default();
         for (batch, numbers) in decoded {
-            let positions = numbered_positions(&file.name, &numbers)?;
-            read.batches
-                .push(attach_lineage(batch, PARTITION, offset, Some(positions))?);
+            read.batches.push(attach_numbered_lineage(
+                batch, PARTITION, offset, &file.name, &numbers, positions,
+            )?);
         }
         let cut_off = cut_off.map(|(line, raw, error)| {
             let error = format!(
