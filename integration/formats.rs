@@ -372,12 +372,15 @@ async fn rows_of_a_file_that_cannot_be_read_whole_keep_the_columns_read() {
 
 /// A stateless query that does not read `_source_position` has its reads give each row's
 /// number in place of its position's text; the rows bound for the dead-letter table get the
-/// same positions and whole records as when the query reads the position as text. Over a JSON
-/// file whose line numbers are not its rows' ordinals (a malformed line comes first), and a
-/// Parquet file whose rows cannot be read again whole (a column the query does not read is
-/// corrupt), whose positions then come from the source's prefix and the number alone.
+/// same positions and whole records as when the query reads the position as text. Over JSON
+/// files (the second read ahead of its batch) whose line numbers are not the rows' ordinals (a
+/// malformed line comes first); a query reading every column; a query naming the position
+/// where the optimizer drops it (still narrowed, positions as text); and a Parquet file whose
+/// rows cannot be read again whole (a column the query does not read is corrupt), whose
+/// positions then come from the source's prefix and the number alone.
 #[tokio::test(flavor = "multi_thread")]
 async fn positions_read_as_numbers_give_side_tables_the_same_text() {
+    let first = r#"{"id":0,"ts":"2024-01-01T00:00:05Z","note":"zeroth","amount":4}"#;
     let lines = [
         r#"{"id":1,"ts":"2024-01-01T00:00:10Z","note":"first","amount":5}"#,
         "not json",
@@ -386,12 +389,27 @@ async fn positions_read_as_numbers_give_side_tables_the_same_text() {
         r#"{"id":5,"ts":"2024-01-01T00:03:00Z","note":"fifth","amount":2}"#,
     ];
     let sql = "SELECT id, 100 / amount AS q FROM input";
-    // A query naming the position reads it as text; one that does not, as numbers.
-    let naming = "SELECT id, 100 / amount AS q, _source_position AS at FROM input";
-    let mut dead_by_form = Vec::new();
-    for (query, form) in [(naming, "Text"), (sql, "Numbers")] {
+    // (query, what the log says of its reads)
+    let queries = [
+        (
+            "SELECT id, 100 / amount AS q, _source_position AS at FROM input",
+            "positions=Text",
+        ),
+        (
+            "SELECT id, 100 / amount AS q FROM input WHERE _source_position IS NOT NULL",
+            "positions=Text",
+        ),
+        (sql, "positions=Numbers"),
+        (
+            "SELECT id, ts, note, 100 / amount AS q FROM input",
+            "reading every column, the rows' positions as numbers",
+        ),
+    ];
+    let mut dead_by_query = Vec::new();
+    for (query, reads) in queries {
         let ws = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(ws.path().join("input")).unwrap();
+        std::fs::write(ws.path().join("input/a.json"), format!("{first}\n")).unwrap();
         std::fs::write(ws.path().join("input/notes.json"), lines.join("\n") + "\n").unwrap();
         let declared = "schema = \"id BIGINT, ts TIMESTAMP, note VARCHAR, amount BIGINT\"\n\
                         event_time = \"ts\"";
@@ -399,10 +417,18 @@ async fn positions_read_as_numbers_give_side_tables_the_same_text() {
         let run = run_sluice(&["run", path.to_str().unwrap()], &[("RUST_LOG", "info")]);
         assert_ok(&run);
         let stderr = String::from_utf8_lossy(&run.stderr);
-        assert!(stderr.contains(&format!("positions={form}")), "{stderr}");
+        assert!(stderr.contains(reads), "{query}: {stderr}");
+        assert!(
+            !stderr.contains("every column of its sources is read"),
+            "{query}: {stderr}"
+        );
         let out = ws.path().join("out");
-        let mut rows: Vec<(i64, Option<String>)> = table_values(&out, &[])
-            .await
+        let output = table_values(&out, &[]).await;
+        assert!(
+            output.iter().all(|r| !r.contains_key("_source_row")),
+            "{output:?}"
+        );
+        let mut rows: Vec<(i64, Option<String>)> = output
             .iter()
             .map(|r| {
                 (
@@ -413,10 +439,11 @@ async fn positions_read_as_numbers_give_side_tables_the_same_text() {
             .collect();
         rows.sort();
         let ids: Vec<i64> = rows.iter().map(|r| r.0).collect();
-        assert_eq!(ids, [1, 5], "{form}");
-        if form == "Text" {
+        assert_eq!(ids, [0, 1, 5], "{query}");
+        if query.contains(" at ") {
             let at: Vec<Option<&str>> = rows.iter().map(|r| r.1.as_deref()).collect();
-            assert_eq!(at, [Some("notes.json:1"), Some("notes.json:5")]);
+            let expected = ["a.json:1", "notes.json:1", "notes.json:5"];
+            assert_eq!(at, expected.map(Some));
         }
         let mut dead: Vec<(String, String, String)> = table_values(&dead_letter_table(&out), &[])
             .await
@@ -430,10 +457,12 @@ async fn positions_read_as_numbers_give_side_tables_the_same_text() {
             })
             .collect();
         dead.sort();
-        dead_by_form.push(dead);
+        dead_by_query.push(dead);
     }
-    assert_eq!(dead_by_form[0], dead_by_form[1]);
-    let dead = &dead_by_form[1];
+    for dead in &dead_by_query[1..] {
+        assert_eq!(*dead, dead_by_query[0]);
+    }
+    let dead = &dead_by_query[0];
     let positions: Vec<&str> = dead.iter().map(|d| d.0.as_str()).collect();
     assert_eq!(positions, ["notes.json:2", "notes.json:3", "notes.json:4"]);
     assert_eq!(dead[0].1, "not json");

@@ -124,6 +124,15 @@ impl OpenSource {
         Ok(RecordBatch::try_new(Arc::new(schema), columns)?)
     }
 
+    /// Whether its reads give fewer data columns than the source has (else they are whole
+    /// records, narrowed only to give positions as numbers).
+    fn reads_fewer_columns(&self) -> bool {
+        self.read_columns.as_ref().is_some_and(|read| {
+            let data = self.schema.fields().iter();
+            read.len() < data.filter(|f| !is_lineage(f.name())).count()
+        })
+    }
+
     /// `read` (of [`read_from`] with this source's [`OpenSource::read_columns`]) with only the
     /// columns asked for: a source may give more.
     fn narrowed(&self, mut read: SourceRead) -> Result<SourceRead> {
@@ -178,11 +187,12 @@ pub(crate) type ReadsAhead = BTreeMap<PartitionId, (OffsetRange, SourceRead)>;
 /// records, are read again whole ([`whole_rows`]), and the late table keeps the whole schema.
 ///
 /// A stateless query that does not read [`SOURCE_POSITION`] (its output's lineage is the
-/// partition and offset) has it read as numbers ([`PositionForm::Numbers`], where the source can): formatting a position
-/// for every row was ~15 % of such a query's CPU, and only the rows bound for a side table
-/// need one ([`OpenSource::with_position_text`]). A stateful query keeps text: its operators
-/// keep lineage in their state and their failed rows. So does a source whose reads may grow
-/// its schema: the batch that grows it is read again whole, in text, and given to the query
+/// partition and offset) has it read as numbers ([`PositionForm::Numbers`], where the source
+/// can), even when it reads every column: formatting a position for every row was ~15 % of
+/// such a query's CPU, and only the rows bound for a side table need one
+/// ([`OpenSource::with_position_text`]). A stateful query keeps text: its operators keep
+/// lineage in their state and their failed rows. So does a source whose reads may grow its
+/// schema: the batch that grows it is read again whole, in text, and given to the query
 /// planned again.
 ///
 /// The narrower plan is kept only if it runs exactly the plan `query` runs
@@ -206,7 +216,8 @@ pub(crate) async fn narrow_reads(
     let Some(read) = query.columns_read()? else {
         return Ok(query);
     };
-    let mut narrowed: BTreeMap<usize, (Vec<String>, PositionForm)> = BTreeMap::new();
+    // By source: the data columns read, whether they are fewer than all, the positions' form.
+    let mut narrowed: BTreeMap<usize, (Vec<String>, bool, PositionForm)> = BTreeMap::new();
     for (index, s) in sources.iter().enumerate() {
         if !s.source.reads_columns() {
             continue;
@@ -231,55 +242,90 @@ pub(crate) async fn narrow_reads(
             && s.source.numbers_positions()
             && !s.source.reads_may_grow_schema()
             && s.schema.index_of(SOURCE_POSITION).is_ok()
+            && s.schema.index_of(SOURCE_ROW).is_err()
             && !used.is_some_and(|u| u.contains(SOURCE_POSITION));
         let positions = match numbers {
             true => PositionForm::Numbers,
             false => PositionForm::Text,
         };
-        if columns.len() < data.len() || numbers {
-            narrowed.insert(index, (columns, positions));
+        let fewer = columns.len() < data.len();
+        if fewer || numbers {
+            narrowed.insert(index, (columns, fewer, positions));
         }
     }
-    if narrowed.is_empty() {
-        return Ok(query);
+    // The narrowest first. A query that names the position where the optimizer drops it
+    // (`WHERE _source_position IS NOT NULL`) fails that planning: then positions as text.
+    let as_text: Narrowing = narrowed
+        .iter()
+        .filter(|(_, (_, fewer, _))| *fewer)
+        .map(|(i, (columns, _, _))| (*i, (columns.clone(), PositionForm::Text)))
+        .collect();
+    let narrowest: Narrowing = narrowed
+        .into_iter()
+        .map(|(i, (columns, _, positions))| (i, (columns, positions)))
+        .collect();
+    let mut tried = vec![narrowest];
+    if tried[0] != as_text {
+        tried.push(as_text);
     }
-    let mut schemas = Vec::with_capacity(sources.len());
-    for (index, s) in sources.iter().enumerate() {
-        let schema = match narrowed.get(&index) {
-            Some((columns, positions)) => {
-                schema_in_form(&only_columns(&s.schema, columns), *positions)
-            }
-            None => Arc::clone(&s.schema),
-        };
-        schemas.push((s.name.clone(), schema));
-    }
-    let narrow = match StreamingQuery::plan(definition.clone(), &schemas, settings).await {
-        Ok(narrow) if narrow.runs_as(&query)? => narrow,
-        _ => {
-            tracing::info!(
-                "the query names columns its plan does not read: every column of its sources is read"
-            );
+    for narrowed in tried {
+        if narrowed.is_empty() {
             return Ok(query);
         }
-    };
-    let mut whole = BTreeMap::new();
-    for (index, (columns, positions)) in narrowed {
-        let s = &mut sources[index];
-        tracing::info!(source = %s.name, columns = %columns.join(", "), of = s.schema.fields().iter().filter(|f| !is_lineage(f.name())).count(), positions = ?positions, "reading only the columns the query uses");
-        whole.insert(s.name.clone(), Arc::clone(&s.schema));
-        s.read_columns = Some(columns);
-        s.positions = positions;
-        s.planned = s.as_read(&s.schema);
+        let mut schemas = Vec::with_capacity(sources.len());
+        for (index, s) in sources.iter().enumerate() {
+            let schema = match narrowed.get(&index) {
+                Some((columns, positions)) => {
+                    schema_in_form(&only_columns(&s.schema, columns), *positions)
+                }
+                None => Arc::clone(&s.schema),
+            };
+            schemas.push((s.name.clone(), schema));
+        }
+        let narrow = match StreamingQuery::plan(definition.clone(), &schemas, settings).await {
+            Ok(narrow) if narrow.runs_as(&query)? => narrow,
+            _ => continue,
+        };
+        let mut whole = BTreeMap::new();
+        for (index, (columns, positions)) in narrowed {
+            let s = &mut sources[index];
+            let of = s
+                .schema
+                .fields()
+                .iter()
+                .filter(|f| !is_lineage(f.name()))
+                .count();
+            match columns.len() < of {
+                true => {
+                    tracing::info!(source = %s.name, columns = %columns.join(", "), of, positions = ?positions, "reading only the columns the query uses")
+                }
+                false => {
+                    tracing::info!(source = %s.name, positions = ?positions, "reading every column, the rows' positions as numbers")
+                }
+            }
+            whole.insert(s.name.clone(), Arc::clone(&s.schema));
+            s.read_columns = Some(columns);
+            s.positions = positions;
+            s.planned = s.as_read(&s.schema);
+        }
+        return Ok(narrow.with_whole_sources(whole));
     }
-    Ok(narrow.with_whole_sources(whole))
+    tracing::info!(
+        "the query names columns its plan does not read: every column of its sources is read"
+    );
+    Ok(query)
 }
 
-/// `schema` with only the data `columns` and the lineage columns, in its order.
+/// Narrowed reads by source index: the data columns read and the positions' form.
+type Narrowing = BTreeMap<usize, (Vec<String>, PositionForm)>;
+
+/// `schema` with only the data `columns` and the lineage columns (positions in either form),
+/// in its order.
 fn only_columns(schema: &SchemaRef, columns: &[String]) -> SchemaRef {
     let kept = schema
         .fields()
         .iter()
-        .filter(|f| is_lineage(f.name()) || columns.contains(f.name()))
+        .filter(|f| is_lineage(f.name()) || f.name() == SOURCE_ROW || columns.contains(f.name()))
         .cloned()
         .collect::<Vec<_>>();
     Arc::new(Schema::new_with_metadata(kept, schema.metadata().clone()))
@@ -681,9 +727,13 @@ pub(crate) async fn read_source(
             for b in &bad {
                 keep[b.row] = false;
                 let row = batch.slice(b.row, 1);
-                match narrowed {
+                match narrowed && s.reads_fewer_columns() {
                     true => no_time.push((letters.len(), row, b.reason.clone())),
-                    false => letters.push(dead_letter_from_row(&row, &b.reason)?),
+                    // Whole already; its position as text.
+                    false => {
+                        let row = s.with_position_text(&row).await?;
+                        letters.push(dead_letter_from_row(&row, &b.reason)?);
+                    }
                 }
             }
             batches.push(filter_record_batch(&parsed, &keep.into())?);
@@ -933,6 +983,13 @@ pub(crate) async fn make_whole(s: &OpenSource, rows: &mut [RecordBatch]) -> Resu
     }
     let narrow = concat_batches(&s.planned, read.iter().map(|&i| &rows[i]))?;
     let narrow = s.with_position_text(&narrow).await?;
+    if !s.reads_fewer_columns() {
+        // Every column read (positions as numbers): whole already.
+        for (k, &i) in read.iter().enumerate() {
+            rows[i] = narrow.slice(k, 1);
+        }
+        return Ok(Vec::new());
+    }
     let whole = whole_rows(s, &narrow, true).await?;
     let mut not_whole = Vec::new();
     for (k, (&i, whole)) in read.iter().zip(whole).enumerate() {

@@ -34,12 +34,12 @@ pub const LINEAGE_COLUMNS: [&str; 3] = [SOURCE_PARTITION, SOURCE_OFFSET, SOURCE_
 /// Internal column: in place of [`SOURCE_POSITION`] in a read asked for
 /// [`PositionForm::Numbers`], the number its text ends with (`17` for `file.json:17`), as Int64.
 /// Never in a query's output nor in a table: rendered to text ([`Source::position_prefix`])
-/// before a row goes to a side table.
+/// before a row goes to a side table. Not used on a source that has a column of this name.
 pub const SOURCE_ROW: &str = "_source_row";
 
-/// Whether `name` is one of the [`LINEAGE_COLUMNS`] or [`SOURCE_ROW`].
+/// Whether `name` is one of the [`LINEAGE_COLUMNS`].
 pub fn is_lineage(name: &str) -> bool {
-    LINEAGE_COLUMNS.contains(&name) || name == SOURCE_ROW
+    LINEAGE_COLUMNS.contains(&name)
 }
 
 /// How a read gives each row's position finer than its offset.
@@ -221,8 +221,9 @@ pub trait Source: Send + Sync {
     /// The rows of `partition` in `range` as [`Source::read`] gives them, with only the data
     /// columns named in `columns` (in the schema's order) followed by the lineage columns;
     /// dead letters as `read` gives them. Called only when [`Source::reads_columns`]; a row
-    /// must carry the same lineage as in `read`, and (partition, offset, position) must name
-    /// one row. `positions`: [`PositionForm::Numbers`] only when [`Source::numbers_positions`].
+    /// must carry the same lineage as in `read` (its position in `positions`' form), and
+    /// (partition, offset, position) must name one row. `positions`:
+    /// [`PositionForm::Numbers`] only when [`Source::numbers_positions`].
     /// The default reads every column (the engine keeps those it asked for).
     async fn read_columns(
         &self,

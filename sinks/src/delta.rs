@@ -746,9 +746,11 @@ impl TableHandle {
         properties: CommitProperties,
     ) -> Result<DeltaTable> {
         let snapshot = table.snapshot().map_err(|e| self.err(e))?;
+        // As delta-rs's `write` records it (`DESCRIBE HISTORY` shows it).
+        let partitioned_by = snapshot.metadata().partition_columns();
         let operation = DeltaOperation::Write {
             mode: SaveMode::Append,
-            partition_by: None,
+            partition_by: (!partitioned_by.is_empty()).then(|| partitioned_by.to_vec()),
             predicate: None,
         };
         let committed = CommitBuilder::from(properties)
