@@ -335,18 +335,7 @@ async fn rows_of_a_file_that_cannot_be_read_whole_keep_the_columns_read() {
     let run = run_sluice(&["run", notes_job(ws.path()).to_str().unwrap()], &[]);
     assert_ok(&run);
     let out = ws.path().join("out");
-    let mut dead: Vec<(String, String, String)> = table_values(&dead_letter_table(&out), &[])
-        .await
-        .iter()
-        .map(|d| {
-            (
-                d["_source_position"].as_str().unwrap().to_string(),
-                String::from_utf8(hex_bytes(d["raw"].as_str().unwrap())).unwrap(),
-                d["error"].as_str().unwrap().to_string(),
-            )
-        })
-        .collect();
-    dead.sort();
+    let dead = dead_letters(&out).await;
     assert_eq!(dead.len(), 2, "{dead:?}");
     assert_eq!(dead[0].0, "part-1.parquet:1");
     // The columns read: the event time and the amount.
@@ -445,18 +434,7 @@ async fn positions_read_as_numbers_give_side_tables_the_same_text() {
             let expected = ["a.json:1", "notes.json:1", "notes.json:5"];
             assert_eq!(at, expected.map(Some));
         }
-        let mut dead: Vec<(String, String, String)> = table_values(&dead_letter_table(&out), &[])
-            .await
-            .iter()
-            .map(|d| {
-                (
-                    d["_source_position"].as_str().unwrap().to_string(),
-                    String::from_utf8(hex_bytes(d["raw"].as_str().unwrap())).unwrap(),
-                    d["error"].as_str().unwrap().to_string(),
-                )
-            })
-            .collect();
-        dead.sort();
+        let dead = dead_letters(&out).await;
         dead_by_query.push(dead);
     }
     for dead in &dead_by_query[1..] {
@@ -491,19 +469,7 @@ async fn positions_read_as_numbers_give_side_tables_the_same_text() {
     let run = run_sluice(&["run", job.to_str().unwrap()], &[("RUST_LOG", "info")]);
     assert_ok(&run);
     assert!(String::from_utf8_lossy(&run.stderr).contains("positions=Numbers"));
-    let mut dead: Vec<(String, String, String)> =
-        table_values(&dead_letter_table(&ws.path().join("out")), &[])
-            .await
-            .iter()
-            .map(|d| {
-                (
-                    d["_source_position"].as_str().unwrap().to_string(),
-                    String::from_utf8(hex_bytes(d["raw"].as_str().unwrap())).unwrap(),
-                    d["error"].as_str().unwrap().to_string(),
-                )
-            })
-            .collect();
-    dead.sort();
+    let dead = dead_letters(&ws.path().join("out")).await;
     let positions: Vec<&str> = dead.iter().map(|d| d.0.as_str()).collect();
     assert_eq!(
         positions,
@@ -568,6 +534,23 @@ fn write_notes(path: &std::path::Path, rows: &[NoteRow]) -> std::ops::Range<u64>
     let metadata = w.close().unwrap();
     let (start, length) = metadata.row_group(0).column(2).byte_range();
     start..start + length
+}
+
+/// The dead letters of the sink at `out`: (position, raw record as text, reason), sorted.
+async fn dead_letters(out: &std::path::Path) -> Vec<(String, String, String)> {
+    let mut dead: Vec<(String, String, String)> = table_values(&dead_letter_table(out), &[])
+        .await
+        .iter()
+        .map(|d| {
+            (
+                d["_source_position"].as_str().unwrap().to_string(),
+                String::from_utf8(hex_bytes(d["raw"].as_str().unwrap())).unwrap(),
+                d["error"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    dead.sort();
+    dead
 }
 
 /// The bytes a hex string spells.
