@@ -449,6 +449,26 @@ async fn positions_read_as_numbers_give_side_tables_the_same_text() {
     assert!(dead[2].1.contains("\"zero\""), "{dead:?}");
     assert!(dead[2].2.contains("Divide by zero"), "{dead:?}");
 
+    // A source with a column of the internal column's name keeps its positions as text, and
+    // the column is data like any other.
+    let ws = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(ws.path().join("input")).unwrap();
+    let rows = [
+        r#"{"id":1,"ts":"2024-01-01T00:00:10Z","_source_row":"x"}"#,
+        r#"{"id":2,"_source_row":"y"}"#,
+    ];
+    std::fs::write(ws.path().join("input/rows.json"), rows.join("\n") + "\n").unwrap();
+    let declared = "schema = \"id BIGINT, ts TIMESTAMP, _source_row VARCHAR\"\nevent_time = \"ts\"";
+    let path = job(ws.path(), "named", "json", declared, "SELECT id FROM input");
+    let run = run_sluice(&["run", path.to_str().unwrap()], &[("RUST_LOG", "info")]);
+    assert_ok(&run);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(stderr.contains("positions=Text"), "{stderr}");
+    let named = dead_letters(&ws.path().join("out")).await;
+    assert_eq!(named.len(), 1, "{named:?}");
+    assert_eq!(named[0].0, "rows.json:2");
+    assert!(named[0].1.contains(r#""_source_row":"y""#), "{named:?}");
+
     // Rows that cannot be read again whole keep the columns read, and their positions.
     let ws = tempfile::tempdir().unwrap();
     let input = ws.path().join("input");

@@ -42,10 +42,11 @@ pub(crate) struct OpenSource {
     /// query keeps its plan (and state), so its input is conformed back to this. Only the
     /// columns read when the reads are narrowed ([`narrow_reads`]).
     pub(crate) planned: SchemaRef,
-    /// The data columns read, when only some are ([`narrow_reads`]); `None`: all.
+    /// The data columns its reads ask for when they are narrowed ([`narrow_reads`]): fewer
+    /// than all, or all with positions as numbers; `None`: a plain read of every column.
     pub(crate) read_columns: Option<Vec<String>>,
     /// The form of the positions its narrowed reads give ([`narrow_reads`]): numbers when the
-    /// query does not read them. Reads of every column give text.
+    /// query does not read them. Plain reads, and the reads that make rows whole, give text.
     pub(crate) positions: PositionForm,
 }
 
@@ -55,7 +56,7 @@ impl OpenSource {
     /// position in the form read).
     fn as_read(&self, schema: &SchemaRef) -> SchemaRef {
         match &self.read_columns {
-            Some(read) => schema_in_form(&only_columns(schema, read), self.positions),
+            Some(read) => only_columns(schema, read, self.positions),
             None => Arc::clone(schema),
         }
     }
@@ -83,7 +84,9 @@ impl OpenSource {
     /// If the lineage columns are not as a read gives them, or the source has no prefix.
     pub(crate) async fn with_position_text(&self, rows: &RecordBatch) -> Result<RecordBatch> {
         let schema = rows.schema();
-        let Ok(index) = schema.index_of(SOURCE_ROW) else {
+        // (Numbers are never read from a source with a column of that name.)
+        let (PositionForm::Numbers, Ok(index)) = (self.positions, schema.index_of(SOURCE_ROW))
+        else {
             return Ok(rows.clone());
         };
         let numbers = rows.column(index).as_primitive_opt::<Int64Type>();
@@ -198,7 +201,9 @@ pub(crate) type ReadsAhead = BTreeMap<PartitionId, (OffsetRange, SourceRead)>;
 /// The narrower plan is kept only if it runs exactly the plan `query` runs
 /// ([`StreamingQuery::runs_as`]): a column the SQL names but the optimizer drops (`WHERE x IS
 /// NOT NULL` on a NOT NULL column) fails the second planning, or could name another table's
-/// column; then every column is read, as before. Returns `query` as it is when no read narrows.
+/// column; then it is planned again with positions as text (the sources that read fewer
+/// columns stay narrowed), and failing that every column is read, as before. Returns `query`
+/// as it is when no read narrows.
 ///
 /// # Errors
 /// If the plan does not optimize.
@@ -275,9 +280,7 @@ pub(crate) async fn narrow_reads(
         let mut schemas = Vec::with_capacity(sources.len());
         for (index, s) in sources.iter().enumerate() {
             let schema = match narrowed.get(&index) {
-                Some((columns, positions)) => {
-                    schema_in_form(&only_columns(&s.schema, columns), *positions)
-                }
+                Some((columns, positions)) => only_columns(&s.schema, columns, *positions),
                 None => Arc::clone(&s.schema),
             };
             schemas.push((s.name.clone(), schema));
@@ -319,16 +322,23 @@ pub(crate) async fn narrow_reads(
 /// Narrowed reads by source index: the data columns read and the positions' form.
 type Narrowing = BTreeMap<usize, (Vec<String>, PositionForm)>;
 
-/// `schema` with only the data `columns` and the lineage columns (positions in either form),
-/// in its order.
-fn only_columns(schema: &SchemaRef, columns: &[String]) -> SchemaRef {
+/// `schema` (a source's, or a read's) with only the data `columns` and the lineage columns, in
+/// its order, the position in `positions`' form ([`schema_in_form`]; [`SOURCE_ROW`] is kept
+/// only in the numbers form, which is never used on a source with a column of that name).
+fn only_columns(schema: &SchemaRef, columns: &[String], positions: PositionForm) -> SchemaRef {
+    let numbers = positions == PositionForm::Numbers;
     let kept = schema
         .fields()
         .iter()
-        .filter(|f| is_lineage(f.name()) || f.name() == SOURCE_ROW || columns.contains(f.name()))
+        .filter(|f| {
+            is_lineage(f.name())
+                || (numbers && f.name() == SOURCE_ROW)
+                || columns.contains(f.name())
+        })
         .cloned()
         .collect::<Vec<_>>();
-    Arc::new(Schema::new_with_metadata(kept, schema.metadata().clone()))
+    let kept = Arc::new(Schema::new_with_metadata(kept, schema.metadata().clone()));
+    schema_in_form(&kept, positions)
 }
 
 /// Opens every source (with its folder of the checkpoint) and static table, and plans the
