@@ -326,14 +326,25 @@ pub fn attach_lineage(
     offset: Offset,
     positions: Option<StringArray>,
 ) -> Result<RecordBatch> {
-    let n = data.num_rows();
     let schema = with_lineage_fields(&data.schema(), positions.is_some());
+    let positions = positions.map(|p| Arc::new(p) as ArrayRef);
+    with_lineage_columns(data, schema, partition, offset, positions)
+}
+
+/// `data` with the lineage columns of `schema` (its data columns followed by them) appended:
+/// the partition and offset repeated, and `position` if given.
+fn with_lineage_columns(
+    data: RecordBatch,
+    schema: SchemaRef,
+    partition: &str,
+    offset: Offset,
+    position: Option<ArrayRef>,
+) -> Result<RecordBatch> {
+    let n = data.num_rows();
     let mut columns: Vec<ArrayRef> = data.columns().to_vec();
     columns.push(Arc::new(repeated(partition, n)?));
     columns.push(Arc::new(Int64Array::from_value(offset, n)));
-    if let Some(positions) = positions {
-        columns.push(Arc::new(positions));
-    }
+    columns.extend(position);
     Ok(RecordBatch::try_new(schema, columns)?)
 }
 
@@ -350,31 +361,19 @@ pub fn attach_numbered_lineage(
     numbers: &[usize],
     form: PositionForm,
 ) -> Result<RecordBatch> {
-    let numbers = match form {
-        PositionForm::Text => {
-            let positions = numbered_positions(name, numbers)?;
-            return attach_lineage(data, partition, offset, Some(positions));
-        }
+    let position: ArrayRef = match form {
+        PositionForm::Text => Arc::new(numbered_positions(name, numbers)?),
         // In one pass over a trusted length (a fallible collect built the array a value at a
         // time: 2 % of a Parquet filter query's CPU). No row number reaches `i64::MAX`.
-        PositionForm::Numbers => Int64Array::from_iter_values(
+        PositionForm::Numbers => Arc::new(Int64Array::from_iter_values(
             numbers
                 .iter()
                 .map(|&n| i64::try_from(n).unwrap_or(i64::MAX)),
-        ),
+        )),
     };
-    let data = attach_lineage(data, partition, offset, None)?;
-    let mut fields: Vec<Field> = data
-        .schema()
-        .fields()
-        .iter()
-        .map(|f| f.as_ref().clone())
-        .collect();
-    fields.push(Field::new(SOURCE_ROW, DataType::Int64, false));
-    let schema = Schema::new_with_metadata(fields, data.schema().metadata().clone());
-    let mut columns = data.columns().to_vec();
-    columns.push(Arc::new(numbers));
-    Ok(RecordBatch::try_new(Arc::new(schema), columns)?)
+    // The schema the engine checks such a read against.
+    let schema = schema_in_form(&with_lineage_fields(&data.schema(), true), form);
+    with_lineage_columns(data, schema, partition, offset, Some(position))
 }
 
 /// `schema` (a source's, with [`SOURCE_POSITION`]) as a read in `form` gives it: for
