@@ -30,6 +30,7 @@ use arrow::buffer::NullBuffer;
 use arrow::compute::kernels::cast_utils::{Parser, string_to_datetime};
 use arrow::datatypes::{ArrowPrimitiveType, DataType, Field, Schema, SchemaRef, TimeUnit};
 use rayon::prelude::*;
+use sluice_engine::event_time::plain_utc_timestamp;
 
 use crate::flat_json::{FlatJson, FlatRead};
 
@@ -1170,74 +1171,6 @@ fn timestamp(
     }
     let date = string_to_datetime(tz, value).map_err(|e| error(&e))?;
     in_unit(&date, unit).map_err(|e| error(&e))
-}
-
-/// `text` as a number of `unit` since the epoch, if it is the plain form most timestamps are
-/// written in — `YYYY-MM-DDTHH:MM:SS`, a `.` and 1 to 9 digits of a second or not, then `Z` or
-/// nothing (read in a UTC column), year 1678 to 2261 — with every field in range; `None`
-/// otherwise, for [`timestamp`] to read. The same number [`timestamp`] gives, without its
-/// general parser and zone lookup (a tenth of reading a JSON click file).
-fn plain_utc_timestamp(text: &str, unit: TimeUnit) -> Option<i64> {
-    let b = text.as_bytes();
-    // The date and time at fixed places: read with no bounds checks, each field's digits checked
-    // as they are added up.
-    let head: &[u8; 19] = b.first_chunk()?;
-    let digit = |i: usize| {
-        let d = head[i].wrapping_sub(b'0');
-        (d < 10).then_some(i64::from(d))
-    };
-    let two = |i: usize| Some(digit(i)? * 10 + digit(i + 1)?);
-    let separated = head[4] == b'-'
-        && head[7] == b'-'
-        && head[10] == b'T'
-        && head[13] == b':'
-        && head[16] == b':';
-    separated.then_some(())?;
-    let (year, month, day) = (two(0)? * 100 + two(2)?, two(5)?, two(8)?);
-    let (hour, minute, second) = (two(11)?, two(14)?, two(17)?);
-    let leap = year % 4 == 0 && (year % 100 != 0 || year % 400 == 0);
-    let month_days = match month {
-        2 if leap => 29,
-        2 => 28,
-        4 | 6 | 9 | 11 => 30,
-        _ => 31,
-    };
-    let in_range = (1678..=2261).contains(&year)
-        && (1..=12).contains(&month)
-        && (1..=month_days).contains(&day)
-        && hour < 24
-        && minute < 60
-        && second < 60;
-    in_range.then_some(())?;
-    let mut end = 19;
-    let mut nanos = 0;
-    if let [b'.', fraction @ ..] = &b[19..] {
-        let count = fraction.iter().take_while(|d| d.is_ascii_digit()).count();
-        (1..=9).contains(&count).then_some(())?;
-        let n = fraction[..count]
-            .iter()
-            .fold(0i64, |n, d| n * 10 + i64::from(d - b'0'));
-        nanos = n * 10i64.pow(9 - count as u32);
-        end = 20 + count;
-    }
-    match &b[end..] {
-        b"" | b"Z" => {}
-        _ => return None,
-    }
-    // Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's days_from_civil).
-    let y = if month <= 2 { year - 1 } else { year };
-    let era = y.div_euclid(400);
-    let year_of_era = y - era * 400;
-    let day_of_year = (153 * ((month + 9) % 12) + 2) / 5 + day - 1;
-    let day_of_era = year_of_era * 365 + year_of_era / 4 - year_of_era / 100 + day_of_year;
-    let days = era * 146_097 + day_of_era - 719_468;
-    let seconds = days * 86_400 + hour * 3_600 + minute * 60 + second;
-    Some(match unit {
-        TimeUnit::Second => seconds,
-        TimeUnit::Millisecond => seconds * 1_000 + nanos / 1_000_000,
-        TimeUnit::Microsecond => seconds * 1_000_000 + nanos / 1_000,
-        TimeUnit::Nanosecond => seconds * 1_000_000_000 + nanos,
-    })
 }
 
 /// A [`FromText`] timestamp column of `unit`, each value turned into a number of units by

@@ -300,6 +300,76 @@ pub fn extract_event_time(
     Ok((RecordBatch::try_new(schema, columns)?, bad))
 }
 
+/// `text` as a number of `unit` since the epoch, if it is the plain form most timestamps are
+/// written in — `YYYY-MM-DDTHH:MM:SS`, a `.` and 1 to 9 digits of a second or not, then `Z` or
+/// nothing (read as UTC), year 1678 to 2261 — with every field in range; `None` otherwise, for
+/// a general parser to read. The same number Arrow's parser gives (in a UTC column, or as an
+/// RFC 3339 event time), without its general parsing and zone lookup: a tenth of reading a JSON
+/// click file into a declared timestamp column, and a tenth of a JSON job's CPU where the
+/// event time is text (an inferred schema keeps timestamps as text).
+pub fn plain_utc_timestamp(text: &str, unit: TimeUnit) -> Option<i64> {
+    let b = text.as_bytes();
+    // The date and time at fixed places: read with no bounds checks, each field's digits checked
+    // as they are added up.
+    let head: &[u8; 19] = b.first_chunk()?;
+    let digit = |i: usize| {
+        let d = head[i].wrapping_sub(b'0');
+        (d < 10).then_some(i64::from(d))
+    };
+    let two = |i: usize| Some(digit(i)? * 10 + digit(i + 1)?);
+    let separated = head[4] == b'-'
+        && head[7] == b'-'
+        && head[10] == b'T'
+        && head[13] == b':'
+        && head[16] == b':';
+    separated.then_some(())?;
+    let (year, month, day) = (two(0)? * 100 + two(2)?, two(5)?, two(8)?);
+    let (hour, minute, second) = (two(11)?, two(14)?, two(17)?);
+    let leap = year % 4 == 0 && (year % 100 != 0 || year % 400 == 0);
+    let month_days = match month {
+        2 if leap => 29,
+        2 => 28,
+        4 | 6 | 9 | 11 => 30,
+        _ => 31,
+    };
+    let in_range = (1678..=2261).contains(&year)
+        && (1..=12).contains(&month)
+        && (1..=month_days).contains(&day)
+        && hour < 24
+        && minute < 60
+        && second < 60;
+    in_range.then_some(())?;
+    let mut end = 19;
+    let mut nanos = 0;
+    if let [b'.', fraction @ ..] = &b[19..] {
+        let count = fraction.iter().take_while(|d| d.is_ascii_digit()).count();
+        (1..=9).contains(&count).then_some(())?;
+        let n = fraction[..count]
+            .iter()
+            .fold(0i64, |n, d| n * 10 + i64::from(d - b'0'));
+        nanos = n * 10i64.pow(9 - count as u32);
+        end = 20 + count;
+    }
+    match &b[end..] {
+        b"" | b"Z" => {}
+        _ => return None,
+    }
+    // Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's days_from_civil).
+    let y = if month <= 2 { year - 1 } else { year };
+    let era = y.div_euclid(400);
+    let year_of_era = y - era * 400;
+    let day_of_year = (153 * ((month + 9) % 12) + 2) / 5 + day - 1;
+    let day_of_era = year_of_era * 365 + year_of_era / 4 - year_of_era / 100 + day_of_year;
+    let days = era * 146_097 + day_of_era - 719_468;
+    let seconds = days * 86_400 + hour * 3_600 + minute * 60 + second;
+    Some(match unit {
+        TimeUnit::Second => seconds,
+        TimeUnit::Millisecond => seconds * 1_000 + nanos / 1_000_000,
+        TimeUnit::Microsecond => seconds * 1_000_000 + nanos / 1_000,
+        TimeUnit::Nanosecond => seconds * 1_000_000_000 + nanos,
+    })
+}
+
 fn micros(d: Duration) -> i64 {
     i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
 }
@@ -331,6 +401,9 @@ fn missing(row: usize, column: &str) -> BadEventTime {
 fn parse_string(s: &str, format: &EventTimeFormat) -> std::result::Result<i64, String> {
     match format {
         EventTimeFormat::Rfc3339 => {
+            if let Some(micros) = plain_utc_timestamp(s, TimeUnit::Microsecond) {
+                return Ok(micros);
+            }
             // Arrow's parser is lenient (a space for `T`, no offset) but works in nanoseconds,
             // so it refuses years after 2262; chrono reads those, to be judged by range and skew.
             arrow::compute::kernels::cast_utils::string_to_datetime(&Utc, s)
@@ -418,6 +491,53 @@ mod tests {
         let ours = as_event_time(&input).unwrap();
         assert_eq!(ours.data_type(), &event_time_type());
         assert_eq!(&ours, &arrows);
+    }
+
+    /// The plain form is read by the shortcut as Arrow's parser reads it, before and after the
+    /// epoch and at the edges of the shortcut's years; every other text gives what the general
+    /// parsers give, the shortcut declining it.
+    #[test]
+    fn plain_rfc3339_times_parse_as_arrows_parser_does() {
+        let arrows = |s: &str| {
+            arrow::compute::kernels::cast_utils::string_to_datetime(&Utc, s)
+                .map(|t| t.timestamp_micros())
+                .ok()
+        };
+        for s in [
+            "2024-01-01T00:00:07.123Z",
+            "2024-02-29T23:59:59",
+            "1969-12-31T23:59:59.999999999Z",
+            "1678-01-01T00:00:00Z",
+            "2261-12-31T23:59:59.1Z",
+            "2000-03-01T12:30:00.000001",
+        ] {
+            let shortcut = plain_utc_timestamp(s, TimeUnit::Microsecond);
+            assert!(shortcut.is_some(), "{s}");
+            assert_eq!(shortcut, arrows(s), "{s}");
+            assert_eq!(
+                parse_string(s, &EventTimeFormat::Rfc3339).ok(),
+                shortcut,
+                "{s}"
+            );
+        }
+        for s in [
+            "2024-01-01 00:00:07Z",
+            "2024-01-01T00:00:07+02:00",
+            "2024-01-01T00:00:07.1234567890Z",
+            "2023-02-29T00:00:00Z",
+            "2024-01-01T24:00:00Z",
+            "2300-01-01T00:00:00Z",
+            "2024-01-01",
+            "not a time",
+        ] {
+            assert_eq!(plain_utc_timestamp(s, TimeUnit::Microsecond), None, "{s}");
+        }
+        assert_eq!(
+            parse_string("2024-01-01T00:00:07+02:00", &EventTimeFormat::Rfc3339).ok(),
+            arrows("2024-01-01T00:00:07+02:00")
+        );
+        assert!(parse_string("2300-01-01T00:00:00Z", &EventTimeFormat::Rfc3339).is_ok());
+        assert!(parse_string("2023-02-29T00:00:00Z", &EventTimeFormat::Rfc3339).is_err());
     }
 
     fn batch(col: ArrayRef) -> RecordBatch {
