@@ -60,7 +60,7 @@ use crate::expectations::{Expectations, QUARANTINE_SOURCE};
 use crate::fault::{crash_point, pause_point};
 use crate::input::{
     FutureTimes, NOT_READ_WHOLE, OpenSource, ReadsAhead, conform, make_whole, narrow_reads,
-    open_sources_and_query, plan_query, read_from, read_source, whole_rows,
+    open_sources_and_query, plan_query, read_source, whole_rows,
 };
 use crate::job::{DEAD_LETTER_BREAKER_MIN, Job, Trigger};
 use crate::lease::{Lease, LeaseSettings, REWRITE_LEASE_FOLDER};
@@ -344,7 +344,8 @@ struct RangeReadAhead {
     source: String,
     partition: PartitionId,
     range: OffsetRange,
-    task: tokio::task::JoinHandle<Result<SourceRead>>,
+    /// `None`: the source declined (the read would have grown its schema).
+    task: tokio::task::JoinHandle<Result<Option<SourceRead>>>,
 }
 
 impl Drop for RangeReadAhead {
@@ -368,9 +369,12 @@ impl ReadAhead {
                 continue;
             }
             match (&mut read.task).await {
-                Ok(Ok(done)) => {
+                Ok(Ok(Some(done))) => {
                     let at = ahead.entry(read.source.clone()).or_default();
                     at.insert(read.partition.clone(), (read.range, done));
+                }
+                Ok(Ok(None)) => {
+                    debug!(source = %read.source, partition = %read.partition, range = %read.range, "the source declined to read this range ahead (its records bring fields the schema lacks, or its reads may grow the schema); the batch reads it itself");
                 }
                 Ok(Err(_)) => {}
                 Err(error) => {
@@ -744,9 +748,9 @@ impl Pipeline {
     ///
     /// Not started for a `once` trigger, nor when what this batch commits (output, dead
     /// letters, late rows) is more than [`READ_AHEAD_MAX_OUTPUT_SHARE`] of its input and more
-    /// than [`READ_AHEAD_SMALL_OUTPUT_BYTES`] (memory);
-    /// a source whose reads may grow its schema ([`crate::source::Source::reads_may_grow_schema`])
-    /// is not read ahead.
+    /// than [`READ_AHEAD_SMALL_OUTPUT_BYTES`] (memory). A read ahead never grows a source's
+    /// schema ([`crate::source::Source::read_ahead`]): a range whose records bring new fields
+    /// is read by its batch, which records them.
     fn start_read_ahead(
         &self,
         batch: &Batch,
@@ -768,11 +772,7 @@ impl Pipeline {
             return None;
         }
         let mut reads = Vec::new();
-        for s in self
-            .sources
-            .iter()
-            .filter(|s| !s.source.reads_may_grow_schema())
-        {
+        for s in &self.sources {
             let (Some(ends), Some(latest)) = (
                 batch.end_offsets.get(&s.name),
                 self.latest_at_plan.get(&s.name),
@@ -785,7 +785,8 @@ impl Pipeline {
                 let (source, columns) = (Arc::clone(&s.source), s.read_columns.clone());
                 let (at, positions) = (partition.clone(), s.positions);
                 let task = tokio::spawn(async move {
-                    read_from(source.as_ref(), columns.as_deref(), positions, &at, range).await
+                    let columns = columns.as_deref();
+                    source.read_ahead(&at, range, columns, positions).await
                 });
                 reads.push(RangeReadAhead {
                     source: s.name.clone(),

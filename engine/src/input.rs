@@ -178,7 +178,7 @@ pub(crate) async fn read_from(
 }
 
 /// Reads of one source made ahead of their batch's intent, by partition: the range read and
-/// what [`read_from`] gave. [`read_source`] takes one only for exactly the range its batch
+/// what [`Source::read_ahead`] gave. [`read_source`] takes one only for exactly the range its batch
 /// reads.
 pub(crate) type ReadsAhead = BTreeMap<PartitionId, (OffsetRange, SourceRead)>;
 

@@ -263,14 +263,41 @@ pub trait Source: Send + Sync {
         None
     }
 
-    /// Whether a read may grow the schema (schema evolution that records new columns): such a
-    /// source is never read ahead of its batch's intent, so columns are added in the commit of
-    /// the batch whose read found them, and a crashed batch is read again with the schema it
-    /// was first read with. `true` unless a source says otherwise: return `false` when reads
-    /// never record columns ([`Source::current_schema`] stays `None`), and the driver may read
-    /// its next batch while the current one commits.
+    /// Whether a read may grow the schema (schema evolution that records new columns). Only
+    /// the batch's own read grows it, never a read made ahead of the batch's intent
+    /// ([`Source::read_ahead`]): columns are added in the commit of the batch whose read found
+    /// them, and a crashed batch is read again with the schema it was first read with. `true`
+    /// unless a source says otherwise: return `false` when reads never record columns
+    /// ([`Source::current_schema`] stays `None`).
     fn reads_may_grow_schema(&self) -> bool {
         true
+    }
+
+    /// The rows of `partition` in `range` read ahead of the batch that will read them (the
+    /// driver reads the next batch's ranges while the current one commits): as [`Source::read`]
+    /// gives them (`columns`: `None`), or as [`Source::read_columns`] does. Such a read must
+    /// not grow the schema: where the records bring fields the schema in force lacks, give
+    /// `Ok(None)`, and the batch reads the range itself, growing the schema in its own read.
+    /// The default reads as usual from a source whose reads never grow the schema
+    /// ([`Source::reads_may_grow_schema`]), and nothing from one whose reads may.
+    async fn read_ahead(
+        &self,
+        partition: &PartitionId,
+        range: OffsetRange,
+        columns: Option<&[String]>,
+        positions: PositionForm,
+    ) -> Result<Option<SourceRead>> {
+        if self.reads_may_grow_schema() {
+            return Ok(None);
+        }
+        let read = match columns {
+            None => self.read(partition, range).await?,
+            Some(columns) => {
+                self.read_columns(partition, range, columns, positions)
+                    .await?
+            }
+        };
+        Ok(Some(read))
     }
 
     /// The schema of the batches [`Source::read`] returns now, if schema evolution has grown it

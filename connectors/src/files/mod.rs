@@ -488,6 +488,28 @@ impl Source for FilesSource {
             .await
     }
 
+    /// Decoded once with the schema in force; declined where the records bring fields it
+    /// lacks (under `add_columns`), for the batch's own read to add them.
+    async fn read_ahead(
+        &self,
+        partition: &PartitionId,
+        range: OffsetRange,
+        columns: Option<&[String]>,
+        positions: PositionForm,
+    ) -> sluice_engine::Result<Option<SourceRead>> {
+        let files = self.files_at(partition, range).await?;
+        let opened = self
+            .opened()
+            .map_err(|e| sluice_engine::Error::in_source("files", e))?;
+        let schema = opened.data_schema().await;
+        let read = self
+            .decode_files(&files, &schema, columns, positions)
+            .await?;
+        let new = fields_to_add(opened.evolution, &schema, &read.dead_letters, &[])
+            .map_err(|e| sluice_engine::Error::in_source(&opened.name, e))?;
+        Ok(new.is_none().then_some(read))
+    }
+
     fn numbers_positions(&self) -> bool {
         self.reads_columns()
     }
@@ -581,46 +603,9 @@ impl FilesSource {
         // growth recorded first) and the files are read again with the grown schema.
         for _ in 0..MAX_EVOLUTIONS_PER_READ {
             let schema = opened.data_schema().await;
-            let mut read = SourceRead::default();
-            let groups = &read_groups(&files);
-            // The bytes of group `i`'s files, in order (none past the last group).
-            let fetch_group = |i: usize| {
-                let group = groups.get(i).copied().unwrap_or_default();
-                futures::future::try_join_all(
-                    group.iter().map(|(offset, file)| self.fetch(file, *offset)),
-                )
-            };
-            let mut fetched = fetch_group(0).await.map_err(wrap)?;
-            for (i, group) in groups.iter().enumerate() {
-                let (decoding, evolution) = (self.decoding(), opened.evolution);
-                let schema = Arc::clone(&schema);
-                let columns = columns.map(<[String]>::to_vec);
-                let files: Vec<((i64, RecordedFile), Bytes)> = group
-                    .iter()
-                    .cloned()
-                    .zip(std::mem::take(&mut fetched))
-                    .collect();
-                let decode = cpu_bound(move || -> Vec<Result<SourceRead>> {
-                    files
-                        .into_par_iter()
-                        .map(|((offset, file), bytes)| {
-                            let columns = columns.as_deref();
-                            let read = (columns, positions);
-                            decoding.decode(&schema, read, evolution, &file, offset, bytes)
-                        })
-                        .collect()
-                });
-                // The next group is fetched while this one decodes: reading a file is work too
-                // (mapping it, or the kernel's copy where it cannot be mapped), which would
-                // otherwise leave the other core idle.
-                let (decoded, next) = futures::join!(decode, fetch_group(i + 1));
-                for part in decoded {
-                    let part = part.map_err(wrap)?;
-                    read.batches.extend(part.batches);
-                    read.dead_letters.extend(part.dead_letters);
-                }
-                fetched = next.map_err(wrap)?;
-            }
+            let read = self
+                .decode_files(&files, &schema, columns, positions)
+                .await?;
             let new = fields_to_add(opened.evolution, &schema, &read.dead_letters, &[]);
             let Some(new) = new.map_err(wrap)? else {
                 return Ok(read);
@@ -637,6 +622,62 @@ impl FilesSource {
             "offsets {range} kept bringing new fields after {MAX_EVOLUTIONS_PER_READ} schema \
              evolutions in one read"
         ))))
+    }
+
+    /// `files` decoded with `schema`, a group of files at a time (the next group fetched while
+    /// one decodes), into rows and dead letters.
+    async fn decode_files(
+        &self,
+        files: &[(i64, RecordedFile)],
+        schema: &SchemaRef,
+        columns: Option<&[String]>,
+        positions: PositionForm,
+    ) -> sluice_engine::Result<SourceRead> {
+        let opened = self
+            .opened()
+            .map_err(|e| sluice_engine::Error::in_source("files", e))?;
+        let wrap = |e: ConnectorError| sluice_engine::Error::in_source(&opened.name, e);
+        let mut read = SourceRead::default();
+        let groups = &read_groups(files);
+        // The bytes of group `i`'s files, in order (none past the last group).
+        let fetch_group = |i: usize| {
+            let group = groups.get(i).copied().unwrap_or_default();
+            futures::future::try_join_all(
+                group.iter().map(|(offset, file)| self.fetch(file, *offset)),
+            )
+        };
+        let mut fetched = fetch_group(0).await.map_err(wrap)?;
+        for (i, group) in groups.iter().enumerate() {
+            let (decoding, evolution) = (self.decoding(), opened.evolution);
+            let schema = Arc::clone(schema);
+            let columns = columns.map(<[String]>::to_vec);
+            let files: Vec<((i64, RecordedFile), Bytes)> = group
+                .iter()
+                .cloned()
+                .zip(std::mem::take(&mut fetched))
+                .collect();
+            let decode = cpu_bound(move || -> Vec<Result<SourceRead>> {
+                files
+                    .into_par_iter()
+                    .map(|((offset, file), bytes)| {
+                        let columns = columns.as_deref();
+                        let read = (columns, positions);
+                        decoding.decode(&schema, read, evolution, &file, offset, bytes)
+                    })
+                    .collect()
+            });
+            // The next group is fetched while this one decodes: reading a file is work too
+            // (mapping it, or the kernel's copy where it cannot be mapped), which would
+            // otherwise leave the other core idle.
+            let (decoded, next) = futures::join!(decode, fetch_group(i + 1));
+            for part in decoded {
+                let part = part.map_err(wrap)?;
+                read.batches.extend(part.batches);
+                read.dead_letters.extend(part.dead_letters);
+            }
+            fetched = next.map_err(wrap)?;
+        }
+        Ok(read)
     }
 }
 

@@ -65,6 +65,7 @@ use rskafka::client::{Client, ClientBuilder};
 use rskafka::record::RecordAndOffset;
 use serde::{Deserialize, Serialize};
 use sluice_engine::checkpoint::CheckpointStore;
+use sluice_engine::source::PositionForm;
 use sluice_engine::{
     AvailableRange, DeadLetter, Offset, OffsetRange, PartitionId, SchemaInference, Source,
     SourceContext, SourceRead,
@@ -489,6 +490,29 @@ impl KafkaSource {
         Ok(values)
     }
 
+    /// `records` of `partition` decoded (on a blocking thread) with the schema in force, and
+    /// that schema: new fields are judged against the schema a read decoded with, as another
+    /// partition's read may grow it meanwhile.
+    async fn decode(
+        &self,
+        partition: &PartitionId,
+        tp: &TopicPartition,
+        records: &Arc<Vec<RecordAndOffset>>,
+    ) -> sluice_engine::Result<(SourceRead, SchemaRef)> {
+        let opened = self
+            .opened()
+            .map_err(|e| sluice_engine::Error::in_source("kafka", e))?;
+        let wrap = |e: ConnectorError| sluice_engine::Error::in_source(&opened.name, e);
+        let decoder = Arc::clone(&*opened.decoder.lock().await);
+        let decoded_with = decoder.value_schema();
+        let (id, tp, records) = (partition.clone(), tp.clone(), Arc::clone(records));
+        let read = tokio::task::spawn_blocking(move || decoder.decode(&id, &tp, &records))
+            .await
+            .map_err(|e| wrap(ConnectorError::Config(format!("decoding task failed: {e}"))))?
+            .map_err(wrap)?;
+        Ok((read, decoded_with))
+    }
+
     /// Fetches the committed records of `range` (see "Transactions" in the module docs).
     /// Returns them in offset order and, when `fail_on_data_loss = false`, the gaps skipped as
     /// dead letters.
@@ -811,15 +835,9 @@ impl Source for KafkaSource {
         // Decoded with the schema in force; under `add_columns`, fields it lacks grow it (the
         // growth recorded first) and the records are decoded again with the grown schema.
         for _ in 0..MAX_EVOLUTIONS_PER_READ {
-            let decoder = Arc::clone(&*opened.decoder.lock().await);
             // New fields are judged against the schema this read decoded with: another
             // partition's read may have grown the schema meanwhile.
-            let decoded_with = decoder.value_schema();
-            let (id, tp, records) = (partition.clone(), tp.clone(), Arc::clone(&records));
-            let mut read = tokio::task::spawn_blocking(move || decoder.decode(&id, &tp, &records))
-                .await
-                .map_err(|e| wrap(ConnectorError::Config(format!("decoding task failed: {e}"))))?
-                .map_err(wrap)?;
+            let (mut read, decoded_with) = self.decode(partition, &tp, &records).await?;
             let new = fields_to_add(
                 opened.evolution,
                 &decoded_with,
@@ -862,6 +880,36 @@ impl Source for KafkaSource {
             "partition {partition} offsets {range} kept bringing new fields after \
              {MAX_EVOLUTIONS_PER_READ} schema evolutions in one read"
         ))))
+    }
+
+    /// Decoded once with the schema in force; declined where the records bring fields it
+    /// lacks (under `add_columns`), for the batch's own read to add them.
+    async fn read_ahead(
+        &self,
+        partition: &PartitionId,
+        range: OffsetRange,
+        _columns: Option<&[String]>,
+        _positions: PositionForm,
+    ) -> sluice_engine::Result<Option<SourceRead>> {
+        let opened = self
+            .opened()
+            .map_err(|e| sluice_engine::Error::in_source("kafka", e))?;
+        let wrap = |e: ConnectorError| sluice_engine::Error::in_source(&opened.name, e);
+        let tp = self.topic_partition(partition).map_err(wrap)?;
+        let (records, gaps) = self.fetch(&tp, range).await.map_err(wrap)?;
+        let (mut read, decoded_with) = self.decode(partition, &tp, &Arc::new(records)).await?;
+        let new = fields_to_add(
+            opened.evolution,
+            &decoded_with,
+            &read.dead_letters,
+            &METADATA_COLUMNS,
+        )
+        .map_err(wrap)?;
+        if new.is_some() {
+            return Ok(None);
+        }
+        read.dead_letters.extend(gaps);
+        Ok(Some(read))
     }
 
     async fn current_schema(&self) -> Option<SchemaRef> {
