@@ -573,6 +573,75 @@ async fn dead_letters(out: &std::path::Path) -> Vec<(String, String, String)> {
     dead
 }
 
+/// Positions as numbers on a source whose reads grow its schema (JSON, inferred, `add_columns`):
+/// the batch that brings a new field is read again whole, in text, for the query planned again
+/// over the grown schema, which reads numbers; its rows and side tables are those of a query
+/// that reads the positions as text, and so are the batches before and after it.
+#[tokio::test(flavor = "multi_thread")]
+async fn positions_read_as_numbers_across_a_schema_that_grows() {
+    let before = [
+        r#"{"id":1,"ts":"2024-01-01T00:00:10Z","amount":5}"#,
+        r#"{"id":2,"ts":"2024-01-01T00:00:20Z","amount":4}"#,
+    ];
+    let growing = [
+        r#"{"id":3,"ts":"2024-01-01T00:00:30Z","amount":2,"note":"new"}"#,
+        "not json",
+        r#"{"id":5,"amount":1,"note":"no time"}"#,
+        r#"{"id":6,"ts":"2024-01-01T00:00:40Z","amount":0,"note":"zero"}"#,
+        r#"{"id":7,"ts":"2024-01-01T00:00:50Z","amount":1}"#,
+    ];
+    let after = [
+        r#"{"id":8,"ts":"2024-01-01T00:01:00Z","amount":5,"note":"after"}"#,
+        r#"{"id":9,"ts":"2024-01-01T00:01:10Z","amount":0}"#,
+    ];
+    let queries = [
+        (
+            "SELECT id, 100 / amount AS q, _source_position AS at FROM input",
+            "positions=Text",
+        ),
+        (
+            "SELECT id, 100 / amount AS q FROM input",
+            "positions=Numbers",
+        ),
+    ];
+    let mut results = Vec::new();
+    for (query, reads) in queries {
+        let ws = tempfile::tempdir().unwrap();
+        let input = ws.path().join("input");
+        std::fs::create_dir_all(&input).unwrap();
+        std::fs::write(input.join("a.json"), before.join("\n") + "\n").unwrap();
+        let path = job(ws.path(), "growing", "json", "event_time = \"ts\"", query);
+        let path = path.to_str().unwrap();
+        // The first run infers the schema without `note`.
+        assert_ok(&run_sluice(&["run", path], &[]));
+        std::fs::write(input.join("b.json"), growing.join("\n") + "\n").unwrap();
+        std::fs::write(input.join("c.json"), after.join("\n") + "\n").unwrap();
+        let run = run_sluice(&["run", path], &[("RUST_LOG", "info")]);
+        assert_ok(&run);
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        assert!(
+            stderr.contains(reads) && stderr.contains("source schema grew"),
+            "{query}: {stderr}"
+        );
+        let out = ws.path().join("out");
+        let mut ids: Vec<i64> = table_values(&out, &[])
+            .await
+            .iter()
+            .map(|r| r["id"].as_i64().unwrap())
+            .collect();
+        ids.sort();
+        assert_eq!(ids, [1, 2, 3, 7, 8], "{query}");
+        results.push(dead_letters(&out).await);
+    }
+    assert_eq!(results[0], results[1]);
+    let dead = &results[0];
+    let positions: Vec<&str> = dead.iter().map(|d| d.0.as_str()).collect();
+    assert_eq!(positions, ["b.json:2", "b.json:3", "b.json:4", "c.json:2"]);
+    assert!(dead[1].1.contains("no time"), "{dead:?}");
+    assert!(dead[2].1.contains("\"zero\""), "{dead:?}");
+    assert!(dead[3].2.contains("Divide by zero"), "{dead:?}");
+}
+
 /// The bytes a hex string spells.
 fn hex_bytes(hex: &str) -> Vec<u8> {
     (0..hex.len())

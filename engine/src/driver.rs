@@ -38,7 +38,7 @@
 //! without writing further — and everything it might write before noticing is put-if-absent or
 //! named by its lease epoch, so it cannot corrupt the checkpoint of the run that took over.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -406,6 +406,10 @@ struct Batch {
     late: Vec<RecordBatch>,
     /// What compaction rewrote after the commit.
     compaction: Compaction,
+    /// The sources whose schema this batch's read grew: not read ahead for the next batch
+    /// (records that keep bringing new fields would have every read ahead declined, decoded
+    /// for nothing).
+    schema_grew: BTreeSet<String>,
     times: StepTimes,
 }
 
@@ -445,6 +449,7 @@ impl Batch {
             dead_letters: Vec::new(),
             late: Vec::new(),
             compaction: Compaction::default(),
+            schema_grew: BTreeSet::new(),
             times: StepTimes {
                 plan: started.elapsed(),
                 ..StepTimes::default()
@@ -750,7 +755,8 @@ impl Pipeline {
     /// letters, late rows) is more than [`READ_AHEAD_MAX_OUTPUT_SHARE`] of its input and more
     /// than [`READ_AHEAD_SMALL_OUTPUT_BYTES`] (memory). A read ahead never grows a source's
     /// schema ([`crate::source::Source::read_ahead`]): a range whose records bring new fields
-    /// is read by its batch, which records them.
+    /// is read by its batch, which records them; a source whose schema this batch grew is not
+    /// read ahead.
     fn start_read_ahead(
         &self,
         batch: &Batch,
@@ -772,7 +778,11 @@ impl Pipeline {
             return None;
         }
         let mut reads = Vec::new();
-        for s in &self.sources {
+        for s in self
+            .sources
+            .iter()
+            .filter(|s| !batch.schema_grew.contains(&s.name))
+        {
             let (Some(ends), Some(latest)) = (
                 batch.end_offsets.get(&s.name),
                 self.latest_at_plan.get(&s.name),
@@ -828,6 +838,7 @@ impl Pipeline {
         .await?;
         for (index, (s, read)) in self.sources.iter().zip(reads).enumerate() {
             if let Some(schema) = read.grown {
+                batch.schema_grew.insert(s.name.clone());
                 grown.push((index, schema));
             }
             let (rows, letters) = (read.rows, read.dead_letters);
@@ -923,8 +934,11 @@ impl Pipeline {
         for s in &self.sources {
             for chunk in inputs.get_mut(&s.name).into_iter().flatten() {
                 if chunk.schema() != s.planned {
+                    // Read again whole (in text) when the schema grew: the query planned again
+                    // may read positions as numbers.
+                    let numbered = s.with_position_numbers(chunk).await?;
                     *chunk =
-                        conform(chunk, &s.planned).map_err(|e| Error::in_source(&s.name, e))?;
+                        conform(&numbered, &s.planned).map_err(|e| Error::in_source(&s.name, e))?;
                 }
             }
         }

@@ -404,8 +404,8 @@ fn parse_string(s: &str, format: &EventTimeFormat) -> std::result::Result<i64, S
             if let Some(micros) = plain_utc_timestamp(s, TimeUnit::Microsecond) {
                 return Ok(micros);
             }
-            // Arrow's parser is lenient (a space for `T`, no offset) but works in nanoseconds,
-            // so it refuses years after 2262; chrono reads those, to be judged by range and skew.
+            // Arrow's parser is lenient (a space for `T`, no offset); what it refuses, chrono's
+            // RFC 3339 parser and the naive forms may read, to be judged by range and skew.
             arrow::compute::kernels::cast_utils::string_to_datetime(&Utc, s)
                 .map(|t| t.timestamp_micros())
                 .or_else(|_| DateTime::parse_from_rfc3339(s.trim()).map(|t| t.timestamp_micros()))

@@ -103,16 +103,11 @@ impl OpenSource {
                 "a read's lineage columns are malformed",
             ));
         };
-        let mut prefixes: HashMap<(&str, i64), String> = HashMap::new();
+        let prefixes = self.position_prefixes(partitions, offsets).await?;
         let mut text = arrow::array::StringBuilder::with_capacity(rows.num_rows(), 0);
         for row in 0..rows.num_rows() {
             let at = (partitions.value(row), offsets.value(row));
-            let prefix = match prefixes.entry(at) {
-                Entry::Occupied(known) => known.into_mut(),
-                Entry::Vacant(new) => {
-                    new.insert(self.source.position_prefix(&at.0.to_string(), at.1).await?)
-                }
-            };
+            let prefix = prefixes.get(&at).map_or("", String::as_str);
             text.append_value(format!("{prefix}{}", numbers.value(row)));
         }
         let mut fields: Vec<arrow::datatypes::FieldRef> = schema.fields().iter().cloned().collect();
@@ -125,6 +120,83 @@ impl OpenSource {
         columns[index] = Arc::new(text.finish());
         let schema = Schema::new_with_metadata(fields, schema.metadata().clone());
         Ok(RecordBatch::try_new(Arc::new(schema), columns)?)
+    }
+
+    /// `rows` (of this source, read whole with positions as text) with each row's number as
+    /// well ([`SOURCE_ROW`], appended), where this source's reads now give numbers: the
+    /// position's text less the source's prefix for the row's offset. For the batch whose read
+    /// grew the schema: it is read again whole, in text, and given to the query planned again
+    /// over the grown schema, whose reads may give numbers. Rows are returned as they are
+    /// where the reads give text, or the rows have numbers already.
+    ///
+    /// # Errors
+    /// If the lineage columns are not as a read gives them, or a position is not the source's
+    /// prefix and a number (what [`Source::numbers_positions`] promises).
+    pub(crate) async fn with_position_numbers(&self, rows: &RecordBatch) -> Result<RecordBatch> {
+        let schema = rows.schema();
+        if self.positions != PositionForm::Numbers || schema.index_of(SOURCE_ROW).is_ok() {
+            return Ok(rows.clone());
+        }
+        let positions = rows
+            .column_by_name(SOURCE_POSITION)
+            .and_then(|c| c.as_string_opt::<i32>());
+        let partitions = rows
+            .column_by_name(SOURCE_PARTITION)
+            .and_then(|c| c.as_string_opt::<i32>());
+        let offsets = rows
+            .column_by_name(SOURCE_OFFSET)
+            .and_then(|c| c.as_primitive_opt::<Int64Type>());
+        let (Some(positions), Some(partitions), Some(offsets)) = (positions, partitions, offsets)
+        else {
+            return Err(Error::in_source(
+                &self.name,
+                "a read's lineage columns are malformed",
+            ));
+        };
+        let prefixes = self.position_prefixes(partitions, offsets).await?;
+        let mut numbers = Vec::with_capacity(rows.num_rows());
+        for row in 0..rows.num_rows() {
+            let at = (partitions.value(row), offsets.value(row));
+            let prefix = prefixes.get(&at).map_or("", String::as_str);
+            let position = positions.value(row);
+            let number = position
+                .strip_prefix(prefix)
+                .and_then(|n| n.parse::<i64>().ok());
+            let Some(number) = number else {
+                return Err(Error::in_source(
+                    &self.name,
+                    format!("position '{position}' is not '{prefix}' and a row number"),
+                ));
+            };
+            numbers.push(number);
+        }
+        let mut fields: Vec<arrow::datatypes::FieldRef> = schema.fields().iter().cloned().collect();
+        fields.push(Arc::new(arrow::datatypes::Field::new(
+            SOURCE_ROW,
+            DataType::Int64,
+            false,
+        )));
+        let mut columns = rows.columns().to_vec();
+        columns.push(Arc::new(arrow::array::Int64Array::from(numbers)));
+        let schema = Schema::new_with_metadata(fields, schema.metadata().clone());
+        Ok(RecordBatch::try_new(Arc::new(schema), columns)?)
+    }
+
+    /// The source's position prefix ([`Source::position_prefix`]) of each partition and offset
+    /// among the rows of these lineage columns, asked once each.
+    async fn position_prefixes<'a>(
+        &self,
+        partitions: &'a arrow::array::StringArray,
+        offsets: &arrow::array::Int64Array,
+    ) -> Result<HashMap<(&'a str, i64), String>> {
+        let mut prefixes = HashMap::new();
+        for row in 0..partitions.len() {
+            let at = (partitions.value(row), offsets.value(row));
+            if let Entry::Vacant(new) = prefixes.entry(at) {
+                new.insert(self.source.position_prefix(&at.0.to_string(), at.1).await?);
+            }
+        }
+        Ok(prefixes)
     }
 
     /// Whether its reads give fewer data columns than the source has (else they are whole
@@ -194,9 +266,9 @@ pub(crate) type ReadsAhead = BTreeMap<PartitionId, (OffsetRange, SourceRead)>;
 /// can), even when it reads every column: formatting a position for every row was ~15 % of
 /// such a query's CPU, and only the rows bound for a side table need one
 /// ([`OpenSource::with_position_text`]). A stateful query keeps text: its operators keep
-/// lineage in their state and their failed rows. So does a source whose reads may grow its
-/// schema: the batch that grows it is read again whole, in text, and given to the query
-/// planned again.
+/// lineage in their state and their failed rows. The batch whose read grows a source's schema
+/// is read again whole, in text, and given to the query planned again with its numbers
+/// ([`OpenSource::with_position_numbers`]).
 ///
 /// The narrower plan is kept only if it runs exactly the plan `query` runs
 /// ([`StreamingQuery::runs_as`]): a column the SQL names but the optimizer drops (`WHERE x IS
@@ -245,7 +317,6 @@ pub(crate) async fn narrow_reads(
             .collect();
         let numbers = !query.is_stateful()
             && s.source.numbers_positions()
-            && !s.source.reads_may_grow_schema()
             && s.schema.index_of(SOURCE_POSITION).is_ok()
             && s.schema.index_of(SOURCE_ROW).is_err()
             && !used.is_some_and(|u| u.contains(SOURCE_POSITION));

@@ -185,9 +185,9 @@ where
 ///   at the end, new fields at the end of a struct), all nullable.
 /// - [`Source::read`] is deterministic: the same `(partition, range)` always gives the same rows
 ///   and dead letters, or an error naming what changed. It may be called at any time and
-///   concurrently with other reads: the driver reads the next batch's ranges while the current
-///   batch commits, before the next intent is written, and uses such a read only for exactly
-///   the range the intent then gives.
+///   concurrently with other reads: the driver reads the next batch's ranges
+///   ([`Source::read_ahead`]) while the current batch commits, before the next intent is
+///   written, and uses such a read only for exactly the range the intent then gives.
 /// - Offsets only grow: `available()` never reports a `latest` below one it reported before.
 /// - A read does its CPU-bound work (decoding, generating) in [`cpu_bound`], never inline in
 ///   the async fn: the driver reads a batch's partitions concurrently, and work done inline
