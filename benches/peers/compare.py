@@ -13,7 +13,9 @@ Run it with ``benches/peers/compare.sh`` (installs pyspark, builds Sluice in rel
 - ``clicks``: ``--clicks`` click events as JSON lines in 100 files, ~1 % of the lines malformed
   (and the same files with those lines removed), through a 1-minute tumbling count and sum per
   user, 10 files per batch. Sluice dead-letters the malformed lines; Spark (PERMISSIVE, the
-  default) turns each into a row of nulls that the aggregation ignores.
+  default) turns each into a row of nulls that the aggregation ignores. The malformed set runs
+  a third time with Sluice inferring the schema (no ``schema``: how messy input arrives; the
+  timestamps stay text, parsed as event time), Spark still given it.
 - ``overhead``: the per-batch fixed cost — the same windowed job over 100 small files (100
   events each), one file per batch; the p50 of each engine's own per-batch time (Sluice:
   ``total_ms`` of its per-batch log line, intent to purge; Spark: ``triggerExecution`` of its
@@ -245,13 +247,13 @@ max_files_per_batch = {files_per_batch}
 """
 
 
-def click_source(folder, files_per_batch):
+def click_source(folder, files_per_batch, declared=True):
+    schema = f'schema = "{CLICK_SCHEMA}"\n' if declared else ""
     return f"""[sources.clicks]
 kind = "files"
 path = "{folder}"
 format = "json"
-schema = "{CLICK_SCHEMA}"
-event_time = "ts"
+{schema}event_time = "ts"
 max_out_of_orderness = "5s"
 max_files_per_batch = {files_per_batch}
 """
@@ -425,18 +427,25 @@ def main():
             os.sync()
             print(f"clicks: {args.clicks} JSON events in 100 files ({bad} malformed lines in the "
                   f"first set), 1-minute count+sum per user, 10 files per batch:\n{header}")
-            for name, folder in [("1 % malformed", bad_folder), ("clean", clean_folder)]:
+            for name, folder, declared in [
+                ("1 % malformed", bad_folder, True),
+                ("clean", clean_folder, True),
+                ("1 % malformed, inferred", bad_folder, False),
+            ]:
                 tag = "bad" if folder == bad_folder else "clean"
+                tag += "" if declared else "_inferred"
                 s_runs, k_runs = [], []
                 for _ in range(args.repeat):
                     fresh(work, f"clicks_{tag}")
                     s_runs.append(run_sluice(
-                        args.sluice, work, f"clicks_{tag}", click_source(folder, 10), CLICKS_SQL))
+                        args.sluice, work, f"clicks_{tag}",
+                        click_source(folder, 10, declared), CLICKS_SQL))
                     k_runs.append(spark_clicks(spark, work, f"clicks_{tag}", folder, 10))
                 s_time, summary, _, steps = median_run(s_runs)
                 k_time, k_rows, _ = median_run(k_runs)
                 record("clicks", name, args.clicks, s_time, k_time, malformed_lines=(
-                    bad if tag == "bad" else 0), files_per_batch=10,
+                    bad if folder == bad_folder else 0), files_per_batch=10,
+                    sluice_schema="declared" if declared else "inferred",
                     sluice_p50_ms_per_step=steps,
                     sluice_seconds_runs=[r[0] for r in s_runs],
                     spark_seconds_runs=[r[0] for r in k_runs])
