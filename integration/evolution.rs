@@ -208,12 +208,15 @@ async fn a_new_field_becomes_a_column_in_the_commit_of_the_batch_that_first_read
     let rerun_run = run_sluice(&["run", rerun.to_str().unwrap()], &[log]);
     assert_ok(&rerun_run);
     let stderr = String::from_utf8_lossy(&rerun_run.stderr);
+    // Batches 1 to 11 are read ahead, but the boundary batch's read is declined and the
+    // batch after it is not read ahead (its source's schema grew in the batch before).
     let taken = stderr.matches("taken from the read ahead").count();
     let declined = stderr
         .matches("the source declined to read this range ahead")
         .count();
+    let read_ahead = FILES.div_ceil(FILES_PER_BATCH) - 1;
     assert!(
-        taken >= 5 && declined == 1,
+        taken == read_ahead - 2 && declined == 1,
         "{taken} taken, {declined} declined: {stderr}"
     );
     let again_changes = schema_changes(&again, "evolving");

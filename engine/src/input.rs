@@ -84,8 +84,11 @@ impl OpenSource {
     /// If the lineage columns are not as a read gives them, or the source has no prefix.
     pub(crate) async fn with_position_text(&self, rows: &RecordBatch) -> Result<RecordBatch> {
         let schema = rows.schema();
-        // (Numbers are never read from a source with a column of that name.)
-        let (PositionForm::Numbers, Ok(index)) = (self.positions, schema.index_of(SOURCE_ROW))
+        // Rows in text have their position: a `_source_row` beside it is data (a source's
+        // schema may grow such a column while its reads give numbers; they then give text).
+        let in_numbers = schema.index_of(SOURCE_POSITION).is_err();
+        let (PositionForm::Numbers, true, Ok(index)) =
+            (self.positions, in_numbers, schema.index_of(SOURCE_ROW))
         else {
             return Ok(rows.clone());
         };
@@ -738,7 +741,10 @@ pub(crate) async fn read_source(
     let mut reads = reading.await?;
     let mut query_schema = Arc::clone(&s.schema);
     if let Some(mut current) = s.source.current_schema().await {
-        // Bounded: every pass that finds a stale read follows a growth of the schema.
+        // Bounded: every pass that finds a stale read follows a growth of the schema. Reads
+        // made again with the schema in force, which did not grow meanwhile, are as fresh as
+        // they get (a data column named like the internal `_source_row` keeps a numbers read
+        // from ever matching: the batch is then read again whole, below).
         for _ in 0..MAX_REREADS {
             let as_read = s.as_read(&current);
             let stale: Vec<usize> = (0..reads.len())
@@ -751,7 +757,11 @@ pub(crate) async fn read_source(
                 let (p, r) = ranges[i];
                 reads[i] = s.read(p, *r).await?;
             }
-            current = s.source.current_schema().await.unwrap_or(current);
+            let now = s.source.current_schema().await;
+            match now {
+                Some(now) if now != current => current = now,
+                _ => break,
+            }
         }
         query_schema = match &s.event_time {
             Some(time) => schema_with_event_time(&current, &time.column)
