@@ -366,7 +366,7 @@ def main():
 
     def record(suite, name, events, s_time, k_time, **extra):
         s_rate, k_rate = events / s_time, events / k_time
-        print(f"{name:18} {s_rate:14,.0f} {k_rate:14,.0f} {s_rate / k_rate:6.1f}×")
+        print(f"{name:24} {s_rate:14,.0f} {k_rate:14,.0f} {s_rate / k_rate:6.1f}×")
         results.append({
             "commit": commit, "at": datetime.now(timezone.utc).isoformat(), "suite": suite,
             "query": name, "events": events, "cores": cores, "sluice_seconds": s_time,
@@ -386,7 +386,7 @@ def main():
             .getOrCreate()
         )
         spark.sparkContext.setLogLevel("ERROR")
-        header = f"{'':18} {'Sluice ev/s':>14} {'Spark ev/s':>14} {'ratio':>7}"
+        header = f"{'':24} {'Sluice ev/s':>14} {'Spark ev/s':>14} {'ratio':>7}"
         formats = [s.split("-")[1] for s in suites if s.startswith("nexmark-")]
         if formats:
             bids, files = generate(args.sluice, work, args.events, args.files)
