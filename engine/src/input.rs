@@ -8,7 +8,7 @@ use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use arrow::array::{Array, ArrayRef, AsArray, RecordBatch};
+use arrow::array::{Array, ArrayRef, AsArray, Int64Array, RecordBatch, StringArray};
 use arrow::compute::{concat_batches, filter_record_batch};
 use arrow::datatypes::{DataType, Int64Type, Schema, SchemaRef};
 use futures::future::try_join_all;
@@ -93,18 +93,9 @@ impl OpenSource {
             return Ok(rows.clone());
         };
         let numbers = rows.column(index).as_primitive_opt::<Int64Type>();
-        let partitions = rows
-            .column_by_name(SOURCE_PARTITION)
-            .and_then(|c| c.as_string_opt::<i32>());
-        let offsets = rows
-            .column_by_name(SOURCE_OFFSET)
-            .and_then(|c| c.as_primitive_opt::<Int64Type>());
-        let (Some(numbers), Some(partitions), Some(offsets)) = (numbers, partitions, offsets)
+        let (Some(numbers), Some((partitions, offsets))) = (numbers, partitions_and_offsets(rows))
         else {
-            return Err(Error::in_source(
-                &self.name,
-                "a read's lineage columns are malformed",
-            ));
+            return Err(self.malformed_lineage());
         };
         let prefixes = self.position_prefixes(partitions, offsets).await?;
         let mut text = arrow::array::StringBuilder::with_capacity(rows.num_rows(), 0);
@@ -143,18 +134,10 @@ impl OpenSource {
         let positions = rows
             .column_by_name(SOURCE_POSITION)
             .and_then(|c| c.as_string_opt::<i32>());
-        let partitions = rows
-            .column_by_name(SOURCE_PARTITION)
-            .and_then(|c| c.as_string_opt::<i32>());
-        let offsets = rows
-            .column_by_name(SOURCE_OFFSET)
-            .and_then(|c| c.as_primitive_opt::<Int64Type>());
-        let (Some(positions), Some(partitions), Some(offsets)) = (positions, partitions, offsets)
+        let (Some(positions), Some((partitions, offsets))) =
+            (positions, partitions_and_offsets(rows))
         else {
-            return Err(Error::in_source(
-                &self.name,
-                "a read's lineage columns are malformed",
-            ));
+            return Err(self.malformed_lineage());
         };
         let prefixes = self.position_prefixes(partitions, offsets).await?;
         let mut numbers = Vec::with_capacity(rows.num_rows());
@@ -180,17 +163,21 @@ impl OpenSource {
             false,
         )));
         let mut columns = rows.columns().to_vec();
-        columns.push(Arc::new(arrow::array::Int64Array::from(numbers)));
+        columns.push(Arc::new(Int64Array::from(numbers)));
         let schema = Schema::new_with_metadata(fields, schema.metadata().clone());
         Ok(RecordBatch::try_new(Arc::new(schema), columns)?)
+    }
+
+    fn malformed_lineage(&self) -> Error {
+        Error::in_source(&self.name, "a read's lineage columns are malformed")
     }
 
     /// The source's position prefix ([`Source::position_prefix`]) of each partition and offset
     /// among the rows of these lineage columns, asked once each.
     async fn position_prefixes<'a>(
         &self,
-        partitions: &'a arrow::array::StringArray,
-        offsets: &arrow::array::Int64Array,
+        partitions: &'a StringArray,
+        offsets: &Int64Array,
     ) -> Result<HashMap<(&'a str, i64), String>> {
         let mut prefixes = HashMap::new();
         for row in 0..partitions.len() {
@@ -230,6 +217,17 @@ impl OpenSource {
         }
         Ok(read)
     }
+}
+
+/// The partition and offset columns of rows a read gave, if they are as reads give them.
+fn partitions_and_offsets(rows: &RecordBatch) -> Option<(&StringArray, &Int64Array)> {
+    let partitions = rows
+        .column_by_name(SOURCE_PARTITION)?
+        .as_string_opt::<i32>()?;
+    let offsets = rows
+        .column_by_name(SOURCE_OFFSET)?
+        .as_primitive_opt::<Int64Type>()?;
+    Some((partitions, offsets))
 }
 
 /// The rows of `partition` in `range` of `source`, with only the data `columns` named when it
