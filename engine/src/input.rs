@@ -396,7 +396,7 @@ type Narrowing = BTreeMap<usize, (Vec<String>, PositionForm)>;
 
 /// `schema` (a source's, or a read's) with only the data `columns` and the lineage columns, in
 /// its order, the position in `positions`' form ([`schema_in_form`]; [`SOURCE_ROW`] is kept
-/// only in the numbers form, which is never used on a source with a column of that name).
+/// only in the numbers form, which is not chosen for a source with a column of that name).
 fn only_columns(schema: &SchemaRef, columns: &[String], positions: PositionForm) -> SchemaRef {
     let numbers = positions == PositionForm::Numbers;
     let kept = schema

@@ -34,7 +34,9 @@ pub const LINEAGE_COLUMNS: [&str; 3] = [SOURCE_PARTITION, SOURCE_OFFSET, SOURCE_
 /// Internal column: in place of [`SOURCE_POSITION`] in a read asked for
 /// [`PositionForm::Numbers`], the number its text ends with (`17` for `file.json:17`), as Int64.
 /// Never in a query's output nor in a table: rendered to text ([`Source::position_prefix`])
-/// before a row goes to a side table. Not used on a source that has a column of this name.
+/// before a row goes to a side table. Not chosen for a source that has a column of this name
+/// (one that schema evolution adds makes the reads made in this form stale: the batch is read
+/// again whole, in text).
 pub const SOURCE_ROW: &str = "_source_row";
 
 /// Whether `name` is one of the [`LINEAGE_COLUMNS`].
