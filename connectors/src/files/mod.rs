@@ -60,7 +60,7 @@ use url::Url;
 
 use crate::decode::{data_lines, decode_csv_lines, decode_json_lines, kept_columns};
 use crate::error::{ConnectorError, Result};
-use crate::evolve::{SchemaEvolution, fields_to_add, rescue_lines};
+use crate::evolve::{NewFields, SchemaEvolution, fields_to_add, rescue_lines};
 use crate::infer::{INFER_RECORDS, infer_csv, infer_json};
 use crate::schema_log::SchemaLog;
 
@@ -498,15 +498,7 @@ impl Source for FilesSource {
         positions: PositionForm,
     ) -> sluice_engine::Result<Option<SourceRead>> {
         let files = self.files_at(partition, range).await?;
-        let opened = self
-            .opened()
-            .map_err(|e| sluice_engine::Error::in_source("files", e))?;
-        let schema = opened.data_schema().await;
-        let read = self
-            .decode_files(&files, &schema, columns, positions)
-            .await?;
-        let new = fields_to_add(opened.evolution, &schema, &read.dead_letters, &[])
-            .map_err(|e| sluice_engine::Error::in_source(&opened.name, e))?;
+        let (read, new) = self.decode_files(&files, columns, positions).await?;
         Ok(new.is_none().then_some(read))
     }
 
@@ -602,12 +594,8 @@ impl FilesSource {
         // Decoded with the schema in force; under `add_columns`, fields it lacks grow it (the
         // growth recorded first) and the files are read again with the grown schema.
         for _ in 0..MAX_EVOLUTIONS_PER_READ {
-            let schema = opened.data_schema().await;
-            let read = self
-                .decode_files(&files, &schema, columns, positions)
-                .await?;
-            let new = fields_to_add(opened.evolution, &schema, &read.dead_letters, &[]);
-            let Some(new) = new.map_err(wrap)? else {
+            let (read, new) = self.decode_files(&files, columns, positions).await?;
+            let Some(new) = new else {
                 return Ok(read);
             };
             opened
@@ -624,19 +612,21 @@ impl FilesSource {
         ))))
     }
 
-    /// `files` decoded with `schema`, a group of files at a time (the next group fetched while
-    /// one decodes), into rows and dead letters.
+    /// `files` decoded with the schema in force, a group of files at a time (the next group
+    /// fetched while one decodes), into rows and dead letters; and the fields their records
+    /// bring that the schema lacks, under `add_columns` ([`fields_to_add`]; `None`: nothing
+    /// new).
     async fn decode_files(
         &self,
         files: &[(i64, RecordedFile)],
-        schema: &SchemaRef,
         columns: Option<&[String]>,
         positions: PositionForm,
-    ) -> sluice_engine::Result<SourceRead> {
+    ) -> sluice_engine::Result<(SourceRead, Option<NewFields>)> {
         let opened = self
             .opened()
             .map_err(|e| sluice_engine::Error::in_source("files", e))?;
         let wrap = |e: ConnectorError| sluice_engine::Error::in_source(&opened.name, e);
+        let schema = &opened.data_schema().await;
         let mut read = SourceRead::default();
         let groups = &read_groups(files);
         // The bytes of group `i`'s files, in order (none past the last group).
@@ -677,7 +667,8 @@ impl FilesSource {
             }
             fetched = next.map_err(wrap)?;
         }
-        Ok(read)
+        let new = fields_to_add(opened.evolution, schema, &read.dead_letters, &[]);
+        Ok((read, new.map_err(wrap)?))
     }
 }
 

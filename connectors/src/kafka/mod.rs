@@ -74,7 +74,7 @@ use tokio::sync::{Mutex, OnceCell};
 use tracing::{info, warn};
 
 use crate::error::{ConnectorError, Result};
-use crate::evolve::{SchemaEvolution, fields_to_add};
+use crate::evolve::{NewFields, SchemaEvolution, fields_to_add};
 use crate::infer::{INFER_RECORDS, infer_csv, infer_json};
 use crate::schema_log::SchemaLog;
 mod config;
@@ -491,14 +491,15 @@ impl KafkaSource {
     }
 
     /// `records` of `partition` decoded (on a blocking thread) with the schema in force, and
-    /// that schema: new fields are judged against the schema a read decoded with, as another
+    /// the fields they bring that it lacks, under `add_columns` ([`fields_to_add`]; `None`:
+    /// nothing new) — judged against the schema this read decoded with, as another
     /// partition's read may grow it meanwhile.
     async fn decode(
         &self,
         partition: &PartitionId,
         tp: &TopicPartition,
         records: &Arc<Vec<RecordAndOffset>>,
-    ) -> sluice_engine::Result<(SourceRead, SchemaRef)> {
+    ) -> sluice_engine::Result<(SourceRead, Option<NewFields>)> {
         let opened = self
             .opened()
             .map_err(|e| sluice_engine::Error::in_source("kafka", e))?;
@@ -510,7 +511,13 @@ impl KafkaSource {
             .await
             .map_err(|e| wrap(ConnectorError::Config(format!("decoding task failed: {e}"))))?
             .map_err(wrap)?;
-        Ok((read, decoded_with))
+        let new = fields_to_add(
+            opened.evolution,
+            &decoded_with,
+            &read.dead_letters,
+            &METADATA_COLUMNS,
+        );
+        Ok((read, new.map_err(wrap)?))
     }
 
     /// Fetches the committed records of `range` (see "Transactions" in the module docs).
@@ -835,16 +842,7 @@ impl Source for KafkaSource {
         // Decoded with the schema in force; under `add_columns`, fields it lacks grow it (the
         // growth recorded first) and the records are decoded again with the grown schema.
         for _ in 0..MAX_EVOLUTIONS_PER_READ {
-            // New fields are judged against the schema this read decoded with: another
-            // partition's read may have grown the schema meanwhile.
-            let (mut read, decoded_with) = self.decode(partition, &tp, &records).await?;
-            let new = fields_to_add(
-                opened.evolution,
-                &decoded_with,
-                &read.dead_letters,
-                &METADATA_COLUMNS,
-            )
-            .map_err(wrap)?;
+            let (mut read, new) = self.decode(partition, &tp, &records).await?;
             let (Some(new), Some(log)) = (new, &opened.schema_log) else {
                 read.dead_letters.extend(gaps);
                 return Ok(read);
@@ -897,14 +895,7 @@ impl Source for KafkaSource {
         let wrap = |e: ConnectorError| sluice_engine::Error::in_source(&opened.name, e);
         let tp = self.topic_partition(partition).map_err(wrap)?;
         let (records, gaps) = self.fetch(&tp, range).await.map_err(wrap)?;
-        let (mut read, decoded_with) = self.decode(partition, &tp, &Arc::new(records)).await?;
-        let new = fields_to_add(
-            opened.evolution,
-            &decoded_with,
-            &read.dead_letters,
-            &METADATA_COLUMNS,
-        )
-        .map_err(wrap)?;
+        let (mut read, new) = self.decode(partition, &tp, &Arc::new(records)).await?;
         if new.is_some() {
             return Ok(None);
         }
