@@ -101,6 +101,16 @@ fn schema_changes(table: &Path, app_id: &str) -> Vec<(Option<i64>, Option<String
         .collect()
 }
 
+/// The txn versions of the commits among `changes` ([`schema_changes`]) that set a schema
+/// with the new field `plan`.
+fn setting_plan(changes: &[(Option<i64>, Option<String>)]) -> Vec<Option<i64>> {
+    changes
+        .iter()
+        .filter(|(_, schema)| schema.as_ref().is_some_and(|s| s.contains("\"plan\"")))
+        .map(|(txn, _)| *txn)
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_new_field_becomes_a_column_in_the_commit_of_the_batch_that_first_reads_it() {
     let ws = tempfile::tempdir().unwrap();
@@ -136,11 +146,7 @@ async fn a_new_field_becomes_a_column_in_the_commit_of_the_batch_that_first_read
     // The schema changes in the Delta log: created without the new fields; the commit of the
     // first batch reading them (and only it) sets a schema with both.
     let changes = schema_changes(&out, "evolving");
-    let with_plan: Vec<Option<i64>> = changes
-        .iter()
-        .filter(|(_, schema)| schema.as_ref().is_some_and(|s| s.contains("\"plan\"")))
-        .map(|(txn, _)| *txn)
-        .collect();
+    let with_plan = setting_plan(&changes);
     assert_eq!(with_plan, vec![Some(first_batch)], "{changes:?}");
     let (_, schema) = changes
         .iter()
@@ -220,11 +226,7 @@ async fn a_new_field_becomes_a_column_in_the_commit_of_the_batch_that_first_read
         "{taken} taken, {declined} declined: {stderr}"
     );
     let again_changes = schema_changes(&again, "evolving");
-    let again_with_plan: Vec<Option<i64>> = again_changes
-        .iter()
-        .filter(|(_, schema)| schema.as_ref().is_some_and(|s| s.contains("\"plan\"")))
-        .map(|(txn, _)| *txn)
-        .collect();
+    let again_with_plan = setting_plan(&again_changes);
     assert_eq!(
         again_with_plan,
         vec![Some(first_batch)],
@@ -245,11 +247,7 @@ async fn a_new_field_becomes_a_column_in_the_commit_of_the_batch_that_first_read
     std::fs::write(&windowed, text).unwrap();
     assert_ok(&run_sluice(&["run", windowed.to_str().unwrap()], &[]));
     let late_changes = schema_changes(&late_table(&windowed_out), "evolving");
-    let late_with_plan: Vec<Option<i64>> = late_changes
-        .iter()
-        .filter(|(_, schema)| schema.as_ref().is_some_and(|s| s.contains("\"plan\"")))
-        .map(|(txn, _)| *txn)
-        .collect();
+    let late_with_plan = setting_plan(&late_changes);
     assert_eq!(late_with_plan, vec![Some(first_batch)], "{late_changes:?}");
     let counted: i64 = python_read(&windowed_out)["rows"]
         .as_array()

@@ -296,12 +296,7 @@ async fn parquet_reads_only_the_columns_used_and_side_tables_keep_whole_records(
         stderr.contains("every column of its sources is read"),
         "{stderr}"
     );
-    let mut ids: Vec<i64> = table_values(&plain.path().join("out"), &[])
-        .await
-        .iter()
-        .map(|r| r["id"].as_i64().unwrap())
-        .collect();
-    ids.sort();
+    let ids = sorted_ids(&plain.path().join("out")).await;
     assert_eq!(ids, [2, 3, 4]);
 }
 
@@ -644,12 +639,7 @@ async fn positions_read_as_numbers_across_a_schema_that_grows() {
             "{query}: {stderr}"
         );
         let out = ws.path().join("out");
-        let mut ids: Vec<i64> = table_values(&out, &[])
-            .await
-            .iter()
-            .map(|r| r["id"].as_i64().unwrap())
-            .collect();
-        ids.sort();
+        let ids = sorted_ids(&out).await;
         assert_eq!(ids, [1, 2, 3, 7, 8, 10], "{query}");
         results.push(dead_letters(&out).await);
     }

@@ -80,12 +80,7 @@ async fn hostile_lines_are_dead_letters_and_every_good_line_lands_once() {
     let job = write_job(&ws.path().join("job.toml"), "hostile", &input, &out, 10);
     assert_ok(&run_sluice(&["run", job.to_str().unwrap()], &[]));
 
-    let mut ids: Vec<i64> = table_values(&out, &[])
-        .await
-        .iter()
-        .map(|r| r["id"].as_i64().unwrap())
-        .collect();
-    ids.sort_unstable();
+    let ids = sorted_ids(&out).await;
     let mut want: Vec<i64> = vec![1, 3, 6, 9];
     want.extend(100..100 + whole_lines as i64);
     assert_eq!(ids, want, "good lines lost or doubled");

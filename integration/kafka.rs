@@ -1304,15 +1304,8 @@ sql = "SELECT id, _offset FROM clicks"
     )
     .unwrap();
     let job = job.to_str().unwrap();
-    let ids = || async {
-        let mut ids: Vec<i64> = table_values(&ws.path().join("out"), &[])
-            .await
-            .iter()
-            .map(|r| r["id"].as_i64().unwrap())
-            .collect();
-        ids.sort_unstable();
-        ids
-    };
+    let out = ws.path().join("out");
+    let ids = || sorted_ids(&out);
     assert_ok(&run_sluice(&["run", job], &[]));
     assert_eq!(ids().await, vec![0, 1, 2], "read past an open transaction");
 

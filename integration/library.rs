@@ -648,12 +648,7 @@ async fn a_custom_source_survives_sigkills_with_nothing_lost_or_doubled() {
         .filter(|n| !pages.is_bad(*n))
         .map(|n| n as i64)
         .collect();
-    let mut ids: Vec<i64> = crate::support::table_values(&out, &[])
-        .await
-        .iter()
-        .map(|r| r["id"].as_i64().unwrap())
-        .collect();
-    ids.sort_unstable();
+    let ids = crate::support::sorted_ids(&out).await;
     assert_eq!(ids, good, "each good record exactly once");
 
     let dead = table_rows(&crate::support::dead_letter_table(&out)).await;

@@ -532,12 +532,7 @@ async fn compaction_waits_while_a_backfill_replaces_rows() {
         "no compaction after the backfill:\n{log}"
     );
 
-    let mut ids: Vec<i64> = table_values(&out, &[])
-        .await
-        .iter()
-        .map(|r| r["id"].as_i64().unwrap())
-        .collect();
-    ids.sort();
+    let ids = sorted_ids(&out).await;
     let mut events = events;
     events.lines.extend(Events::write(&input, 12, 6, 5).lines);
     let want: Vec<i64> = events.output_ids().into_iter().collect();

@@ -306,6 +306,17 @@ pub async fn table_values(path: &Path, drop: &[&str]) -> Vec<serde_json::Map<Str
     rows
 }
 
+/// The `id` of every row of the Delta table at `path`, sorted.
+pub async fn sorted_ids(path: &Path) -> Vec<i64> {
+    let mut ids: Vec<i64> = table_values(path, &[])
+        .await
+        .iter()
+        .map(|r| r["id"].as_i64().unwrap())
+        .collect();
+    ids.sort_unstable();
+    ids
+}
+
 /// `<table>_late`, the default late table of a sink at `table`.
 pub fn late_table(table: &Path) -> PathBuf {
     let mut s = table.as_os_str().to_owned();
