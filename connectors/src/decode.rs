@@ -304,6 +304,233 @@ pub(crate) fn decode_csv_lines(
     )
 }
 
+/// The data lines of a CSV file (`header`: it starts with a header line) decoded into `schema`
+/// (`declared`: by the job, else inferred from the files' headers).
+///
+/// A header is read for where it puts the schema's columns ([`match_names`]: exactly, else
+/// trimmed and ignoring ASCII case):
+/// - naming every column of the schema, in another order or with others besides (files from
+///   another producer, or another version of it), the file is read by name;
+/// - naming some: under an inferred schema (the union of the sampled headers), by name, the
+///   columns it lacks null; under a declared one by position, as a file without a header (the
+///   job may name the columns itself) — unless a column the header names is at another
+///   position than the schema's, when neither way places the fields and every line is a dead
+///   letter saying so;
+/// - naming none: by position.
+///
+/// A column the schema lacks is ignored under a declared schema (the job chose its columns, as
+/// a JSON record's other fields are ignored); an inferred schema, which a CSV source never
+/// grows, makes the file's lines dead letters, kept whole rather than losing the field. A
+/// header naming a column twice makes every line a dead letter too.
+pub(crate) fn decode_csv_file(
+    schema: &SchemaRef,
+    delimiter: u8,
+    bytes: &[u8],
+    header: bool,
+    declared: bool,
+) -> Decoded {
+    let lines = data_lines(bytes, header);
+    let names = if header {
+        csv_header(bytes, delimiter)
+    } else {
+        None
+    };
+    match names.map(|names| csv_layout(schema, &names, declared)) {
+        None | Some(Ok(CsvLayout::AsSchema)) => decode_csv_lines(schema, delimiter, bytes, &lines),
+        Some(Ok(CsvLayout::ByName { file_schema, from })) => {
+            let (good, bad) = decode_csv_lines(&file_schema, delimiter, bytes, &lines);
+            let mut conformed = Vec::with_capacity(good.len());
+            for (batch, numbers) in good {
+                let columns = schema
+                    .fields()
+                    .iter()
+                    .zip(&from)
+                    .map(|(field, at)| match at {
+                        Some(i) => Arc::clone(batch.column(*i)),
+                        None => arrow::array::new_null_array(field.data_type(), batch.num_rows()),
+                    })
+                    .collect();
+                match RecordBatch::try_new(Arc::clone(schema), columns) {
+                    Ok(batch) => conformed.push((batch, numbers)),
+                    // Not expected (a NOT NULL column is never left out): kept as dead letters.
+                    Err(e) => {
+                        return every_line_bad(bytes, &lines, &format!("CSV error: {e}"));
+                    }
+                }
+            }
+            (conformed, bad)
+        }
+        Some(Err(reason)) => every_line_bad(bytes, &lines, &reason),
+    }
+}
+
+/// How a CSV file's header lays out the schema's columns ([`decode_csv_file`]).
+#[derive(Debug, PartialEq)]
+enum CsvLayout {
+    /// The schema's columns by position.
+    AsSchema,
+    /// By name: the file's columns in header order (each typed as the schema's column it
+    /// names; one it does not name as text, decoded and dropped), and for each schema column
+    /// the file column holding it (`None`: null).
+    ByName {
+        file_schema: SchemaRef,
+        from: Vec<Option<usize>>,
+    },
+}
+
+/// The column names of a CSV file's header line (the first; not UTF-8: lossily), or `None` if
+/// it does not parse.
+fn csv_header(bytes: &[u8], delimiter: u8) -> Option<Vec<String>> {
+    let end = bytes
+        .iter()
+        .position(|b| *b == b'\n')
+        .unwrap_or(bytes.len());
+    let line = without_bom(&bytes[..end]);
+    let mut reader = csv::ReaderBuilder::new()
+        .has_headers(false)
+        .delimiter(delimiter)
+        .from_reader(line);
+    let record = reader.byte_records().next()?.ok()?;
+    Some(
+        record
+            .iter()
+            .map(|name| String::from_utf8_lossy(name).into_owned())
+            .collect(),
+    )
+}
+
+/// Where `header`'s columns go in `schema` (see [`decode_csv_file`]); `Err`: why no line of the
+/// file can be read.
+fn csv_layout(
+    schema: &SchemaRef,
+    header: &[String],
+    declared: bool,
+) -> std::result::Result<CsvLayout, String> {
+    let fields = schema.fields();
+    if header.len() == fields.len() && header.iter().zip(fields.iter()).all(|(h, f)| h == f.name())
+    {
+        return Ok(CsvLayout::AsSchema);
+    }
+    let NamesMatched { from, of_header } = match_names(
+        &fields.iter().map(|f| f.name().as_str()).collect::<Vec<_>>(),
+        header,
+    )?;
+    let named_all = from.iter().all(Option::is_some);
+    if from.iter().all(Option::is_none) {
+        return Ok(CsvLayout::AsSchema);
+    }
+    if declared && !named_all {
+        // By position, unless a column the header names is elsewhere.
+        let misplaced = of_header
+            .iter()
+            .enumerate()
+            .find_map(|(at, field)| field.filter(|i| *i != at).map(|i| (at, i)));
+        let Some((at, i)) = misplaced else {
+            return Ok(CsvLayout::AsSchema);
+        };
+        let missing: Vec<&str> = fields
+            .iter()
+            .zip(&from)
+            .filter(|(_, at)| at.is_none())
+            .map(|(f, _)| f.name().as_str())
+            .collect();
+        return Err(format!(
+            "CSV error: the file's header has the column {} as field {} (the schema's field {}) \
+             and lacks the schema's {}: its fields can be placed neither by name nor by position",
+            fields[i].name(),
+            at + 1,
+            i + 1,
+            missing.join(", ")
+        ));
+    }
+    if let Some((field, _)) = fields
+        .iter()
+        .zip(&from)
+        .find(|(f, at)| at.is_none() && !f.is_nullable())
+    {
+        return Err(format!(
+            "CSV error: the file's header has no column {}, which the schema declares NOT NULL",
+            field.name()
+        ));
+    }
+    let mut file_fields = Vec::with_capacity(header.len());
+    for (name, field) in header.iter().zip(&of_header) {
+        match field {
+            Some(i) => file_fields.push(Arc::clone(&fields[*i])),
+            None if declared => {
+                file_fields.push(Arc::new(Field::new(name, DataType::Utf8, true)));
+            }
+            None => {
+                return Err(format!(
+                    "CSV error: the file's header has the column {name:?}, which the source's \
+                     inferred schema lacks (a CSV source keeps the schema it inferred; declare \
+                     the schema to read such files, without the columns it leaves out)"
+                ));
+            }
+        }
+    }
+    Ok(CsvLayout::ByName {
+        file_schema: Arc::new(Schema::new(file_fields)),
+        from,
+    })
+}
+
+/// Where the columns are in a header ([`match_names`]).
+pub(crate) struct NamesMatched {
+    /// Each column's header field.
+    pub(crate) from: Vec<Option<usize>>,
+    /// Each header field's column.
+    pub(crate) of_header: Vec<Option<usize>>,
+}
+
+/// Header names matched to column names: exactly first, then trimmed and ignoring ASCII case
+/// where exactly one column not yet matched fits. `Err` if a column is named twice exactly.
+pub(crate) fn match_names(
+    columns: &[&str],
+    header: &[String],
+) -> std::result::Result<NamesMatched, String> {
+    let mut from = vec![None; columns.len()];
+    let mut of_header = vec![None; header.len()];
+    let twice = |column: &str| {
+        format!(
+            "CSV error: the file's header names the column {column} twice; its lines are not read"
+        )
+    };
+    for (at, name) in header.iter().enumerate() {
+        if let Some(i) = columns.iter().position(|c| c == name) {
+            if from[i].is_some() {
+                return Err(twice(columns[i]));
+            }
+            from[i] = Some(at);
+            of_header[at] = Some(i);
+        }
+    }
+    let loose = |name: &str| name.trim().to_ascii_lowercase();
+    let loose_columns: Vec<String> = columns.iter().map(|c| loose(c)).collect();
+    for (at, name) in header.iter().enumerate() {
+        if of_header[at].is_some() {
+            continue;
+        }
+        let name = loose(name);
+        let mut like =
+            (0..columns.len()).filter(|i| from[*i].is_none() && loose_columns[*i] == name);
+        if let (Some(i), None) = (like.next(), like.next()) {
+            from[i] = Some(at);
+            of_header[at] = Some(i);
+        }
+    }
+    Ok(NamesMatched { from, of_header })
+}
+
+/// Every one of `lines` a dead letter for `reason`.
+fn every_line_bad(bytes: &[u8], lines: &[Line], reason: &str) -> Decoded {
+    let bad = lines
+        .iter()
+        .map(|l| (l.number, bytes[l.start..l.end].to_vec(), reason.to_string()))
+        .collect();
+    (Vec::new(), bad)
+}
+
 /// Each run of [`DECODE_ROWS`] `lines` (in parallel) decoded by [`decode_sorted_run`].
 fn decode_sorted(
     bytes: &[u8],
@@ -1699,6 +1926,110 @@ mod tests {
         assert_eq!(rows, 2);
         assert_eq!(bad.len(), 1);
         assert_eq!(bad[0].0, 2);
+    }
+
+    /// A CSV file's header decides where each column is: naming them all (reordered, with
+    /// others besides), by name; naming some, by name under an inferred schema (the others
+    /// null) and by position under a declared one — unless a named column is elsewhere, which
+    /// makes every line a dead letter; naming none, by position. Names match exactly first,
+    /// then loosely where one column fits. A column named twice, a NOT NULL column left out,
+    /// or a column an inferred schema lacks make every line a dead letter with the reason.
+    #[test]
+    fn a_csv_header_lays_out_the_columns_by_name() {
+        let schema = |n_nullable| -> SchemaRef {
+            Arc::new(Schema::new(vec![
+                Field::new("user", DataType::Utf8, true),
+                Field::new("page", DataType::Utf8, true),
+                Field::new("n", DataType::Int64, n_nullable),
+            ]))
+        };
+        // Each good row as `line:user/page/n` (`-`: null); each bad line as `line:reason`.
+        let read = |s: &SchemaRef, declared: bool, text: &str| {
+            let (good, bad) = decode_csv_file(s, b',', text.as_bytes(), true, declared);
+            let mut rows = Vec::new();
+            for (batch, numbers) in good {
+                assert_eq!(&batch.schema(), s);
+                for (row, number) in numbers.iter().enumerate() {
+                    let cell = |c: usize| {
+                        let column = batch.column(c);
+                        if column.is_null(row) {
+                            "-".to_string()
+                        } else if c == 2 {
+                            column.as_primitive::<Int64Type>().value(row).to_string()
+                        } else {
+                            column.as_string::<i32>().value(row).to_string()
+                        }
+                    };
+                    rows.push(format!("{number}:{}/{}/{}", cell(0), cell(1), cell(2)));
+                }
+            }
+            let bad: Vec<String> = bad
+                .into_iter()
+                .map(|(n, _, why)| format!("{n}:{why}"))
+                .collect();
+            (rows, bad)
+        };
+        let s = schema(true);
+        for declared in [true, false] {
+            let (rows, bad) = read(&s, declared, "user,page,n\na,home,1\n");
+            assert_eq!((rows, bad.len()), (vec!["2:a/home/1".to_string()], 0));
+            // Reordered, with a byte order mark and CRLF; a bad value still fails its own line.
+            let text = "\u{feff}page,n,user\r\nhome,1,a\r\ncart,x,b\r\n";
+            let (rows, bad) = read(&s, declared, text);
+            assert_eq!(rows, vec!["2:a/home/1".to_string()]);
+            assert!(bad.len() == 1 && bad[0].starts_with("3:"), "{bad:?}");
+            // Naming none of the columns: by position.
+            let (rows, bad) = read(&s, declared, "who,where,count\na,home,1\n");
+            assert_eq!((rows, bad.len()), (vec!["2:a/home/1".to_string()], 0));
+            // A column named twice: no line is read, each a dead letter saying why.
+            let (rows, bad) = read(&s, declared, "user,page,user\na,home,b\nc,cart,d\n");
+            assert!(rows.is_empty());
+            assert_eq!(bad.len(), 2);
+            assert!(
+                bad[1].starts_with("3:") && bad[1].contains("user twice"),
+                "{bad:?}"
+            );
+            // Exact names win over loose ones: `N` is another column here, not `n` again.
+            let (rows, _) = read(&s, declared, "n,N,user,page\n1,x,a,home\n");
+            let expected = if declared {
+                vec!["2:a/home/1".to_string()]
+            } else {
+                vec![]
+            };
+            assert_eq!(rows, expected, "declared: {declared}");
+        }
+        // A declared schema names some columns loosely where they are: by position.
+        let (rows, bad) = read(&s, true, " User ,where,N\na,home,7\n");
+        assert_eq!((rows, bad.len()), (vec!["2:a/home/7".to_string()], 0));
+        // ... but a named column elsewhere places the fields neither way.
+        let (rows, bad) = read(&s, true, "page,user\nhome,a\n");
+        assert!(rows.is_empty());
+        assert!(
+            bad.len() == 1 && bad[0].contains("field 1 (the schema's field 2)"),
+            "{bad:?}"
+        );
+        // Under an inferred schema (the union of the headers), by name, the others null; a line
+        // of another width than its header is a dead letter.
+        let (rows, bad) = read(&s, false, "page,user\nhome,a\ncart,b,3\n");
+        assert_eq!(rows, vec!["2:a/home/-".to_string()]);
+        assert!(bad.len() == 1 && bad[0].starts_with("3:"), "{bad:?}");
+        // A column an inferred schema lacks keeps the file's lines whole, as dead letters.
+        let (rows, bad) = read(&s, false, "user,colour\na,red\n");
+        assert!(rows.is_empty());
+        assert!(
+            bad.len() == 1 && bad[0].contains("the column \"colour\""),
+            "{bad:?}"
+        );
+        // A declared schema ignores it.
+        let (rows, bad) = read(&s, true, "n,colour,page,user\n3,red,home,a\n");
+        assert_eq!((rows, bad.len()), (vec!["2:a/home/3".to_string()], 0));
+        // A NOT NULL column left out.
+        let (rows, bad) = read(&schema(false), false, "user,page\na,home\n");
+        assert!(rows.is_empty());
+        assert!(bad.len() == 1 && bad[0].contains("no column n"), "{bad:?}");
+        // Without a header, by position.
+        let (good, bad) = decode_csv_file(&s, b',', b"a,home,1\n", false, true);
+        assert_eq!((good.len(), bad.len()), (1, 0));
     }
 
     /// A CSV line is one record or a bad line: a quote left open, an empty value, a field that

@@ -36,7 +36,7 @@ use sluice_engine::{BoxError, StaticTable};
 use tokio::sync::Mutex;
 use url::Url;
 
-use crate::decode::{data_lines, decode_csv_lines, decode_json_lines};
+use crate::decode::{data_lines, decode_csv_file, decode_json_lines};
 use crate::files::{FileFormat, decode_parquet, decompress, is_data_file};
 
 /// A folder of files read whole at the listing each batch's intent records.
@@ -178,10 +178,10 @@ impl FilesTable {
         if let Some(error) = cut_off {
             return Err(fail(format!("the file ends early ({error})")));
         }
-        let lines = data_lines(&bytes, self.format == FileFormat::Csv && self.header);
         let (good, bad) = match self.format {
-            FileFormat::Csv => decode_csv_lines(schema, self.delimiter, &bytes, &lines),
-            _ => decode_json_lines(schema, None, &bytes, &lines, false),
+            // A table's schema is always declared.
+            FileFormat::Csv => decode_csv_file(schema, self.delimiter, &bytes, self.header, true),
+            _ => decode_json_lines(schema, None, &bytes, &data_lines(&bytes, false), false),
         };
         if let Some((line, _, reason)) = bad.first() {
             return Err(fail(format!(

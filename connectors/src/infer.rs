@@ -302,6 +302,15 @@ pub(crate) fn infer_json<'a>(
 /// Infers a schema from CSV texts (`(name, text)`: records separated by newlines; the first of
 /// each is the header when `header`, else columns are `column_1`, …), each cell typed by the text
 /// it holds. Positions are `name:line`.
+///
+/// The columns are the sampled headers' names, in the order first named (so files whose
+/// headers order the columns differently, leave some out or add others are read as the
+/// decoder reads them: by name; `crate::decode::decode_csv_file`). A name matches an earlier
+/// header's as the decoder matches it ([`crate::decode::match_names`]); a header naming none
+/// of the columns so far is read by position, as the decoder reads it. Only the records of the
+/// width most of a text's records have (a tie: its header's, else the wider; without headers,
+/// most of all records') are tallied — fields beyond the header are `column_4`, … — so one
+/// line with a field too many adds no column and fails alone.
 pub(crate) fn infer_csv(
     texts: &[(String, &[u8])],
     header: bool,
@@ -309,30 +318,108 @@ pub(crate) fn infer_csv(
     sample: String,
 ) -> Result<(Schema, SchemaInference)> {
     let mut tallies = Tallies::default();
-    let mut names: Vec<String> = Vec::new();
-    let mut index = 0;
+    // Each text's header names, and its records with their positions, while the sample lasts.
+    type Sampled = (Vec<String>, Vec<(csv::StringRecord, String)>);
+    let mut texts_read: Vec<Sampled> = Vec::new();
+    let mut sampled = 0;
     for (text_name, text) in texts {
+        if sampled >= INFER_RECORDS {
+            break;
+        }
         let mut reader = csv::ReaderBuilder::new()
             .has_headers(header)
             .delimiter(delimiter)
             .flexible(true)
             .from_reader(*text);
-        if header && names.is_empty() {
-            names = reader
-                .headers()
-                .map(|h| h.iter().map(str::to_string).collect())
-                .unwrap_or_default();
-            for name in &names {
-                tallies.field(name);
-            }
-        }
+        let names: Vec<String> = if header {
+            reader
+                .byte_headers()
+                .map(|h| {
+                    h.iter()
+                        .map(|n| {
+                            String::from_utf8_lossy(n)
+                                .trim_start_matches('\u{feff}')
+                                .to_string()
+                        })
+                        .collect()
+                })
+                .unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        let mut records = Vec::new();
         for record in reader.records() {
-            if index >= INFER_RECORDS {
+            if sampled >= INFER_RECORDS {
                 break;
             }
             let Ok(record) = record else { continue };
             let line = record.position().map_or(0, |p| p.line() as usize);
-            let position = format!("{text_name}:{line}");
+            records.push((record, format!("{text_name}:{line}")));
+            sampled += 1;
+        }
+        texts_read.push((names, records));
+    }
+    let usual = |records: &mut dyn Iterator<Item = usize>, preferred: Option<usize>| {
+        let mut widths: HashMap<usize, usize> = HashMap::new();
+        for w in records {
+            *widths.entry(w).or_default() += 1;
+        }
+        let most = widths.values().copied().max().unwrap_or(0);
+        preferred
+            .filter(|p| widths.get(p) == Some(&most))
+            .or_else(|| {
+                widths
+                    .into_iter()
+                    .filter(|(_, n)| *n == most)
+                    .map(|(w, _)| w)
+                    .max()
+            })
+            .unwrap_or(0)
+    };
+    let all_width = usual(
+        &mut texts_read
+            .iter()
+            .flat_map(|(_, r)| r.iter().map(|(r, _)| r.len())),
+        None,
+    );
+    let mut index = 0;
+    for (names, records) in &texts_read {
+        // The name each field is tallied under (its header's, as matched to the columns so
+        // far), and the width of the records tallied.
+        let (columns, width): (Vec<String>, usize) = if header {
+            let known: Vec<String> = tallies.order.clone();
+            let known_names: Vec<&str> = known.iter().map(String::as_str).collect();
+            let usual_here = usual(&mut records.iter().map(|(r, _)| r.len()), Some(names.len()));
+            match crate::decode::match_names(&known_names, names) {
+                // A header naming a column twice: the decoder reads none of its lines.
+                Err(_) => continue,
+                // Naming none of the columns so far: read by position, in their width.
+                Ok(matched)
+                    if !known.is_empty() && matched.of_header.iter().all(Option::is_none) =>
+                {
+                    let width = known.len();
+                    (known, width)
+                }
+                Ok(matched) => {
+                    let columns = names
+                        .iter()
+                        .zip(&matched.of_header)
+                        .map(|(name, at)| at.map_or_else(|| name.clone(), |k| known[k].clone()))
+                        .collect();
+                    (columns, usual_here)
+                }
+            }
+        } else {
+            (Vec::new(), all_width)
+        };
+        for name in &columns {
+            tallies.field(name);
+        }
+        for (record, position) in records {
+            index += 1;
+            if record.len() != width {
+                continue;
+            }
             tallies.records += 1;
             for (i, cell) in record.iter().enumerate() {
                 // A byte order mark starting a line is not data (as the decoder reads it).
@@ -341,7 +428,7 @@ pub(crate) fn infer_csv(
                 } else {
                     cell
                 };
-                let name = names
+                let name = columns
                     .get(i)
                     .cloned()
                     .unwrap_or_else(|| format!("column_{}", i + 1));
@@ -356,10 +443,9 @@ pub(crate) fn infer_csv(
                     {
                         tally.large_ints += 1;
                     }
-                    tally.add(kind, index, &position);
+                    tally.add(kind, index, position);
                 }
             }
-            index += 1;
         }
     }
     tallies.finish(sample)
@@ -493,6 +579,51 @@ mod tests {
         assert_eq!(schema.field(1).data_type(), &DataType::Float64);
         assert_eq!(schema.field(2).data_type(), &DataType::Utf8);
         assert_eq!(report.columns[0].first_misfit.as_deref(), Some("f.csv:3"));
+    }
+
+    /// A line with a field more than its header adds no column (it will be a dead letter),
+    /// while most lines wider than the header (a trailing delimiter) add one; files whose
+    /// headers order, leave out or add columns, or spell them in another case, are tallied by
+    /// name; a header naming none of them, by position; without headers, the width most lines
+    /// have is the schema's.
+    #[test]
+    fn csv_columns_come_from_each_files_header() {
+        let names = |schema: &Schema| -> Vec<String> {
+            schema.fields().iter().map(|f| f.name().clone()).collect()
+        };
+        let first = b"user,amount,ts\nalice,1.5,t1\ndave,3,t2,extra\n";
+        let second = b"TS,User,note\nt3,bob,hi\n";
+        // Naming none: read by position, in the schema's width (so a narrower line would not be).
+        let third = b"who,how_much,when,what\ncarol,2.5,t4,x\n";
+        let texts = [
+            ("a.csv".to_string(), &first[..]),
+            ("b.csv".into(), &second[..]),
+            ("c.csv".into(), &third[..]),
+        ];
+        let (schema, report) = infer_csv(&texts, true, b',', String::new()).unwrap();
+        assert_eq!(names(&schema), vec!["user", "amount", "ts", "note"]);
+        assert_eq!(schema.field(1).data_type(), &DataType::Float64);
+        assert_eq!(report.records, 3);
+        assert_eq!(report.columns[0].values, 3, "alice, bob and carol");
+        let trailing = b"a,b\n1,2,\n3,4,\n";
+        let (schema, _) = infer_csv(
+            &[("t.csv".into(), &trailing[..])],
+            true,
+            b',',
+            String::new(),
+        )
+        .unwrap();
+        assert_eq!(names(&schema), vec!["a", "b", "column_3"]);
+        let headless = b"1,a\n2,b\n3,c,x\n4,d\n";
+        let (schema, _) = infer_csv(
+            &[("c.csv".into(), &headless[..])],
+            false,
+            b',',
+            String::new(),
+        )
+        .unwrap();
+        assert_eq!(names(&schema), vec!["column_1", "column_2"]);
+        assert_eq!(schema.field(0).data_type(), &DataType::Int64);
     }
 
     #[test]

@@ -58,7 +58,7 @@ use sluice_engine::{
 use tokio::sync::Mutex;
 use url::Url;
 
-use crate::decode::{data_lines, decode_csv_lines, decode_json_lines, kept_columns};
+use crate::decode::{data_lines, decode_csv_file, decode_json_lines, kept_columns};
 use crate::error::{ConnectorError, Result};
 use crate::evolve::{NewFields, SchemaEvolution, fields_to_add, rescue_lines};
 use crate::infer::{INFER_RECORDS, infer_csv, infer_json};
@@ -386,6 +386,7 @@ impl FilesSource {
             format: self.config.format,
             header: self.config.header,
             delimiter: self.delimiter,
+            declared: self.config.schema.is_some(),
         }
     }
 }
@@ -679,6 +680,8 @@ struct Decoding {
     format: FileFormat,
     header: bool,
     delimiter: u8,
+    /// Whether the job declared the schema (else it was inferred).
+    declared: bool,
 }
 
 impl Decoding {
@@ -729,8 +732,8 @@ impl Decoding {
                 }
             }
             FileFormat::Csv => {
-                let lines = data_lines(&bytes, self.header);
-                decode_csv_lines(schema, self.delimiter, &bytes, &lines)
+                let declared = self.declared;
+                decode_csv_file(schema, self.delimiter, &bytes, self.header, declared)
             }
             FileFormat::Parquet => match decode_parquet(schema, columns, bytes) {
                 Ok(batches) => {
