@@ -72,10 +72,11 @@ async fn gzipped_csv_with_an_inferred_schema_that_stays_fixed() {
         "id,name,price,colour\n4,fig,3.0,purple\n2,pear,oops\n",
     );
     assert_ok(&run_sluice(&["run", job.to_str().unwrap()], &[]));
-    // Files of another producer: a header in another order is read by name (positionally,
-    // `kiwi` would be the price), and a column a header lacks is null.
-    gz("c.csv.gz", "price,name,id\n5.5,kiwi,5\n");
-    gz("d.csv.gz", "\u{feff}NAME,id\nlime,6\n");
+    // Files of another producer: a header naming the columns in another order (and case) is
+    // read by name — by position, `kiwi` would be the price. One that lacks a column is read
+    // by position, as before headers were read: its narrower lines are dead letters.
+    gz("c.csv.gz", "\u{feff}price,NAME,id\n5.5,kiwi,5\n");
+    gz("d.csv.gz", "name,id\nlime,6\n");
     assert_ok(&run_sluice(&["run", job.to_str().unwrap()], &[]));
 
     let out = ws.path().join("out");
@@ -98,7 +99,6 @@ async fn gzipped_csv_with_an_inferred_schema_that_stays_fixed() {
             (1, "APPLE".into(), Some(1.5), 0),
             (3, "PLUM".into(), Some(2.25), 0),
             (5, "KIWI".into(), Some(5.5), 2),
-            (6, "LIME".into(), None, 3),
         ]
     );
     let dead = table_values(&dead_letter_table(&out), &[]).await;
@@ -106,14 +106,12 @@ async fn gzipped_csv_with_an_inferred_schema_that_stays_fixed() {
         .iter()
         .map(|d| d["_source_position"].as_str().unwrap())
         .collect();
-    assert_eq!(positions, vec!["b.csv.gz:2", "b.csv.gz:3"]);
-    assert!(dead.iter().all(|d| d["_source_offset"] == 1));
+    assert_eq!(positions, vec!["b.csv.gz:2", "b.csv.gz:3", "d.csv.gz:2"]);
     // The column the inferred schema lacks is named: the lines are kept whole, not cut.
-    assert!(
-        dead.iter()
-            .all(|d| d["error"].as_str().unwrap().contains("\"colour\"")),
-        "{dead:?}"
-    );
+    for d in &dead[..2] {
+        assert_eq!(d["_source_offset"], 1);
+        assert!(d["error"].as_str().unwrap().contains("\"colour\""), "{d:?}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -305,23 +305,18 @@ pub(crate) fn decode_csv_lines(
 }
 
 /// The data lines of a CSV file (`header`: it starts with a header line) decoded into `schema`
-/// (`declared`: by the job, else inferred from the files' headers).
+/// (`declared`: by the job, else inferred).
 ///
-/// A header is read for where it puts the schema's columns ([`match_names`]: exactly, else
-/// trimmed and ignoring ASCII case):
-/// - naming every column of the schema, in another order or with others besides (files from
-///   another producer, or another version of it), the file is read by name;
-/// - naming some: under an inferred schema (the union of the sampled headers), by name, the
-///   columns it lacks null; under a declared one by position, as a file without a header (the
-///   job may name the columns itself) — unless a column the header names is at another
-///   position than the schema's, when neither way places the fields and every line is a dead
-///   letter saying so;
-/// - naming none: by position.
-///
-/// A column the schema lacks is ignored under a declared schema (the job chose its columns, as
-/// a JSON record's other fields are ignored); an inferred schema, which a CSV source never
-/// grows, makes the file's lines dead letters, kept whole rather than losing the field. A
-/// header naming a column twice makes every line a dead letter too.
+/// A header that names every column of the schema ([`match_names`]: exactly, else trimmed and
+/// ignoring ASCII case), in another order or with others besides — files from another
+/// producer, or another version of it — is read by name. A column the schema lacks is then
+/// ignored under a declared schema (the job chose its columns, as a JSON record's other fields
+/// are ignored); an inferred schema, which a CSV source never grows, makes the file's lines
+/// dead letters naming it, kept whole rather than losing the field. Any other header is read
+/// by position, as a file without one: a declared schema may name the columns itself, and a
+/// file without a header read with `header = true` has data there — unless, under a declared
+/// schema, a column the header names sits at another position than the schema's: then neither
+/// way places the fields, and every line is a dead letter saying so.
 pub(crate) fn decode_csv_file(
     schema: &SchemaRef,
     delimiter: u8,
@@ -341,18 +336,10 @@ pub(crate) fn decode_csv_file(
             let (good, bad) = decode_csv_lines(&file_schema, delimiter, bytes, &lines);
             let mut conformed = Vec::with_capacity(good.len());
             for (batch, numbers) in good {
-                let columns = schema
-                    .fields()
-                    .iter()
-                    .zip(&from)
-                    .map(|(field, at)| match at {
-                        Some(i) => Arc::clone(batch.column(*i)),
-                        None => arrow::array::new_null_array(field.data_type(), batch.num_rows()),
-                    })
-                    .collect();
+                let columns = from.iter().map(|i| Arc::clone(batch.column(*i))).collect();
                 match RecordBatch::try_new(Arc::clone(schema), columns) {
                     Ok(batch) => conformed.push((batch, numbers)),
-                    // Not expected (a NOT NULL column is never left out): kept as dead letters.
+                    // Not expected (each column decoded as the schema's): kept as dead letters.
                     Err(e) => {
                         return every_line_bad(bytes, &lines, &format!("CSV error: {e}"));
                     }
@@ -371,10 +358,10 @@ enum CsvLayout {
     AsSchema,
     /// By name: the file's columns in header order (each typed as the schema's column it
     /// names; one it does not name as text, decoded and dropped), and for each schema column
-    /// the file column holding it (`None`: null).
+    /// the file column holding it.
     ByName {
         file_schema: SchemaRef,
-        from: Vec<Option<usize>>,
+        from: Vec<usize>,
     },
 }
 
@@ -399,6 +386,20 @@ fn csv_header(bytes: &[u8], delimiter: u8) -> Option<Vec<String>> {
     )
 }
 
+/// `header` with the fields beyond it that inference named `column_N` (every line one field
+/// wider than its header, as with a delimiter ending each line): the schema's columns from the
+/// header's width on, while they are named so.
+pub(crate) fn with_unnamed_fields(header: &[String], columns: &[&str]) -> Vec<String> {
+    let mut names = header.to_vec();
+    while let Some(column) = columns.get(names.len()) {
+        if *column != format!("column_{}", names.len() + 1) {
+            break;
+        }
+        names.push((*column).to_string());
+    }
+    names
+}
+
 /// Where `header`'s columns go in `schema` (see [`decode_csv_file`]); `Err`: why no line of the
 /// file can be read.
 fn csv_layout(
@@ -411,68 +412,59 @@ fn csv_layout(
     {
         return Ok(CsvLayout::AsSchema);
     }
-    let NamesMatched { from, of_header } = match_names(
-        &fields.iter().map(|f| f.name().as_str()).collect::<Vec<_>>(),
-        header,
-    )?;
-    let named_all = from.iter().all(Option::is_some);
-    if from.iter().all(Option::is_none) {
+    let columns: Vec<&str> = fields.iter().map(|f| f.name().as_str()).collect();
+    let header = with_unnamed_fields(header, &columns);
+    let Some(NamesMatched { from, of_header }) = match_names(&columns, &header) else {
         return Ok(CsvLayout::AsSchema);
-    }
-    if declared && !named_all {
-        // By position, unless a column the header names is elsewhere.
-        let misplaced = of_header
-            .iter()
-            .enumerate()
-            .find_map(|(at, field)| field.filter(|i| *i != at).map(|i| (at, i)));
-        let Some((at, i)) = misplaced else {
-            return Ok(CsvLayout::AsSchema);
-        };
-        let missing: Vec<&str> = fields
-            .iter()
-            .zip(&from)
-            .filter(|(_, at)| at.is_none())
-            .map(|(f, _)| f.name().as_str())
-            .collect();
-        return Err(format!(
-            "CSV error: the file's header has the column {} as field {} (the schema's field {}) \
-             and lacks the schema's {}: its fields can be placed neither by name nor by position",
-            fields[i].name(),
-            at + 1,
-            i + 1,
-            missing.join(", ")
-        ));
-    }
-    if let Some((field, _)) = fields
-        .iter()
-        .zip(&from)
-        .find(|(f, at)| at.is_none() && !f.is_nullable())
-    {
-        return Err(format!(
-            "CSV error: the file's header has no column {}, which the schema declares NOT NULL",
-            field.name()
-        ));
-    }
-    let mut file_fields = Vec::with_capacity(header.len());
-    for (name, field) in header.iter().zip(&of_header) {
-        match field {
-            Some(i) => file_fields.push(Arc::clone(&fields[*i])),
-            None if declared => {
-                file_fields.push(Arc::new(Field::new(name, DataType::Utf8, true)));
-            }
-            None => {
-                return Err(format!(
-                    "CSV error: the file's header has the column {name:?}, which the source's \
-                     inferred schema lacks (a CSV source keeps the schema it inferred; declare \
-                     the schema to read such files, without the columns it leaves out)"
-                ));
+    };
+    if let Some(from) = from.iter().copied().collect::<Option<Vec<usize>>>() {
+        let mut file_fields = Vec::with_capacity(header.len());
+        for (name, field) in header.iter().zip(&of_header) {
+            match field {
+                Some(i) => file_fields.push(Arc::clone(&fields[*i])),
+                None if declared => {
+                    file_fields.push(Arc::new(Field::new(name, DataType::Utf8, true)));
+                }
+                None => {
+                    return Err(format!(
+                        "CSV error: the file's header has the column {name:?}, which the \
+                         source's inferred schema lacks (a CSV source keeps the schema it \
+                         inferred; declare the schema to read such files, without the columns \
+                         it leaves out)"
+                    ));
+                }
             }
         }
+        return Ok(CsvLayout::ByName {
+            file_schema: Arc::new(Schema::new(file_fields)),
+            from,
+        });
     }
-    Ok(CsvLayout::ByName {
-        file_schema: Arc::new(Schema::new(file_fields)),
-        from,
-    })
+    // By position, unless (declared) a column the header names is elsewhere.
+    let misplaced = of_header
+        .iter()
+        .enumerate()
+        .find_map(|(at, field)| field.filter(|i| *i != at).map(|i| (at, i)));
+    match misplaced {
+        Some((at, i)) if declared => {
+            let missing: Vec<&str> = columns
+                .iter()
+                .zip(&from)
+                .filter(|(_, at)| at.is_none())
+                .map(|(c, _)| *c)
+                .collect();
+            Err(format!(
+                "CSV error: the file's header has the column {} as field {} (the schema's field \
+                 {}) and lacks the schema's {}: its fields can be placed neither by name nor by \
+                 position",
+                columns[i],
+                at + 1,
+                i + 1,
+                missing.join(", ")
+            ))
+        }
+        _ => Ok(CsvLayout::AsSchema),
+    }
 }
 
 /// Where the columns are in a header ([`match_names`]).
@@ -484,22 +476,15 @@ pub(crate) struct NamesMatched {
 }
 
 /// Header names matched to column names: exactly first, then trimmed and ignoring ASCII case
-/// where exactly one column not yet matched fits. `Err` if a column is named twice exactly.
-pub(crate) fn match_names(
-    columns: &[&str],
-    header: &[String],
-) -> std::result::Result<NamesMatched, String> {
+/// where exactly one column not yet matched fits. `None` if the header names a column twice
+/// exactly: not a header to read by name.
+pub(crate) fn match_names(columns: &[&str], header: &[String]) -> Option<NamesMatched> {
     let mut from = vec![None; columns.len()];
     let mut of_header = vec![None; header.len()];
-    let twice = |column: &str| {
-        format!(
-            "CSV error: the file's header names the column {column} twice; its lines are not read"
-        )
-    };
     for (at, name) in header.iter().enumerate() {
         if let Some(i) = columns.iter().position(|c| c == name) {
             if from[i].is_some() {
-                return Err(twice(columns[i]));
+                return None;
             }
             from[i] = Some(at);
             of_header[at] = Some(i);
@@ -519,7 +504,7 @@ pub(crate) fn match_names(
             of_header[at] = Some(i);
         }
     }
-    Ok(NamesMatched { from, of_header })
+    Some(NamesMatched { from, of_header })
 }
 
 /// Every one of `lines` a dead letter for `reason`.
@@ -1929,20 +1914,18 @@ mod tests {
     }
 
     /// A CSV file's header decides where each column is: naming them all (reordered, with
-    /// others besides), by name; naming some, by name under an inferred schema (the others
-    /// null) and by position under a declared one — unless a named column is elsewhere, which
-    /// makes every line a dead letter; naming none, by position. Names match exactly first,
-    /// then loosely where one column fits. A column named twice, a NOT NULL column left out,
-    /// or a column an inferred schema lacks make every line a dead letter with the reason.
+    /// others besides, in another case), by name; otherwise by position — but under a declared
+    /// schema, a named column elsewhere makes every line a dead letter. Exact names win over
+    /// loose ones; a column named twice reads by position; a column an inferred schema lacks
+    /// makes every line a dead letter naming it; a declared schema ignores it. Inferred
+    /// `column_N` fields past the header are named by their position.
     #[test]
     fn a_csv_header_lays_out_the_columns_by_name() {
-        let schema = |n_nullable| -> SchemaRef {
-            Arc::new(Schema::new(vec![
-                Field::new("user", DataType::Utf8, true),
-                Field::new("page", DataType::Utf8, true),
-                Field::new("n", DataType::Int64, n_nullable),
-            ]))
-        };
+        let s: SchemaRef = Arc::new(Schema::new(vec![
+            Field::new("user", DataType::Utf8, true),
+            Field::new("page", DataType::Utf8, true),
+            Field::new("n", DataType::Int64, true),
+        ]));
         // Each good row as `line:user/page/n` (`-`: null); each bad line as `line:reason`.
         let read = |s: &SchemaRef, declared: bool, text: &str| {
             let (good, bad) = decode_csv_file(s, b',', text.as_bytes(), true, declared);
@@ -1954,13 +1937,14 @@ mod tests {
                         let column = batch.column(c);
                         if column.is_null(row) {
                             "-".to_string()
-                        } else if c == 2 {
+                        } else if column.data_type() == &DataType::Int64 {
                             column.as_primitive::<Int64Type>().value(row).to_string()
                         } else {
                             column.as_string::<i32>().value(row).to_string()
                         }
                     };
-                    rows.push(format!("{number}:{}/{}/{}", cell(0), cell(1), cell(2)));
+                    let cells: Vec<String> = (0..batch.num_columns()).map(cell).collect();
+                    rows.push(format!("{number}:{}", cells.join("/")));
                 }
             }
             let bad: Vec<String> = bad
@@ -1969,64 +1953,65 @@ mod tests {
                 .collect();
             (rows, bad)
         };
-        let s = schema(true);
+        let row = |r: &str| vec![r.to_string()];
         for declared in [true, false] {
             let (rows, bad) = read(&s, declared, "user,page,n\na,home,1\n");
-            assert_eq!((rows, bad.len()), (vec!["2:a/home/1".to_string()], 0));
-            // Reordered, with a byte order mark and CRLF; a bad value still fails its own line.
-            let text = "\u{feff}page,n,user\r\nhome,1,a\r\ncart,x,b\r\n";
+            assert_eq!((rows, bad.len()), (row("2:a/home/1"), 0));
+            // Reordered, another case, a byte order mark and CRLF; a bad value still fails
+            // its own line.
+            let text = "\u{feff}PAGE,n, user\r\nhome,1,a\r\ncart,x,b\r\n";
             let (rows, bad) = read(&s, declared, text);
-            assert_eq!(rows, vec!["2:a/home/1".to_string()]);
+            assert_eq!(rows, row("2:a/home/1"));
             assert!(bad.len() == 1 && bad[0].starts_with("3:"), "{bad:?}");
-            // Naming none of the columns: by position.
-            let (rows, bad) = read(&s, declared, "who,where,count\na,home,1\n");
-            assert_eq!((rows, bad.len()), (vec!["2:a/home/1".to_string()], 0));
-            // A column named twice: no line is read, each a dead letter saying why.
-            let (rows, bad) = read(&s, declared, "user,page,user\na,home,b\nc,cart,d\n");
-            assert!(rows.is_empty());
-            assert_eq!(bad.len(), 2);
-            assert!(
-                bad[1].starts_with("3:") && bad[1].contains("user twice"),
-                "{bad:?}"
-            );
+            // Naming some or none of the columns, or one twice: by position.
+            for text in [
+                "who,where,count\na,home,1\n",
+                "user,where,n\na,home,1\n",
+                "n,page,n\na,home,1\n",
+            ] {
+                let (rows, bad) = read(&s, declared, text);
+                assert_eq!((rows, bad.len()), (row("2:a/home/1"), 0), "{text}");
+            }
             // Exact names win over loose ones: `N` is another column here, not `n` again.
-            let (rows, _) = read(&s, declared, "n,N,user,page\n1,x,a,home\n");
-            let expected = if declared {
-                vec!["2:a/home/1".to_string()]
+            let (rows, bad) = read(&s, declared, "n,N,user,page\n1,x,a,home\n");
+            if declared {
+                assert_eq!((rows, bad.len()), (row("2:a/home/1"), 0));
             } else {
-                vec![]
-            };
-            assert_eq!(rows, expected, "declared: {declared}");
+                assert!(
+                    rows.is_empty() && bad[0].contains("the column \"N\""),
+                    "{bad:?}"
+                );
+            }
         }
-        // A declared schema names some columns loosely where they are: by position.
-        let (rows, bad) = read(&s, true, " User ,where,N\na,home,7\n");
-        assert_eq!((rows, bad.len()), (vec!["2:a/home/7".to_string()], 0));
-        // ... but a named column elsewhere places the fields neither way.
-        let (rows, bad) = read(&s, true, "page,user\nhome,a\n");
+        // Some columns named, one of them elsewhere: an inferred schema reads by position (as
+        // before headers were read; a file without a header read with one has data there), a
+        // declared one places the fields neither way.
+        let (rows, bad) = read(&s, false, "page,user,x\nhome,a,1\n");
+        assert_eq!((rows, bad.len()), (row("2:home/a/1"), 0));
+        let (rows, bad) = read(&s, true, "page,user,x\nhome,a,1\n");
         assert!(rows.is_empty());
         assert!(
             bad.len() == 1 && bad[0].contains("field 1 (the schema's field 2)"),
             "{bad:?}"
         );
-        // Under an inferred schema (the union of the headers), by name, the others null; a line
-        // of another width than its header is a dead letter.
-        let (rows, bad) = read(&s, false, "page,user\nhome,a\ncart,b,3\n");
-        assert_eq!(rows, vec!["2:a/home/-".to_string()]);
-        assert!(bad.len() == 1 && bad[0].starts_with("3:"), "{bad:?}");
-        // A column an inferred schema lacks keeps the file's lines whole, as dead letters.
-        let (rows, bad) = read(&s, false, "user,colour\na,red\n");
+        // A column an inferred schema lacks keeps the file's lines whole, as dead letters; a
+        // declared schema ignores it.
+        let (rows, bad) = read(&s, false, "n,colour,page,user\n3,red,home,a\n");
         assert!(rows.is_empty());
         assert!(
             bad.len() == 1 && bad[0].contains("the column \"colour\""),
             "{bad:?}"
         );
-        // A declared schema ignores it.
         let (rows, bad) = read(&s, true, "n,colour,page,user\n3,red,home,a\n");
-        assert_eq!((rows, bad.len()), (vec!["2:a/home/3".to_string()], 0));
-        // A NOT NULL column left out.
-        let (rows, bad) = read(&schema(false), false, "user,page\na,home\n");
-        assert!(rows.is_empty());
-        assert!(bad.len() == 1 && bad[0].contains("no column n"), "{bad:?}");
+        assert_eq!((rows, bad.len()), (row("2:a/home/3"), 0));
+        // Inferred `column_N` past the header: a delimiter ending each line, reordered.
+        let trailing: SchemaRef = Arc::new(Schema::new(vec![
+            Field::new("a", DataType::Utf8, true),
+            Field::new("b", DataType::Utf8, true),
+            Field::new("column_3", DataType::Utf8, true),
+        ]));
+        let (rows, bad) = read(&trailing, false, "b,a\n2,1,\n");
+        assert_eq!((rows, bad.len()), (row("2:1/2/-"), 0));
         // Without a header, by position.
         let (good, bad) = decode_csv_file(&s, b',', b"a,home,1\n", false, true);
         assert_eq!((good.len(), bad.len()), (1, 0));

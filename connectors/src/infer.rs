@@ -303,27 +303,27 @@ pub(crate) fn infer_json<'a>(
 /// each is the header when `header`, else columns are `column_1`, …), each cell typed by the text
 /// it holds. Positions are `name:line`.
 ///
-/// The columns are the sampled headers' names, in the order first named (so files whose
-/// headers order the columns differently, leave some out or add others are read as the
-/// decoder reads them: by name; `crate::decode::decode_csv_file`). A name matches an earlier
-/// header's as the decoder matches it ([`crate::decode::match_names`]); a header naming none
-/// of the columns so far is read by position, as the decoder reads it. Only the records of the
-/// width most of a text's records have (a tie: its header's, else the wider; without headers,
-/// most of all records') are tallied — fields beyond the header are `column_4`, … — so one
-/// line with a field too many adds no column and fails alone.
+/// The columns are the first text's header names, then `column_N` for the fields its usual
+/// record has beyond them (a delimiter ending each line). Each text is tallied as the decoder
+/// will read it (`crate::decode::decode_csv_file`): by name when its header names every column
+/// (in any order, matched as [`crate::decode::match_names`] matches), and not at all when it
+/// names others besides (its lines will be dead letters); else by position. Only the records of
+/// the width that reading takes are tallied — for the first text, the width most of its
+/// records have (a tie: its header's, else the wider; never less than its header's); without
+/// headers, the width most sampled records have — so one line with a field too many adds no
+/// column and fails alone.
 pub(crate) fn infer_csv(
     texts: &[(String, &[u8])],
     header: bool,
     delimiter: u8,
     sample: String,
 ) -> Result<(Schema, SchemaInference)> {
-    let mut tallies = Tallies::default();
     // Each text's header names, and its records with their positions, while the sample lasts.
     type Sampled = (Vec<String>, Vec<(csv::StringRecord, String)>);
-    let mut texts_read: Vec<Sampled> = Vec::new();
-    let mut sampled = 0;
+    let mut sampled: Vec<Sampled> = Vec::new();
+    let mut count = 0;
     for (text_name, text) in texts {
-        if sampled >= INFER_RECORDS {
+        if count >= INFER_RECORDS {
             break;
         }
         let mut reader = csv::ReaderBuilder::new()
@@ -336,11 +336,7 @@ pub(crate) fn infer_csv(
                 .byte_headers()
                 .map(|h| {
                     h.iter()
-                        .map(|n| {
-                            String::from_utf8_lossy(n)
-                                .trim_start_matches('\u{feff}')
-                                .to_string()
-                        })
+                        .map(|n| String::from_utf8_lossy(n).into_owned())
                         .collect()
                 })
                 .unwrap_or_default()
@@ -349,26 +345,27 @@ pub(crate) fn infer_csv(
         };
         let mut records = Vec::new();
         for record in reader.records() {
-            if sampled >= INFER_RECORDS {
+            if count >= INFER_RECORDS {
                 break;
             }
             let Ok(record) = record else { continue };
             let line = record.position().map_or(0, |p| p.line() as usize);
             records.push((record, format!("{text_name}:{line}")));
-            sampled += 1;
+            count += 1;
         }
-        texts_read.push((names, records));
+        sampled.push((names, records));
     }
-    let usual = |records: &mut dyn Iterator<Item = usize>, preferred: Option<usize>| {
-        let mut widths: HashMap<usize, usize> = HashMap::new();
-        for w in records {
-            *widths.entry(w).or_default() += 1;
+    // The width most of `widths` have (a tie: `preferred` if among them, else the wider).
+    let usual = |widths: &mut dyn Iterator<Item = usize>, preferred: Option<usize>| {
+        let mut counts: HashMap<usize, usize> = HashMap::new();
+        for w in widths {
+            *counts.entry(w).or_default() += 1;
         }
-        let most = widths.values().copied().max().unwrap_or(0);
+        let most = counts.values().copied().max().unwrap_or(0);
         preferred
-            .filter(|p| widths.get(p) == Some(&most))
+            .filter(|p| counts.get(p) == Some(&most))
             .or_else(|| {
-                widths
+                counts
                     .into_iter()
                     .filter(|(_, n)| *n == most)
                     .map(|(w, _)| w)
@@ -376,63 +373,81 @@ pub(crate) fn infer_csv(
             })
             .unwrap_or(0)
     };
-    let all_width = usual(
-        &mut texts_read
-            .iter()
-            .flat_map(|(_, r)| r.iter().map(|(r, _)| r.len())),
-        None,
-    );
+    let mut columns: Vec<String> = Vec::new();
+    if !header {
+        let width = usual(
+            &mut sampled
+                .iter()
+                .flat_map(|(_, r)| r.iter().map(|(r, _)| r.len())),
+            None,
+        );
+        columns = (1..=width).map(|i| format!("column_{i}")).collect();
+    }
+    let mut tallies = Tallies::default();
+    for name in &columns {
+        tallies.field(name);
+    }
     let mut index = 0;
-    for (names, records) in &texts_read {
-        // The name each field is tallied under (its header's, as matched to the columns so
-        // far), and the width of the records tallied.
-        let (columns, width): (Vec<String>, usize) = if header {
-            let known: Vec<String> = tallies.order.clone();
-            let known_names: Vec<&str> = known.iter().map(String::as_str).collect();
-            let usual_here = usual(&mut records.iter().map(|(r, _)| r.len()), Some(names.len()));
-            match crate::decode::match_names(&known_names, names) {
-                // A header naming a column twice: the decoder reads none of its lines.
-                Err(_) => continue,
-                // Naming none of the columns so far: read by position, in their width.
-                Ok(matched)
-                    if !known.is_empty() && matched.of_header.iter().all(Option::is_none) =>
-                {
-                    let width = known.len();
-                    (known, width)
-                }
-                Ok(matched) => {
-                    let columns = names
-                        .iter()
-                        .zip(&matched.of_header)
-                        .map(|(name, at)| at.map_or_else(|| name.clone(), |k| known[k].clone()))
-                        .collect();
-                    (columns, usual_here)
-                }
+    for (names, records) in &sampled {
+        // The name each field is tallied under, and the width of the records tallied.
+        let (names_here, width) = if !header {
+            (columns.clone(), columns.len())
+        } else if columns.is_empty() {
+            // The first header: its names, and `column_N` beyond them. A byte order mark
+            // starting a line is not data (as the decoder reads it).
+            let mut first: Vec<String> = names.clone();
+            if let Some(name) = first.first_mut() {
+                *name = name.trim_start_matches('\u{feff}').to_string();
             }
+            let width = match records.len() {
+                0 => first.len(),
+                _ => usual(&mut records.iter().map(|(r, _)| r.len()), Some(first.len())),
+            };
+            // Lines narrower than the header are not read (dead letters): it names the columns.
+            let width = width.max(first.len());
+            while first.len() < width {
+                first.push(format!("column_{}", first.len() + 1));
+            }
+            columns.clone_from(&first);
+            for name in &columns {
+                tallies.field(name);
+            }
+            (first, width)
         } else {
-            (Vec::new(), all_width)
+            let known: Vec<&str> = columns.iter().map(String::as_str).collect();
+            let names = crate::decode::with_unnamed_fields(names, &known);
+            match crate::decode::match_names(&known, &names) {
+                Some(m) if m.from.iter().all(Option::is_some) => {
+                    if m.of_header.iter().any(Option::is_none) {
+                        // Names a column the schema will lack: its lines will be dead letters.
+                        continue;
+                    }
+                    let by_name: Vec<String> = m
+                        .of_header
+                        .iter()
+                        .flatten()
+                        .map(|i| columns[*i].clone())
+                        .collect();
+                    let width = by_name.len();
+                    (by_name, width)
+                }
+                _ => (columns.clone(), columns.len()),
+            }
         };
-        for name in &columns {
-            tallies.field(name);
-        }
         for (record, position) in records {
             index += 1;
             if record.len() != width {
                 continue;
             }
             tallies.records += 1;
-            for (i, cell) in record.iter().enumerate() {
+            for (i, (cell, name)) in record.iter().zip(&names_here).enumerate() {
                 // A byte order mark starting a line is not data (as the decoder reads it).
                 let cell = if i == 0 {
                     cell.trim_start_matches('\u{feff}')
                 } else {
                     cell
                 };
-                let name = columns
-                    .get(i)
-                    .cloned()
-                    .unwrap_or_else(|| format!("column_{}", i + 1));
-                let tally = tallies.field(&name);
+                let tally = tallies.field(name);
                 if let Some(kind) = text_kind(cell) {
                     if kind == Kind::BigInt
                         || kind == Kind::Int
@@ -582,38 +597,39 @@ mod tests {
     }
 
     /// A line with a field more than its header adds no column (it will be a dead letter),
-    /// while most lines wider than the header (a trailing delimiter) add one; files whose
-    /// headers order, leave out or add columns, or spell them in another case, are tallied by
-    /// name; a header naming none of them, by position; without headers, the width most lines
-    /// have is the schema's.
+    /// while most lines wider than the header (a delimiter ending each line) add one; a file
+    /// whose header names every column, in another order or case, is tallied by name; one
+    /// naming others besides is not tallied (its lines will be dead letters); one naming some
+    /// or none, by position; without headers, the width most lines have is the schema's.
     #[test]
-    fn csv_columns_come_from_each_files_header() {
+    fn csv_columns_are_tallied_as_the_decoder_reads_them() {
         let names = |schema: &Schema| -> Vec<String> {
             schema.fields().iter().map(|f| f.name().clone()).collect()
         };
         let first = b"user,amount,ts\nalice,1.5,t1\ndave,3,t2,extra\n";
-        let second = b"TS,User,note\nt3,bob,hi\n";
-        // Naming none: read by position, in the schema's width (so a narrower line would not be).
-        let third = b"who,how_much,when,what\ncarol,2.5,t4,x\n";
+        let reordered = b"TS,User,amount\nt3,bob,2.5\n";
+        let more = b"user,amount,ts,note\nerin,x,t5,hi\n";
+        let positional = b"who,how_much,when\ncarol,4.5,t4\n";
         let texts = [
             ("a.csv".to_string(), &first[..]),
-            ("b.csv".into(), &second[..]),
-            ("c.csv".into(), &third[..]),
+            ("b.csv".into(), &reordered[..]),
+            ("c.csv".into(), &more[..]),
+            ("d.csv".into(), &positional[..]),
         ];
         let (schema, report) = infer_csv(&texts, true, b',', String::new()).unwrap();
-        assert_eq!(names(&schema), vec!["user", "amount", "ts", "note"]);
+        assert_eq!(names(&schema), vec!["user", "amount", "ts"]);
         assert_eq!(schema.field(1).data_type(), &DataType::Float64);
-        assert_eq!(report.records, 3);
-        assert_eq!(report.columns[0].values, 3, "alice, bob and carol");
+        assert_eq!(report.records, 3, "alice, bob and carol");
+        assert_eq!(report.columns[0].values, 3);
         let trailing = b"a,b\n1,2,\n3,4,\n";
-        let (schema, _) = infer_csv(
-            &[("t.csv".into(), &trailing[..])],
-            true,
-            b',',
-            String::new(),
-        )
-        .unwrap();
+        let reordered = b"b,a\n5,6,\n";
+        let texts = [
+            ("t.csv".to_string(), &trailing[..]),
+            ("u.csv".into(), &reordered[..]),
+        ];
+        let (schema, report) = infer_csv(&texts, true, b',', String::new()).unwrap();
         assert_eq!(names(&schema), vec!["a", "b", "column_3"]);
+        assert_eq!(report.records, 3);
         let headless = b"1,a\n2,b\n3,c,x\n4,d\n";
         let (schema, _) = infer_csv(
             &[("c.csv".into(), &headless[..])],
