@@ -378,12 +378,23 @@ fn csv_header(bytes: &[u8], delimiter: u8) -> Option<Vec<String>> {
         .delimiter(delimiter)
         .from_reader(line);
     let record = reader.byte_records().next()?.ok()?;
-    Some(
-        record
-            .iter()
-            .map(|name| String::from_utf8_lossy(name).into_owned())
-            .collect(),
-    )
+    Some(header_names(&record))
+}
+
+/// A CSV header's names: lossily UTF-8, without byte order marks starting the first, and
+/// without empty names ending it (a delimiter ending the line names no column).
+pub(crate) fn header_names(record: &csv::ByteRecord) -> Vec<String> {
+    let mut names: Vec<String> = record
+        .iter()
+        .map(|name| String::from_utf8_lossy(name).into_owned())
+        .collect();
+    if let Some(first) = names.first_mut() {
+        *first = first.trim_start_matches('\u{feff}').to_string();
+    }
+    while names.last().is_some_and(String::is_empty) {
+        names.pop();
+    }
+    names
 }
 
 /// `header` with the fields beyond it that inference named `column_N` (every line one field
@@ -476,9 +487,20 @@ pub(crate) struct NamesMatched {
 }
 
 /// Header names matched to column names: exactly first, then trimmed and ignoring ASCII case
-/// where exactly one column not yet matched fits. `None` if the header names a column twice
-/// exactly: not a header to read by name.
+/// where exactly one column not yet matched fits. `None` if the header is not one to read by
+/// name: it names a column twice exactly, or every name is a number, a boolean or empty (the
+/// first line of a file without a header, read with `header = true`).
 pub(crate) fn match_names(columns: &[&str], header: &[String]) -> Option<NamesMatched> {
+    let data_like = |name: &String| {
+        let name = name.trim();
+        name.is_empty()
+            || name.parse::<f64>().is_ok()
+            || name.eq_ignore_ascii_case("true")
+            || name.eq_ignore_ascii_case("false")
+    };
+    if header.iter().all(data_like) {
+        return None;
+    }
     let mut from = vec![None; columns.len()];
     let mut of_header = vec![None; header.len()];
     for (at, name) in header.iter().enumerate() {
@@ -2010,8 +2032,21 @@ mod tests {
             Field::new("b", DataType::Utf8, true),
             Field::new("column_3", DataType::Utf8, true),
         ]));
-        let (rows, bad) = read(&trailing, false, "b,a\n2,1,\n");
-        assert_eq!((rows, bad.len()), (row("2:1/2/-"), 0));
+        for text in ["b,a\n2,1,\n", "b,a,\n2,1,\n"] {
+            let (rows, bad) = read(&trailing, false, text);
+            assert_eq!((rows, bad.len()), (row("2:1/2/-"), 0), "{text}");
+        }
+        // A delimiter ending the header names no column.
+        let (rows, bad) = read(&s, true, "user,page,n,\na,home,1\n");
+        assert_eq!((rows, bad.len()), (row("2:a/home/1"), 0));
+        // A first line of numbers and booleans is data (a file without a header read with
+        // one), never names to reorder by.
+        let numbered: SchemaRef = Arc::new(Schema::new(vec![
+            Field::new("0", DataType::Utf8, true),
+            Field::new("1", DataType::Utf8, true),
+        ]));
+        let (rows, bad) = read(&numbered, false, "1,0\nx,y\n");
+        assert_eq!((rows, bad.len()), (row("2:x/y"), 0));
         // Without a header, by position.
         let (good, bad) = decode_csv_file(&s, b',', b"a,home,1\n", false, true);
         assert_eq!((good.len(), bad.len()), (1, 0));

@@ -303,15 +303,16 @@ pub(crate) fn infer_json<'a>(
 /// each is the header when `header`, else columns are `column_1`, …), each cell typed by the text
 /// it holds. Positions are `name:line`.
 ///
-/// The columns are the first text's header names, then `column_N` for the fields its usual
-/// record has beyond them (a delimiter ending each line). Each text is tallied as the decoder
-/// will read it (`crate::decode::decode_csv_file`): by name when its header names every column
-/// (in any order, matched as [`crate::decode::match_names`] matches), and not at all when it
-/// names others besides (its lines will be dead letters); else by position. Only the records of
-/// the width that reading takes are tallied — for the first text, the width most of its
-/// records have (a tie: its header's, else the wider; never less than its header's); without
-/// headers, the width most sampled records have — so one line with a field too many adds no
-/// column and fails alone.
+/// The columns are the names of the first header followed by records (a header alone counts
+/// only if no text has records), then `column_N` for the fields its usual record has beyond
+/// them (a delimiter ending each line). Each text is tallied as the decoder will read it
+/// (`crate::decode::decode_csv_file`): by name when its header names every column (in any
+/// order, matched as [`crate::decode::match_names`] matches), and not at all when it names
+/// others besides (its lines will be dead letters); else by position. Only the records of the
+/// width that reading takes are tallied — for the first text, the width most of its records
+/// have (a tie: its header's, else the wider; never less than its header's); without headers,
+/// the width most sampled records have — so one line with a field too many adds no column and
+/// fails alone.
 pub(crate) fn infer_csv(
     texts: &[(String, &[u8])],
     header: bool,
@@ -334,11 +335,7 @@ pub(crate) fn infer_csv(
         let names: Vec<String> = if header {
             reader
                 .byte_headers()
-                .map(|h| {
-                    h.iter()
-                        .map(|n| String::from_utf8_lossy(n).into_owned())
-                        .collect()
-                })
+                .map(crate::decode::header_names)
                 .unwrap_or_default()
         } else {
             Vec::new()
@@ -388,21 +385,21 @@ pub(crate) fn infer_csv(
         tallies.field(name);
     }
     let mut index = 0;
+    let mut header_only: Vec<String> = Vec::new();
     for (names, records) in &sampled {
         // The name each field is tallied under, and the width of the records tallied.
         let (names_here, width) = if !header {
             (columns.clone(), columns.len())
-        } else if columns.is_empty() {
-            // The first header: its names, and `column_N` beyond them. A byte order mark
-            // starting a line is not data (as the decoder reads it).
-            let mut first: Vec<String> = names.clone();
-            if let Some(name) = first.first_mut() {
-                *name = name.trim_start_matches('\u{feff}').to_string();
+        } else if columns.is_empty() && records.is_empty() {
+            // A header alone: its names are the columns only if no file has lines.
+            if header_only.is_empty() {
+                header_only.clone_from(names);
             }
-            let width = match records.len() {
-                0 => first.len(),
-                _ => usual(&mut records.iter().map(|(r, _)| r.len()), Some(first.len())),
-            };
+            continue;
+        } else if columns.is_empty() {
+            // The first header with lines: its names, and `column_N` beyond them.
+            let mut first: Vec<String> = names.clone();
+            let width = usual(&mut records.iter().map(|(r, _)| r.len()), Some(first.len()));
             // Lines narrower than the header are not read (dead letters): it names the columns.
             let width = width.max(first.len());
             while first.len() < width {
@@ -461,6 +458,11 @@ pub(crate) fn infer_csv(
                     tally.add(kind, index, position);
                 }
             }
+        }
+    }
+    if columns.is_empty() {
+        for name in &header_only {
+            tallies.field(name);
         }
     }
     tallies.finish(sample)
@@ -630,6 +632,17 @@ mod tests {
         let (schema, report) = infer_csv(&texts, true, b',', String::new()).unwrap();
         assert_eq!(names(&schema), vec!["a", "b", "column_3"]);
         assert_eq!(report.records, 3);
+        // A header alone first: the next file's lines decide the width.
+        let alone = b"a,b\n";
+        let texts = [
+            ("s.csv".to_string(), &alone[..]),
+            ("t.csv".into(), &trailing[..]),
+        ];
+        let (schema, _) = infer_csv(&texts, true, b',', String::new()).unwrap();
+        assert_eq!(names(&schema), vec!["a", "b", "column_3"]);
+        let (schema, _) =
+            infer_csv(&[("s.csv".into(), &alone[..])], true, b',', String::new()).unwrap();
+        assert_eq!(names(&schema), vec!["a", "b"]);
         let headless = b"1,a\n2,b\n3,c,x\n4,d\n";
         let (schema, _) = infer_csv(
             &[("c.csv".into(), &headless[..])],
