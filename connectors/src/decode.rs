@@ -307,9 +307,10 @@ pub(crate) fn decode_csv_lines(
 /// The data lines of a CSV file (`header`: it starts with a header line) decoded into `schema`
 /// (`declared`: by the job, else inferred).
 ///
-/// A header that names every column of the schema ([`match_names`]: exactly, else trimmed and
-/// ignoring ASCII case), in another order or with others besides — files from another
-/// producer, or another version of it — is read by name. A column the schema lacks is then
+/// A header that names every column of the schema once ([`match_names`]: exactly, else trimmed
+/// and ignoring ASCII case), in another order or with others besides — files from another
+/// producer, or another version of it — is read by name (under an inferred schema, not a
+/// header of only numbers and booleans: [`holds_data`]). A column the schema lacks is then
 /// ignored under a declared schema (the job chose its columns, as a JSON record's other fields
 /// are ignored); an inferred schema, which a CSV source never grows, makes the file's lines
 /// dead letters naming it, kept whole rather than losing the field. Any other header is read
@@ -423,12 +424,24 @@ fn csv_layout(
     {
         return Ok(CsvLayout::AsSchema);
     }
+    // An inferred schema's names come from headers: a first line of data (a file without a
+    // header) may repeat some. A declared schema's were chosen: they are names wherever.
+    if !declared && holds_data(header) {
+        return Ok(CsvLayout::AsSchema);
+    }
     let columns: Vec<&str> = fields.iter().map(|f| f.name().as_str()).collect();
     let header = with_unnamed_fields(header, &columns);
-    let Some(NamesMatched { from, of_header }) = match_names(&columns, &header) else {
-        return Ok(CsvLayout::AsSchema);
-    };
-    if let Some(from) = from.iter().copied().collect::<Option<Vec<usize>>>() {
+    let NamesMatched {
+        from,
+        of_header,
+        repeats,
+    } = match_names(&columns, &header);
+    if let Some(from) = from
+        .iter()
+        .copied()
+        .collect::<Option<Vec<usize>>>()
+        .filter(|_| !repeats)
+    {
         let mut file_fields = Vec::with_capacity(header.len());
         for (name, field) in header.iter().zip(&of_header) {
             match field {
@@ -457,56 +470,51 @@ fn csv_layout(
         .enumerate()
         .find_map(|(at, field)| field.filter(|i| *i != at).map(|i| (at, i)));
     match misplaced {
-        Some((at, i)) if declared => {
-            let missing: Vec<&str> = columns
-                .iter()
-                .zip(&from)
-                .filter(|(_, at)| at.is_none())
-                .map(|(c, _)| *c)
-                .collect();
-            Err(format!(
-                "CSV error: the file's header has the column {} as field {} (the schema's field \
-                 {}) and lacks the schema's {}: its fields can be placed neither by name nor by \
-                 position",
-                columns[i],
-                at + 1,
-                i + 1,
-                missing.join(", ")
-            ))
-        }
+        Some((at, i)) if declared => Err(format!(
+            "CSV error: the file's header has the column {} as field {} (the schema's field {}) \
+             but does not name every column once: its fields can be placed neither by name nor \
+             by position",
+            columns[i],
+            at + 1,
+            i + 1,
+        )),
         _ => Ok(CsvLayout::AsSchema),
     }
 }
 
 /// Where the columns are in a header ([`match_names`]).
 pub(crate) struct NamesMatched {
-    /// Each column's header field.
+    /// Each column's header field (its first, if named twice).
     pub(crate) from: Vec<Option<usize>>,
     /// Each header field's column.
     pub(crate) of_header: Vec<Option<usize>>,
+    /// Whether the header names a column twice exactly: not a header to read by name.
+    pub(crate) repeats: bool,
 }
 
-/// Header names matched to column names: exactly first, then trimmed and ignoring ASCII case
-/// where exactly one column not yet matched fits. `None` if the header is not one to read by
-/// name: it names a column twice exactly, or every name is a number, a boolean or empty (the
-/// first line of a file without a header, read with `header = true`).
-pub(crate) fn match_names(columns: &[&str], header: &[String]) -> Option<NamesMatched> {
-    let data_like = |name: &String| {
+/// Whether a header holds only numbers, booleans and empty names: the first line of a file
+/// without a header, read with `header = true` — never names to read an inferred schema by.
+pub(crate) fn holds_data(header: &[String]) -> bool {
+    header.iter().all(|name| {
         let name = name.trim();
         name.is_empty()
             || name.parse::<f64>().is_ok()
             || name.eq_ignore_ascii_case("true")
             || name.eq_ignore_ascii_case("false")
-    };
-    if header.iter().all(data_like) {
-        return None;
-    }
+    })
+}
+
+/// Header names matched to column names: exactly first, then trimmed and ignoring ASCII case
+/// where exactly one column not yet matched fits.
+pub(crate) fn match_names(columns: &[&str], header: &[String]) -> NamesMatched {
     let mut from = vec![None; columns.len()];
     let mut of_header = vec![None; header.len()];
+    let mut repeats = false;
     for (at, name) in header.iter().enumerate() {
         if let Some(i) = columns.iter().position(|c| c == name) {
             if from[i].is_some() {
-                return None;
+                repeats = true;
+                continue;
             }
             from[i] = Some(at);
             of_header[at] = Some(i);
@@ -526,7 +534,11 @@ pub(crate) fn match_names(columns: &[&str], header: &[String]) -> Option<NamesMa
             of_header[at] = Some(i);
         }
     }
-    Some(NamesMatched { from, of_header })
+    NamesMatched {
+        from,
+        of_header,
+        repeats,
+    }
 }
 
 /// Every one of `lines` a dead letter for `reason`.
@@ -1935,12 +1947,13 @@ mod tests {
         assert_eq!(bad[0].0, 2);
     }
 
-    /// A CSV file's header decides where each column is: naming them all (reordered, with
+    /// A CSV file's header decides where each column is: naming them all once (reordered, with
     /// others besides, in another case), by name; otherwise by position — but under a declared
     /// schema, a named column elsewhere makes every line a dead letter. Exact names win over
-    /// loose ones; a column named twice reads by position; a column an inferred schema lacks
-    /// makes every line a dead letter naming it; a declared schema ignores it. Inferred
-    /// `column_N` fields past the header are named by their position.
+    /// loose ones; a column an inferred schema lacks makes every line a dead letter naming it,
+    /// a declared schema ignores it. Inferred `column_N` fields past the header are named by
+    /// their position; a delimiter ending the header names nothing; a header of numbers is data
+    /// under an inferred schema and names under a declared one.
     #[test]
     fn a_csv_header_lays_out_the_columns_by_name() {
         let s: SchemaRef = Arc::new(Schema::new(vec![
@@ -1985,12 +1998,8 @@ mod tests {
             let (rows, bad) = read(&s, declared, text);
             assert_eq!(rows, row("2:a/home/1"));
             assert!(bad.len() == 1 && bad[0].starts_with("3:"), "{bad:?}");
-            // Naming some or none of the columns, or one twice: by position.
-            for text in [
-                "who,where,count\na,home,1\n",
-                "user,where,n\na,home,1\n",
-                "n,page,n\na,home,1\n",
-            ] {
+            // Naming some or none of the columns: by position.
+            for text in ["who,where,count\na,home,1\n", "user,where,n\na,home,1\n"] {
                 let (rows, bad) = read(&s, declared, text);
                 assert_eq!((rows, bad.len()), (row("2:a/home/1"), 0), "{text}");
             }
@@ -2047,6 +2056,18 @@ mod tests {
         ]));
         let (rows, bad) = read(&numbered, false, "1,0\nx,y\n");
         assert_eq!((rows, bad.len()), (row("2:x/y"), 0));
+        // ... unless the schema was declared so: its names were chosen (year columns).
+        let (rows, bad) = read(&numbered, true, "1,0\nx,y\n");
+        assert_eq!((rows, bad.len()), (row("2:y/x"), 0));
+        // A column named twice: by position under an inferred schema; out of place under a
+        // declared one, placed neither way.
+        let (rows, bad) = read(&s, false, "n,page,n\na,home,1\n");
+        assert_eq!((rows, bad.len()), (row("2:a/home/1"), 0));
+        let (rows, bad) = read(&s, true, "n,page,n\na,home,1\n");
+        assert!(
+            rows.is_empty() && bad[0].contains("not name every column once"),
+            "{bad:?}"
+        );
         // Without a header, by position.
         let (good, bad) = decode_csv_file(&s, b',', b"a,home,1\n", false, true);
         assert_eq!((good.len(), bad.len()), (1, 0));

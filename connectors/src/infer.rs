@@ -412,23 +412,23 @@ pub(crate) fn infer_csv(
             (first, width)
         } else {
             let known: Vec<&str> = columns.iter().map(String::as_str).collect();
+            let holds_data = crate::decode::holds_data(names);
             let names = crate::decode::with_unnamed_fields(names, &known);
-            match crate::decode::match_names(&known, &names) {
-                Some(m) if m.from.iter().all(Option::is_some) => {
-                    if m.of_header.iter().any(Option::is_none) {
-                        // Names a column the schema will lack: its lines will be dead letters.
-                        continue;
-                    }
-                    let by_name: Vec<String> = m
-                        .of_header
-                        .iter()
-                        .flatten()
-                        .map(|i| columns[*i].clone())
-                        .collect();
-                    let width = by_name.len();
-                    (by_name, width)
-                }
-                _ => (columns.clone(), columns.len()),
+            let m = crate::decode::match_names(&known, &names);
+            if holds_data || m.repeats || m.from.iter().any(Option::is_none) {
+                (columns.clone(), columns.len())
+            } else if m.of_header.iter().any(Option::is_none) {
+                // Names a column the schema will lack: its lines will be dead letters.
+                continue;
+            } else {
+                let by_name: Vec<String> = m
+                    .of_header
+                    .iter()
+                    .flatten()
+                    .map(|i| columns[*i].clone())
+                    .collect();
+                let width = by_name.len();
+                (by_name, width)
             }
         };
         for (record, position) in records {
