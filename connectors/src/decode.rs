@@ -401,7 +401,7 @@ pub(crate) fn header_names(record: &csv::ByteRecord) -> Vec<String> {
 /// `header` with the fields beyond it that inference named `column_N` (every line one field
 /// wider than its header, as with a delimiter ending each line): the schema's columns from the
 /// header's width on, while they are named so.
-pub(crate) fn with_unnamed_fields(header: &[String], columns: &[&str]) -> Vec<String> {
+fn with_unnamed_fields(header: &[String], columns: &[&str]) -> Vec<String> {
     let mut names = header.to_vec();
     while let Some(column) = columns.get(names.len()) {
         if *column != format!("column_{}", names.len() + 1) {
@@ -424,53 +424,38 @@ fn csv_layout(
     {
         return Ok(CsvLayout::AsSchema);
     }
-    // An inferred schema's names come from headers: a first line of data (a file without a
-    // header) may repeat some. A declared schema's were chosen: they are names wherever.
-    if !declared && holds_data(header) {
-        return Ok(CsvLayout::AsSchema);
-    }
     let columns: Vec<&str> = fields.iter().map(|f| f.name().as_str()).collect();
-    let header = with_unnamed_fields(header, &columns);
-    let NamesMatched {
-        from,
-        of_header,
-        repeats,
-    } = match_names(&columns, &header);
-    if let Some(from) = from
-        .iter()
-        .copied()
-        .collect::<Option<Vec<usize>>>()
-        .filter(|_| !repeats)
-    {
-        let mut file_fields = Vec::with_capacity(header.len());
-        for (name, field) in header.iter().zip(&of_header) {
-            match field {
-                Some(i) => file_fields.push(Arc::clone(&fields[*i])),
-                None if declared => {
-                    file_fields.push(Arc::new(Field::new(name, DataType::Utf8, true)));
-                }
-                None => {
-                    return Err(format!(
-                        "CSV error: the file's header has the column {name:?}, which the \
-                         source's inferred schema lacks (a CSV source keeps the schema it \
-                         inferred; declare the schema to read such files, without the columns \
-                         it leaves out)"
-                    ));
+    match header_reading(&columns, header, declared) {
+        HeaderReading::ByName {
+            header,
+            of_header,
+            from,
+        } => {
+            let mut file_fields = Vec::with_capacity(header.len());
+            for (name, field) in header.iter().zip(&of_header) {
+                match field {
+                    Some(i) => file_fields.push(Arc::clone(&fields[*i])),
+                    None if declared => {
+                        file_fields.push(Arc::new(Field::new(name, DataType::Utf8, true)));
+                    }
+                    None => {
+                        return Err(format!(
+                            "CSV error: the file's header has the column {name:?}, which the \
+                             source's inferred schema lacks (a CSV source keeps the schema it \
+                             inferred; declare the schema to read such files, without the \
+                             columns it leaves out)"
+                        ));
+                    }
                 }
             }
+            Ok(CsvLayout::ByName {
+                file_schema: Arc::new(Schema::new(file_fields)),
+                from,
+            })
         }
-        return Ok(CsvLayout::ByName {
-            file_schema: Arc::new(Schema::new(file_fields)),
-            from,
-        });
-    }
-    // By position, unless (declared) a column the header names is elsewhere.
-    let misplaced = of_header
-        .iter()
-        .enumerate()
-        .find_map(|(at, field)| field.filter(|i| *i != at).map(|i| (at, i)));
-    match misplaced {
-        Some((at, i)) if declared => Err(format!(
+        HeaderReading::ByPosition {
+            misplaced: Some((at, i)),
+        } if declared => Err(format!(
             "CSV error: the file's header has the column {} as field {} (the schema's field {}) \
              but does not name every column once: its fields can be placed neither by name nor \
              by position",
@@ -478,23 +463,72 @@ fn csv_layout(
             at + 1,
             i + 1,
         )),
-        _ => Ok(CsvLayout::AsSchema),
+        HeaderReading::ByPosition { .. } => Ok(CsvLayout::AsSchema),
     }
 }
 
+/// How a CSV header is read against `columns` (the schema's, or inference's so far; `declared`:
+/// chosen by the job): the one decision [`decode_csv_file`] and inference share.
+pub(crate) enum HeaderReading {
+    /// By name: the header (with the inferred `column_N` fields past it,
+    /// [`with_unnamed_fields`]), each of its fields' column (`None`: one the columns lack), and
+    /// each column's field.
+    ByName {
+        header: Vec<String>,
+        of_header: Vec<Option<usize>>,
+        from: Vec<usize>,
+    },
+    /// By position; `misplaced`: a field the header names a column by, at another position
+    /// than the column's (the field, the column).
+    ByPosition { misplaced: Option<(usize, usize)> },
+}
+
+/// By name when `header` names every column once ([`match_names`]) — under an inferred schema,
+/// not when it holds only data ([`holds_data`]: an inferred schema's names come from headers,
+/// which a file's first line of data may repeat; a declared schema's were chosen) — else by
+/// position.
+pub(crate) fn header_reading(columns: &[&str], header: &[String], declared: bool) -> HeaderReading {
+    if !declared && holds_data(header) {
+        return HeaderReading::ByPosition { misplaced: None };
+    }
+    let header = with_unnamed_fields(header, columns);
+    let NamesMatched {
+        from,
+        of_header,
+        repeats,
+    } = match_names(columns, &header);
+    if let Some(from) = from
+        .iter()
+        .copied()
+        .collect::<Option<Vec<usize>>>()
+        .filter(|_| !repeats)
+    {
+        return HeaderReading::ByName {
+            header,
+            of_header,
+            from,
+        };
+    }
+    let misplaced = of_header
+        .iter()
+        .enumerate()
+        .find_map(|(at, field)| field.filter(|i| *i != at).map(|i| (at, i)));
+    HeaderReading::ByPosition { misplaced }
+}
+
 /// Where the columns are in a header ([`match_names`]).
-pub(crate) struct NamesMatched {
+struct NamesMatched {
     /// Each column's header field (its first, if named twice).
-    pub(crate) from: Vec<Option<usize>>,
+    from: Vec<Option<usize>>,
     /// Each header field's column.
-    pub(crate) of_header: Vec<Option<usize>>,
+    of_header: Vec<Option<usize>>,
     /// Whether the header names a column twice exactly: not a header to read by name.
-    pub(crate) repeats: bool,
+    repeats: bool,
 }
 
 /// Whether a header holds only numbers, booleans and empty names: the first line of a file
 /// without a header, read with `header = true` — never names to read an inferred schema by.
-pub(crate) fn holds_data(header: &[String]) -> bool {
+fn holds_data(header: &[String]) -> bool {
     header.iter().all(|name| {
         let name = name.trim();
         name.is_empty()
@@ -506,7 +540,7 @@ pub(crate) fn holds_data(header: &[String]) -> bool {
 
 /// Header names matched to column names: exactly first, then trimmed and ignoring ASCII case
 /// where exactly one column not yet matched fits.
-pub(crate) fn match_names(columns: &[&str], header: &[String]) -> NamesMatched {
+fn match_names(columns: &[&str], header: &[String]) -> NamesMatched {
     let mut from = vec![None; columns.len()];
     let mut of_header = vec![None; header.len()];
     let mut repeats = false;

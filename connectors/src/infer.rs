@@ -20,6 +20,7 @@ use std::collections::HashMap;
 use arrow::datatypes::{DataType, Field, Schema};
 use sluice_engine::source::{InferredColumn, SchemaInference};
 
+use crate::decode::{HeaderReading, header_reading};
 use crate::error::Result;
 
 /// How many records inference looks at.
@@ -306,13 +307,12 @@ pub(crate) fn infer_json<'a>(
 /// The columns are the names of the first header followed by records (a header alone counts
 /// only if no text has records), then `column_N` for the fields its usual record has beyond
 /// them (a delimiter ending each line). Each text is tallied as the decoder will read it
-/// (`crate::decode::decode_csv_file`): by name when its header names every column (in any
-/// order, matched as [`crate::decode::match_names`] matches), and not at all when it names
-/// others besides (its lines will be dead letters); else by position. Only the records of the
-/// width that reading takes are tallied — for the first text, the width most of its records
-/// have (a tie: its header's, else the wider; never less than its header's); without headers,
-/// the width most sampled records have — so one line with a field too many adds no column and
-/// fails alone.
+/// (`crate::decode::decode_csv_file`, through the same [`header_reading`]): by name when its
+/// header names every column, and not at all when it names others besides (its lines will be
+/// dead letters); else by position. Only the records of the width that reading takes are
+/// tallied — for the first text, the width most of its records have (a tie: its header's,
+/// else the wider; never less than its header's); without headers, the width most sampled
+/// records have — so one line with a field too many adds no column and fails alone.
 pub(crate) fn infer_csv(
     texts: &[(String, &[u8])],
     header: bool,
@@ -412,23 +412,20 @@ pub(crate) fn infer_csv(
             (first, width)
         } else {
             let known: Vec<&str> = columns.iter().map(String::as_str).collect();
-            let holds_data = crate::decode::holds_data(names);
-            let names = crate::decode::with_unnamed_fields(names, &known);
-            let m = crate::decode::match_names(&known, &names);
-            if holds_data || m.repeats || m.from.iter().any(Option::is_none) {
-                (columns.clone(), columns.len())
-            } else if m.of_header.iter().any(Option::is_none) {
-                // Names a column the schema will lack: its lines will be dead letters.
-                continue;
-            } else {
-                let by_name: Vec<String> = m
-                    .of_header
-                    .iter()
-                    .flatten()
-                    .map(|i| columns[*i].clone())
-                    .collect();
-                let width = by_name.len();
-                (by_name, width)
+            match header_reading(&known, names, false) {
+                HeaderReading::ByPosition { .. } => (columns.clone(), columns.len()),
+                HeaderReading::ByName { of_header, .. } => {
+                    // Naming a column the schema will lack: its lines will be dead letters.
+                    let Some(by_name) = of_header
+                        .iter()
+                        .map(|i| i.map(|i| columns[i].clone()))
+                        .collect::<Option<Vec<String>>>()
+                    else {
+                        continue;
+                    };
+                    let width = by_name.len();
+                    (by_name, width)
+                }
             }
         };
         for (record, position) in records {
