@@ -164,7 +164,7 @@ async fn a_backfill_concurrent_with_the_live_job_leaves_a_correct_table() {
     let job = job.to_str().unwrap();
 
     let log = ws.path().join("live.log");
-    let mut live = Command::new(sluice_bin())
+    let mut live = sluice_command()
         .args(["run", job])
         .env_remove("RUST_LOG")
         // Each live commit waits 300 ms between loading the table and committing, so the

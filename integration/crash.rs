@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::os::unix::process::ExitStatusExt;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 use crate::object_storage::pairs;
@@ -51,7 +51,7 @@ const SIGKILL: i32 = 9;
 /// Starts the job and SIGKILLs it after `delay`; returns whether it was killed (false if it
 /// had already finished).
 fn run_and_kill_after(job: &str, env: &[(&str, &str)], delay: Duration) -> bool {
-    let mut child = Command::new(sluice_bin())
+    let mut child = sluice_command()
         .args(["run", job])
         .envs(env.iter().copied())
         .env("RUST_LOG", "warn")

@@ -121,18 +121,21 @@ async fn a_new_field_becomes_a_column_in_the_commit_of_the_batch_that_first_read
     let job = job.to_str().unwrap();
     let first_batch = (NEW_FIELD_FROM / FILES_PER_BATCH) as i64;
 
-    // SIGKILLs around the batch that first reads the new fields: after its intent, after the
-    // evolution is recorded and the manifest written, between the side tables and the output
-    // commit, and right after that commit.
-    for point in [
-        "after_intent",
-        "after_manifest",
-        "after_side_tables",
-        "after_commit",
+    // SIGKILLs around the batch that first reads the new fields: in the commit of the batch
+    // before it (which the next batch may run beside, reading only what was read ahead, which
+    // never grows the schema), after its intent, after the evolution is recorded and the
+    // manifest written, between the side tables and the output commit, and right after that
+    // commit.
+    for (point, batch) in [
+        ("after_side_tables", first_batch - 1),
+        ("after_intent", first_batch),
+        ("after_manifest", first_batch),
+        ("after_side_tables", first_batch),
+        ("after_commit", first_batch),
     ] {
         let crashed = run_sluice(
             &["run", job],
-            &[("SLUICE_CRASH_AT", &format!("{point}:{first_batch}"))],
+            &[("SLUICE_CRASH_AT", &format!("{point}:{batch}"))],
         );
         assert!(
             !crashed.status.success(),
@@ -215,7 +218,9 @@ async fn a_new_field_becomes_a_column_in_the_commit_of_the_batch_that_first_read
     assert_ok(&rerun_run);
     let stderr = String::from_utf8_lossy(&rerun_run.stderr);
     // Batches 1 to 11 are read ahead, but the boundary batch's read is declined and the
-    // batch after it is not read ahead (its source's schema grew in the batch before).
+    // batch after it is not read ahead (its source's schema grew in the batch before). Each
+    // batch taken from the read ahead was executed while the one before it committed; the
+    // boundary batch waited for that commit and read its range itself.
     let taken = stderr.matches("taken from the read ahead").count();
     let declined = stderr
         .matches("the source declined to read this range ahead")
@@ -225,6 +230,10 @@ async fn a_new_field_becomes_a_column_in_the_commit_of_the_batch_that_first_read
         taken == read_ahead - 2 && declined == 1,
         "{taken} taken, {declined} declined: {stderr}"
     );
+    let executed_ahead = stderr
+        .matches("executed while the batch before it committed")
+        .count();
+    assert_eq!(executed_ahead, taken, "{stderr}");
     let again_changes = schema_changes(&again, "evolving");
     let again_with_plan = setting_plan(&again_changes);
     assert_eq!(

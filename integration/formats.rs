@@ -684,7 +684,7 @@ async fn interval_trigger_picks_up_new_files_and_stops_cleanly_on_sigterm() {
     let mut events = Events::write(&input, 0, 3, 4);
     let out = ws.path().join("out");
     let job = write_job(&ws.path().join("job.toml"), "interval_job", &input, &out, 2);
-    let child = Command::new(sluice_bin())
+    let child = sluice_command()
         .args(["run", job.to_str().unwrap(), "--trigger", "interval:200ms"])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())

@@ -401,7 +401,7 @@ impl LiveJob {
 /// Spawns `sluice run JOB` with its log going to `log`.
 fn spawn_job(job: &str, log: &Path) -> Child {
     let log = std::fs::File::create(log).unwrap();
-    Command::new(sluice_bin())
+    sluice_command()
         .args(["run", job])
         .env_remove("RUST_LOG")
         .stdout(Stdio::null())
@@ -478,7 +478,7 @@ async fn sigkill_and_restart_while_producing_gives_every_message_exactly_once() 
     // Kills at arbitrary moments, with more messages produced between runs.
     let mut kills = 0;
     for round in 0..6 {
-        let mut child = Command::new(sluice_bin())
+        let mut child = sluice_command()
             .args(["run", &job])
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())

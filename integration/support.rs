@@ -16,9 +16,18 @@ pub fn sluice_bin() -> &'static str {
     env!("CARGO_BIN_EXE_sluice")
 }
 
+/// A command running `sluice`. Every batch of it commits with the next batch executing
+/// meanwhile, as a batch of 1 MiB or more does by default (`SLUICE_OVERLAP_MIN_INPUT_BYTES`):
+/// the suite's small batches then put that path through every scenario, crashes included.
+pub fn sluice_command() -> Command {
+    let mut cmd = Command::new(sluice_bin());
+    cmd.env("SLUICE_OVERLAP_MIN_INPUT_BYTES", "0");
+    cmd
+}
+
 /// Runs `sluice` with `args` to completion.
 pub fn run_sluice(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(sluice_bin());
+    let mut cmd = sluice_command();
     cmd.args(args).env_remove("RUST_LOG");
     for (k, v) in env {
         cmd.env(k, v);
@@ -455,7 +464,7 @@ pub struct Background {
 impl Background {
     /// Starts `sluice args` with `env`, stderr to `log`.
     pub fn start(args: &[&str], env: &[(&str, &str)], log: &Path) -> Background {
-        let mut cmd = Command::new(sluice_bin());
+        let mut cmd = sluice_command();
         cmd.args(args)
             .env_remove("RUST_LOG")
             .stdout(std::process::Stdio::null())

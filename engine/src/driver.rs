@@ -21,9 +21,13 @@
 //!                   └ [committed end, min(latest, committed end + budget)) per partition
 //! ```
 //!
-//! `Pipeline::run_batch` is those steps, one short method each, in that order. From the
-//! manifest on, the next batch's ranges are read ahead (`Pipeline::start_read_ahead`): only
-//! the sources' reads, used by the next batch for exactly the ranges its intent then gives.
+//! `Pipeline::run_front` (plan to emit) and `Pipeline::run_back` (manifest to compaction) are
+//! those steps, one short method each, in that order. From the manifest on, the next batch's
+//! ranges are read ahead (`Pipeline::start_read_ahead`): only the sources' reads, used by the
+//! next batch for exactly the ranges its intent then gives. When batches run back to back
+//! (`available-now`), the next batch is also planned and executed while this one commits
+//! (`Pipeline::commit_overlapped`) — in memory only: its intent is written after this commit
+//! lands (`Pipeline::confirm`), so every write keeps its place in the protocol.
 //!
 //! **Restart.** The output table is the source of truth: its `txn` version for the job is the
 //! last committed batch `V`; `batches/V/manifest.json` (written before commit `V`, live with it)
@@ -103,7 +107,8 @@ pub struct RunSummary {
 /// What one committed batch took and left.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BatchStats {
-    /// Wall time from reading to the end of the purge, ms.
+    /// The batch's own wall time, ms: planning to compaction, less any wait for the batch
+    /// before it to commit (batches back to back overlap).
     pub millis: u64,
     /// Rows read.
     pub rows_in: u64,
@@ -291,7 +296,9 @@ struct Pipeline {
     query_definition: Query,
     settings: QuerySettings,
     query: StreamingQuery,
-    sink: Box<dyn Sink>,
+    /// Shared with the commit task of a batch whose successor runs meanwhile
+    /// ([`Pipeline::commit_overlapped`]).
+    sink: Arc<dyn Sink>,
     checkpoint: CheckpointStore,
     lease: Lease,
     keep_batches: u32,
@@ -319,6 +326,9 @@ struct Pipeline {
     reads_ahead: bool,
     /// The next batch's reads, started while the last batch committed.
     read_ahead: Option<ReadAhead>,
+    /// The read ahead's reads, done, when a batch executed ahead could not use them all
+    /// ([`Pipeline::run_next`]): the next batch takes those of its ranges.
+    reads_done: Option<BTreeMap<String, ReadsAhead>>,
 }
 
 /// A read ahead is started only when what the batch commits (output, dead letters, late rows)
@@ -332,6 +342,25 @@ const READ_AHEAD_MAX_OUTPUT_SHARE: f64 = 0.25;
 /// What a batch commits below this many Arrow bytes never keeps the next batch from being
 /// read ahead, whatever its share of the input: next to it, the next rows cannot add much.
 const READ_AHEAD_SMALL_OUTPUT_BYTES: usize = 8 * 1024 * 1024;
+
+/// A batch reading less than this many Arrow bytes commits without the next batch executing
+/// meanwhile ([`Pipeline::commit_overlapped`]): its commit takes a few milliseconds, and
+/// overlapping it only makes two batches' steps share the cores — one small file (100 events)
+/// a batch of a windowed job took the same wall time either way, while each batch's own time
+/// rose from 11.0 to 14.6 ms (p50). `SLUICE_OVERLAP_MIN_INPUT_BYTES` overrides it (the
+/// crash tests overlap their small batches).
+const OVERLAP_MIN_INPUT_BYTES: u64 = 1024 * 1024;
+
+/// [`OVERLAP_MIN_INPUT_BYTES`], or `SLUICE_OVERLAP_MIN_INPUT_BYTES` if set to a number.
+fn overlap_min_input_bytes() -> u64 {
+    static BYTES: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *BYTES.get_or_init(|| {
+        std::env::var("SLUICE_OVERLAP_MIN_INPUT_BYTES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(OVERLAP_MIN_INPUT_BYTES)
+    })
+}
 
 /// The next batch's source reads, each on a task of its own, running while the current batch
 /// writes its manifest, commits, purges and compacts ([`Pipeline::start_read_ahead`]).
@@ -355,6 +384,17 @@ impl Drop for RangeReadAhead {
 }
 
 impl ReadAhead {
+    /// Whether it reads exactly every range `intent` gives a partition (empty ones aside).
+    fn covers(&self, intent: &SourceRanges) -> bool {
+        intent.iter().all(|(source, parts)| {
+            parts.iter().filter(|(_, r)| !r.is_empty()).all(|(p, r)| {
+                self.reads
+                    .iter()
+                    .any(|read| &read.source == source && &read.partition == p && &read.range == r)
+            })
+        })
+    }
+
     /// By source, the reads of exactly the ranges `intent` gives their partitions, once each
     /// is done; the others are aborted unwaited. A failed read is left out: the batch reads the
     /// range itself and reports the error.
@@ -386,6 +426,16 @@ impl ReadAhead {
     }
 }
 
+/// A batch through step 7: its rows to commit and the watermark after it.
+struct Executed {
+    batch: Batch,
+    output: Vec<RecordBatch>,
+    watermark: Watermark,
+    /// When step 7 ended: a batch executed while the one before it committed then waits for
+    /// that commit ([`Pipeline::confirm`]).
+    at: Instant,
+}
+
 /// One batch on its way through the steps: its intent, what it has produced so far, and how
 /// long each step took.
 struct Batch {
@@ -406,6 +456,10 @@ struct Batch {
     late: Vec<RecordBatch>,
     /// What compaction rewrote after the commit.
     compaction: Compaction,
+    /// Time in the batch's span that was not its own ([`Batch::took`]): executed while the
+    /// batch before it committed, its wait for that commit; committing while the next batch
+    /// executed, its wait for that batch's steps once its own commit had landed.
+    waited: Duration,
     /// The sources whose schema this batch's read grew: not read ahead for the next batch
     /// (records that keep bringing new fields would have every read ahead declined, decoded
     /// for nothing).
@@ -449,6 +503,7 @@ impl Batch {
             dead_letters: Vec::new(),
             late: Vec::new(),
             compaction: Compaction::default(),
+            waited: Duration::ZERO,
             schema_grew: BTreeSet::new(),
             times: StepTimes {
                 plan: started.elapsed(),
@@ -459,6 +514,12 @@ impl Batch {
 
     fn id(&self) -> BatchId {
         self.intent.batch_id
+    }
+
+    /// The batch's own time so far, from its planning: its waits for the batches before and
+    /// after it are left out ([`Batch::waited`]), so that a batch's time is what its steps took.
+    fn took(&self) -> Duration {
+        self.started.elapsed().saturating_sub(self.waited)
     }
 }
 
@@ -545,7 +606,7 @@ impl Pipeline {
             query_definition,
             settings,
             query,
-            sink,
+            sink: Arc::from(sink),
             checkpoint,
             lease,
             keep_batches,
@@ -561,6 +622,7 @@ impl Pipeline {
             progress,
             reads_ahead: false,
             read_ahead: None,
+            reads_done: None,
         })
     }
 
@@ -574,7 +636,23 @@ impl Pipeline {
             Trigger::AvailableNow => {
                 let (target, to_read) = self.latest_offsets().await?;
                 self.progress.bounded_run(to_read);
-                while !*stop.borrow() && self.plan_and_run(Some(&target)).await? {}
+                // Batches run back to back: each may execute while the one before commits.
+                let mut next = None;
+                while !*stop.borrow() {
+                    let executed = match next.take() {
+                        Some(executed) => self.confirm(executed).await?,
+                        None => {
+                            let started = Instant::now();
+                            let Some(intent) = self.plan(Some(&target)).await? else {
+                                break;
+                            };
+                            self.run_front(intent, started).await?
+                        }
+                    };
+                    next = self
+                        .run_back(executed, Some(&target), Some(&mut stop))
+                        .await?;
+                }
             }
             Trigger::Interval(every) => {
                 let mut ticker = tokio::time::interval(every);
@@ -624,7 +702,8 @@ impl Pipeline {
         let Some(intent) = self.plan(limit).await? else {
             return Ok(false);
         };
-        self.run_batch(intent, started, limit).await?;
+        let executed = self.run_front(intent, started).await?;
+        self.run_back(executed, limit, None).await?;
         Ok(true)
     }
 
@@ -642,6 +721,19 @@ impl Pipeline {
             info!(batch_id = intent.batch_id.0, ranges = %display_ranges(&intent.ranges), "rerunning the intent of an uncommitted batch");
             return Ok(Some(intent));
         }
+        let Some(intent) = self.next_intent(limit).await? else {
+            return Ok(None);
+        };
+        let intent = self.checkpoint.write_intent(intent).await?;
+        crash_point("after_intent", intent.batch_id);
+        Ok(Some(intent))
+    }
+
+    /// The next batch's ranges, idle partitions, planning clock and table versions, from the
+    /// job's position (capped at `limit`), not yet recorded; `None` if there is nothing to
+    /// read.
+    async fn next_intent(&mut self, limit: Option<&SourceOffsets>) -> Result<Option<BatchIntent>> {
+        self.latest_at_plan.clear();
         let mut ranges = SourceRanges::new();
         let mut skipped = Vec::new();
         let mut starts = SourceOffsets::new();
@@ -704,27 +796,19 @@ impl Pipeline {
                 return Ok(None);
             }
         }
-        let intent = BatchIntent {
+        Ok(Some(BatchIntent {
             batch_id: self.next_batch,
             ranges,
             idle,
             planned_at_micros: Some(chrono::Utc::now().timestamp_micros()),
             skipped,
             table_versions: self.tables.latest_versions().await?,
-        };
-        let intent = self.checkpoint.write_intent(intent).await?;
-        crash_point("after_intent", intent.batch_id);
-        Ok(Some(intent))
+        }))
     }
 
-    /// Steps 3–10 for one batch, in order (`started`: when its planning began; `limit`: an
-    /// available-now run's target, for the next batch's read ahead).
-    async fn run_batch(
-        &mut self,
-        intent: BatchIntent,
-        started: Instant,
-        limit: Option<&SourceOffsets>,
-    ) -> Result<()> {
+    /// Steps 3–7 for one batch, in order (`started`: when its planning began): everything up to
+    /// its output, in memory. Writes nothing but a static table's snapshot and version log.
+    async fn run_front(&mut self, intent: BatchIntent, started: Instant) -> Result<Executed> {
         let mut batch = Batch::new(intent, &self.committed, started);
         let inputs = self.read(&mut batch).await?;
         self.load_tables(&batch).await?;
@@ -732,13 +816,177 @@ impl Pipeline {
         let output = self.execute(&mut batch, inputs, &watermark).await?;
         self.check_dead_letters(&batch)?;
         let output = self.check_expectations(&mut batch, output)?;
+        Ok(Executed {
+            batch,
+            output,
+            watermark,
+            at: Instant::now(),
+        })
+    }
+
+    /// Steps 8–11 for an executed batch, in order: manifest, commit, purge, compaction; the
+    /// job's position then stands after it (`limit`: an available-now run's target, for the
+    /// next batch's read ahead).
+    ///
+    /// With `overlap` (batches back to back; the run's stop signal), the next batch may run
+    /// its steps 1 and 3–7 while this one commits ([`Pipeline::commit_overlapped`]); it is
+    /// returned, its intent not yet written ([`Pipeline::confirm`]), or the error that stopped
+    /// it, once this batch is done.
+    async fn run_back(
+        &mut self,
+        executed: Executed,
+        limit: Option<&SourceOffsets>,
+        overlap: Option<&mut watch::Receiver<bool>>,
+    ) -> Result<Option<Executed>> {
+        let Executed {
+            mut batch,
+            output,
+            watermark,
+            ..
+        } = executed;
         self.read_ahead = self.start_read_ahead(&batch, &output, limit);
         let manifest = self.write_manifest(&mut batch, &watermark).await?;
-        let outcome = self.commit(&mut batch, output, &manifest).await?;
+        // Only beside a small output (what lets the next batch be read ahead: memory), for a
+        // batch large enough to gain, and not with static tables (their loading writes a
+        // version log entry for the batch, which must follow its intent).
+        let overlap = overlap.filter(|_| {
+            self.read_ahead.is_some()
+                && batch.input_bytes >= overlap_min_input_bytes()
+                && self.tables.names().is_empty()
+        });
+        let (outcome, next) = if let Some(stop) = overlap {
+            self.commit_overlapped(&mut batch, output, &manifest, watermark, limit, stop)
+                .await?
+        } else {
+            let outcome = self.commit(&mut batch, output, &manifest).await?;
+            self.advance(&batch.intent, &manifest, watermark);
+            (outcome, Ok(None))
+        };
         self.purge(&mut batch).await?;
         self.compact(&mut batch).await?;
-        self.finish(batch, manifest, watermark, outcome);
-        Ok(())
+        self.finish(batch, manifest, outcome);
+        next
+    }
+
+    /// Step 9 commit, with the next batch planned, read and executed meanwhile (the commit's
+    /// Parquet encoding and the next batch's query then share the cores: a fifth to a third of
+    /// a windowed or filtering batch's time was its commit). The job's position moves past
+    /// this batch first, as its manifest gives it. Nothing of the next batch is written before
+    /// this commit lands: its intent is recorded afterwards ([`Pipeline::confirm`]), so the
+    /// order of writes a restart relies on is unchanged, and a commit that fails ends the run
+    /// with the next batch only in memory. A stop signal abandons the next batch at once.
+    /// Returns the commit's outcome and the next batch (`None`: none executed), or the error
+    /// that stopped it.
+    async fn commit_overlapped(
+        &mut self,
+        batch: &mut Batch,
+        output: Vec<RecordBatch>,
+        manifest: &BatchManifest,
+        watermark: Watermark,
+        limit: Option<&SourceOffsets>,
+        stop: &mut watch::Receiver<bool>,
+    ) -> Result<(CommitOutcome, Result<Option<Executed>>)> {
+        let commit = self.batch_commit(batch, output, manifest)?;
+        let sink = Arc::clone(&self.sink);
+        // A set, so that the commit is cancelled with the run (as an awaited one would be).
+        let mut committing = tokio::task::JoinSet::new();
+        committing.spawn(async move {
+            let t = Instant::now();
+            let outcome = sink.commit(commit).await;
+            (outcome, t.elapsed(), Instant::now())
+        });
+        self.advance(&batch.intent, manifest, watermark);
+        let stopped = async {
+            // A closed channel never signals a stop.
+            if stop.wait_for(|stopped| *stopped).await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        };
+        let next = tokio::select! {
+            next = self.run_next(limit) => next,
+            () = stopped => Ok(None),
+        };
+        let (outcome, took, landed) = match committing.join_next().await {
+            Some(Ok(done)) => done,
+            Some(Err(error)) => {
+                return Err(Error::Sink(
+                    format!("the commit of batch {} failed: {error}", batch.id().0).into(),
+                ));
+            }
+            None => {
+                return Err(Error::Sink(
+                    format!("the commit of batch {} did not run", batch.id().0).into(),
+                ));
+            }
+        };
+        let outcome = self.committed(batch, outcome?, took)?;
+        // Not this batch's time: the next one's steps, once this commit had landed.
+        batch.waited += landed.elapsed();
+        Ok((outcome, next))
+    }
+
+    /// Steps 1 and 3–7 of the batch after the one committing: planned from the job's position
+    /// (capped at `limit`), read and executed, its intent not written. `None`: not executed —
+    /// nothing to read, or not every range was read ahead.
+    ///
+    /// It reads only what was read ahead, which never grows a source's schema: a schema grows
+    /// (recorded put-if-absent) in the read of the batch whose intent is written, so a crashed
+    /// batch is read again with the schema it was first read with. A range not read ahead, or
+    /// declined (its records bring new fields), leaves the batch to be planned and read once
+    /// the commit has landed, taking the reads that were done.
+    async fn run_next(&mut self, limit: Option<&SourceOffsets>) -> Result<Option<Executed>> {
+        let started = Instant::now();
+        let Some(intent) = self.next_intent(limit).await? else {
+            return Ok(None);
+        };
+        let Some(read_ahead) = self
+            .read_ahead
+            .take_if(|ahead| ahead.covers(&intent.ranges))
+        else {
+            return Ok(None);
+        };
+        let done = read_ahead.finish(&intent.ranges).await;
+        let complete = intent.ranges.iter().all(|(source, parts)| {
+            parts
+                .iter()
+                .filter(|(_, range)| !range.is_empty())
+                .all(|(p, _)| done.get(source).is_some_and(|reads| reads.contains_key(p)))
+        });
+        self.reads_done = Some(done);
+        if !complete {
+            return Ok(None);
+        }
+        Ok(Some(self.run_front(intent, started).await?))
+    }
+
+    /// Step 2 for a batch executed while the one before it committed, which has landed now:
+    /// the plan's pause point and lease check, then its intent, put-if-absent. Another intent
+    /// already there was written by another run of the job (this run's intents follow their
+    /// batch's predecessor's commit): the batch executed here is not the one to commit, and the
+    /// run stops.
+    async fn confirm(&mut self, mut executed: Executed) -> Result<Executed> {
+        let id = executed.batch.id();
+        executed.batch.waited += executed.at.elapsed();
+        pause_point("before_plan", id).await;
+        self.lease.verify().await?;
+        let intent = self
+            .checkpoint
+            .write_intent(executed.batch.intent.clone())
+            .await?;
+        if intent != executed.batch.intent {
+            return Err(Error::InvalidJob(format!(
+                "another run of job '{}' wrote the intent of batch {} while this run executed \
+                 it ahead: another instance runs the job; this run stops without writing the batch",
+                self.job_id, id.0
+            )));
+        }
+        crash_point("after_intent", id);
+        debug!(
+            batch_id = id.0,
+            waited_ms = log_ms(executed.batch.waited),
+            "executed while the batch before it committed"
+        );
+        Ok(executed)
     }
 
     /// Starts reading the ranges the next batch will read, to overlap this batch's manifest,
@@ -822,9 +1070,10 @@ impl Pipeline {
         // Every source and partition is read at once (their decoding runs on the rayon pool);
         // the rows are then taken in source order, as before.
         let empty = BTreeMap::new();
-        let mut ahead = match self.read_ahead.take() {
-            Some(read_ahead) => read_ahead.finish(&batch.intent.ranges).await,
-            None => BTreeMap::new(),
+        let mut ahead = match (self.reads_done.take(), self.read_ahead.take()) {
+            (Some(done), _) => done,
+            (None, Some(read_ahead)) => read_ahead.finish(&batch.intent.ranges).await,
+            (None, None) => BTreeMap::new(),
         };
         let reads = try_join_all(self.sources.iter().map(|s| {
             let ranges = batch.intent.ranges.get(&s.name).unwrap_or(&empty);
@@ -1251,6 +1500,18 @@ impl Pipeline {
         manifest: &BatchManifest,
     ) -> Result<CommitOutcome> {
         let t = Instant::now();
+        let commit = self.batch_commit(batch, output, manifest)?;
+        let outcome = self.sink.commit(commit).await?;
+        self.committed(batch, outcome, t.elapsed())
+    }
+
+    /// What the sink commits for `batch`, once the lease is checked.
+    fn batch_commit(
+        &self,
+        batch: &mut Batch,
+        output: Vec<RecordBatch>,
+        manifest: &BatchManifest,
+    ) -> Result<BatchCommit> {
         let id = batch.id();
         let manifest_json =
             serde_json::to_value(manifest).map_err(|source| Error::CheckpointFormat {
@@ -1258,16 +1519,24 @@ impl Pipeline {
                 source,
             })?;
         self.lease.check()?;
-        let outcome = self
-            .sink
-            .commit(BatchCommit {
-                batch_id: id,
-                output,
-                dead_letters: std::mem::take(&mut batch.dead_letters),
-                late: std::mem::take(&mut batch.late),
-                manifest: manifest_json,
-            })
-            .await?;
+        Ok(BatchCommit {
+            batch_id: id,
+            output,
+            dead_letters: std::mem::take(&mut batch.dead_letters),
+            late: std::mem::take(&mut batch.late),
+            manifest: manifest_json,
+        })
+    }
+
+    /// The sink's answer to `batch`'s commit (which took `took`): the output table already
+    /// holding the batch means another instance of the job committed it.
+    fn committed(
+        &self,
+        batch: &mut Batch,
+        outcome: CommitOutcome,
+        took: Duration,
+    ) -> Result<CommitOutcome> {
+        let id = batch.id();
         if outcome == CommitOutcome::AlreadyCommitted {
             return Err(Error::AnotherInstance {
                 job_id: self.job_id.clone(),
@@ -1276,7 +1545,7 @@ impl Pipeline {
             });
         }
         crash_point("after_commit", id);
-        batch.times.commit = t.elapsed();
+        batch.times.commit = took;
         Ok(outcome)
     }
 
@@ -1341,24 +1610,14 @@ impl Pipeline {
         Ok(())
     }
 
-    /// The batch is done: move the job's position past it, add it to the run's summary, log it.
-    fn finish(
+    /// Moves the job's position past the batch of `intent`, as its `manifest` gives it: what
+    /// the next batch is planned and executed from.
+    fn advance(
         &mut self,
-        batch: Batch,
-        manifest: BatchManifest,
+        intent: &BatchIntent,
+        manifest: &BatchManifest,
         mut watermark: Watermark,
-        outcome: CommitOutcome,
     ) {
-        let Batch {
-            intent,
-            started,
-            counters,
-            times,
-            rows_in_by_source,
-            input_bytes,
-            compaction,
-            ..
-        } = batch;
         watermark.saw_data(
             intent.ranges.iter().flat_map(|(source, parts)| {
                 parts
@@ -1372,6 +1631,21 @@ impl Pipeline {
         self.behind = manifest.behind.clone();
         self.watermark = watermark;
         self.next_batch = intent.batch_id.next();
+    }
+
+    /// The batch is done: add it to the run's summary, report and log it.
+    fn finish(&mut self, batch: Batch, manifest: BatchManifest, outcome: CommitOutcome) {
+        let took = batch.took();
+        let Batch {
+            intent,
+            started,
+            counters,
+            times,
+            rows_in_by_source,
+            input_bytes,
+            compaction,
+            ..
+        } = batch;
         self.summary.batches_committed += 1;
         self.summary.last_batch = Some(intent.batch_id);
         self.summary.rows_in += counters.rows_in;
@@ -1379,7 +1653,7 @@ impl Pipeline {
         self.summary.rows_dead_lettered += counters.rows_dead_lettered;
         self.summary.rows_late += counters.rows_late;
         self.summary.batches.push(BatchStats {
-            millis: ms(started.elapsed()),
+            millis: ms(took),
             rows_in: counters.rows_in,
             rows_out: counters.rows_out,
             state_rows: counters.state_rows,
@@ -1395,12 +1669,11 @@ impl Pipeline {
             } => (files, bytes, version),
             CommitOutcome::AlreadyCommitted => (0, 0, None),
         };
-        let duration = started.elapsed();
         self.progress.committed(CommittedBatch {
             batch_id: intent.batch_id.0,
             started_at: chrono::Utc::now()
-                - chrono::Duration::from_std(duration).unwrap_or_default(),
-            duration,
+                - chrono::Duration::from_std(started.elapsed()).unwrap_or_default(),
+            duration: took,
             phases: [
                 times.read,
                 times.execute,
@@ -1455,7 +1728,7 @@ impl Pipeline {
             purge_ms = log_ms(times.purge),
             files_compacted = compaction.files_removed,
             compact_ms = log_ms(times.compact),
-            total_ms = log_ms(started.elapsed()),
+            total_ms = log_ms(took),
             "batch committed"
         );
     }
