@@ -18,7 +18,7 @@ Run it with ``benches/peers/compare.sh`` (installs pyspark, builds Sluice in rel
   timestamps stay text, parsed as event time), Spark still given it.
 - ``overhead``: the per-batch fixed cost — the same windowed job over 100 small files (100
   events each), one file per batch; the p50 of each engine's own per-batch time (Sluice:
-  ``total_ms`` of its per-batch log line, intent to purge; Spark: ``triggerExecution`` of its
+  ``total_ms`` of its per-batch log line, its own time from planning to compaction; Spark: ``triggerExecution`` of its
   query progress).
 
 It prints both sides and the ratio, and appends every result to ``benches/results/peers.jsonl``.

@@ -27,7 +27,9 @@
 //! next batch for exactly the ranges its intent then gives. When batches run back to back
 //! (`available-now`), the next batch is also planned and executed while this one commits
 //! (`Pipeline::commit_overlapped`) — in memory only: its intent is written after this commit
-//! lands (`Pipeline::confirm`), so every write keeps its place in the protocol.
+//! lands (`Pipeline::confirm`), so every write of a batch keeps its place in the protocol
+//! (listing the sources may record the order of new files meanwhile, append-only, as any plan
+//! does).
 //!
 //! **Restart.** The output table is the source of truth: its `txn` version for the job is the
 //! last committed batch `V`; `batches/V/manifest.json` (written before commit `V`, live with it)
@@ -939,13 +941,16 @@ impl Pipeline {
         let Some(intent) = self.next_intent(limit).await? else {
             return Ok(None);
         };
+        let planned = started.elapsed();
         let Some(read_ahead) = self
             .read_ahead
             .take_if(|ahead| ahead.covers(&intent.ranges))
         else {
             return Ok(None);
         };
+        let reading = Instant::now();
         let done = read_ahead.finish(&intent.ranges).await;
+        let read_ahead_wait = reading.elapsed();
         let complete = intent.ranges.iter().all(|(source, parts)| {
             parts
                 .iter()
@@ -956,7 +961,11 @@ impl Pipeline {
         if !complete {
             return Ok(None);
         }
-        Ok(Some(self.run_front(intent, started).await?))
+        let mut executed = self.run_front(intent, started).await?;
+        // Step times as a batch planned after the commit would count them.
+        executed.batch.times.plan = planned;
+        executed.batch.times.read += read_ahead_wait;
+        Ok(Some(executed))
     }
 
     /// Step 2 for a batch executed while the one before it committed, which has landed now:
@@ -967,6 +976,7 @@ impl Pipeline {
     async fn confirm(&mut self, mut executed: Executed) -> Result<Executed> {
         let id = executed.batch.id();
         executed.batch.waited += executed.at.elapsed();
+        let t = Instant::now();
         pause_point("before_plan", id).await;
         self.lease.verify().await?;
         let intent = self
@@ -981,6 +991,7 @@ impl Pipeline {
             )));
         }
         crash_point("after_intent", id);
+        executed.batch.times.plan += t.elapsed();
         debug!(
             batch_id = id.0,
             waited_ms = log_ms(executed.batch.waited),

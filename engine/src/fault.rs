@@ -11,7 +11,8 @@
 //! Pause points are the same idea for races: `SLUICE_PAUSE_AT=<point>[:<batch>]:<millis>` makes
 //! passes through that point wait, so a test can make two writers' commits overlap on purpose,
 //! or stop a process at a precise step to play a paused machine. Points: `before_plan` (a
-//! batch about to be planned), `before_output_commit` (after the sink loaded the table, before
+//! batch about to be planned — or, executed while the batch before it committed, about to
+//! record its intent), `before_output_commit` (after the sink loaded the table, before
 //! it commits), `before_replacement` (a backfill about to replace what it covers).
 
 use std::sync::OnceLock;
