@@ -72,7 +72,7 @@ use crate::job::{DEAD_LETTER_BREAKER_MIN, Job, Trigger};
 use crate::lease::{Lease, LeaseSettings, REWRITE_LEASE_FOLDER};
 use crate::offsets::{
     BatchId, OffsetRange, PartitionId, SourceOffsets, SourceRanges, display_offsets,
-    display_ranges, next_ranges, start_offsets,
+    display_ranges, next_ranges, ranges_to_read, start_offsets,
 };
 use crate::operators::state_store::StateLog;
 use crate::progress::{CommittedBatch, Progress};
@@ -388,12 +388,10 @@ impl Drop for RangeReadAhead {
 impl ReadAhead {
     /// Whether it reads exactly every range `intent` gives a partition (empty ones aside).
     fn covers(&self, intent: &SourceRanges) -> bool {
-        intent.iter().all(|(source, parts)| {
-            parts.iter().filter(|(_, r)| !r.is_empty()).all(|(p, r)| {
-                self.reads
-                    .iter()
-                    .any(|read| &read.source == source && &read.partition == p && &read.range == r)
-            })
+        ranges_to_read(intent).all(|(source, p, r)| {
+            self.reads
+                .iter()
+                .any(|read| &read.source == source && &read.partition == p && &read.range == r)
         })
     }
 
@@ -951,12 +949,8 @@ impl Pipeline {
         let reading = Instant::now();
         let done = read_ahead.finish(&intent.ranges).await;
         let read_ahead_wait = reading.elapsed();
-        let complete = intent.ranges.iter().all(|(source, parts)| {
-            parts
-                .iter()
-                .filter(|(_, range)| !range.is_empty())
-                .all(|(p, _)| done.get(source).is_some_and(|reads| reads.contains_key(p)))
-        });
+        let complete = ranges_to_read(&intent.ranges)
+            .all(|(source, p, _)| done.get(source).is_some_and(|reads| reads.contains_key(p)));
         self.reads_done = Some(done);
         if !complete {
             return Ok(None);
@@ -1630,12 +1624,7 @@ impl Pipeline {
         mut watermark: Watermark,
     ) {
         watermark.saw_data(
-            intent.ranges.iter().flat_map(|(source, parts)| {
-                parts
-                    .iter()
-                    .filter(|(_, r)| !r.is_empty())
-                    .map(|(p, _)| (source.clone(), p.clone()))
-            }),
+            ranges_to_read(&intent.ranges).map(|(source, p, _)| (source.clone(), p.clone())),
             Instant::now(),
         );
         self.committed = manifest.end_offsets.clone();

@@ -86,6 +86,18 @@ pub fn start_offsets(ranges: &SourceRanges) -> SourceOffsets {
         .collect()
 }
 
+/// The ranges that read something: `(source, partition, range)` for every non-empty range.
+pub fn ranges_to_read(
+    ranges: &SourceRanges,
+) -> impl Iterator<Item = (&String, &PartitionId, &OffsetRange)> {
+    ranges.iter().flat_map(|(source, parts)| {
+        parts
+            .iter()
+            .filter(|(_, r)| !r.is_empty())
+            .map(move |(p, r)| (source, p, r))
+    })
+}
+
 /// The end offsets of a set of ranges.
 pub fn end_offsets(ranges: &SourceRanges) -> SourceOffsets {
     ranges
