@@ -73,9 +73,10 @@ async fn gzipped_csv_with_an_inferred_schema_that_stays_fixed() {
     );
     assert_ok(&run_sluice(&["run", job.to_str().unwrap()], &[]));
     // Files of another producer: a header naming the columns in another order (and case) is
-    // read by name — by position, `kiwi` would be the price. One that lacks a column is read
-    // by position, as before headers were read: its narrower lines are dead letters.
-    gz("c.csv.gz", "\u{feff}price,NAME,id\n5.5,kiwi,5\n");
+    // read by name — by position, `kiwi` would be the price — even after a blank line. One
+    // that lacks a column and names the others out of place places its fields neither way:
+    // its lines are dead letters saying so.
+    gz("c.csv.gz", "\n\u{feff}price,NAME,id\n5.5,kiwi,5\n");
     gz("d.csv.gz", "name,id\nlime,6\n");
     assert_ok(&run_sluice(&["run", job.to_str().unwrap()], &[]));
 
@@ -107,6 +108,11 @@ async fn gzipped_csv_with_an_inferred_schema_that_stays_fixed() {
         .map(|d| d["_source_position"].as_str().unwrap())
         .collect();
     assert_eq!(positions, vec!["b.csv.gz:2", "b.csv.gz:3", "d.csv.gz:2"]);
+    let misplaced = dead[2]["error"].as_str().unwrap();
+    assert!(
+        misplaced.contains("neither by name nor by position"),
+        "{misplaced}"
+    );
     // The column the inferred schema lacks is named: the lines are kept whole, not cut.
     for d in &dead[..2] {
         assert_eq!(d["_source_offset"], 1);

@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use arrow::datatypes::{DataType, Field, Schema};
 use sluice_engine::source::{InferredColumn, SchemaInference};
 
-use crate::decode::{HeaderReading, header_reading};
+use crate::decode::{HeaderReading, header_line, header_reading};
 use crate::error::Result;
 
 /// How many records inference looks at.
@@ -160,7 +160,11 @@ fn text_kind(s: &str) -> Option<Kind> {
         && s.bytes().any(|b| b.is_ascii_digit())
     {
         Some(Kind::BigInt)
-    } else if s.parse::<f64>().is_ok() {
+    } else if s
+        .parse::<f64>()
+        // Not beyond a DOUBLE (`1e400`, which the decoder refuses); `inf` and `NaN` are floats.
+        .is_ok_and(|f| f.is_finite() || !s.bytes().any(|b| b.is_ascii_digit()))
+    {
         Some(Kind::Float)
     } else if s.eq_ignore_ascii_case("true") || s.eq_ignore_ascii_case("false") {
         Some(Kind::Bool)
@@ -300,19 +304,20 @@ pub(crate) fn infer_json<'a>(
     tallies.finish(sample)
 }
 
-/// Infers a schema from CSV texts (`(name, text)`: records separated by newlines; the first of
-/// each is the header when `header`, else columns are `column_1`, …), each cell typed by the text
-/// it holds. Positions are `name:line`.
+/// Infers a schema from CSV texts (`(name, text)`: records separated by newlines; the first
+/// line of each that is not blank is the header when `header`, else columns are `column_1`, …),
+/// each cell typed by the text it holds. Positions are `name:line`.
 ///
 /// The columns are the names of the first header followed by records (a header alone counts
 /// only if no text has records), then `column_N` for the fields its usual record has beyond
 /// them (a delimiter ending each line). Each text is tallied as the decoder will read it
 /// (`crate::decode::decode_csv_file`, through the same [`header_reading`]): by name when its
-/// header names every column, and not at all when it names others besides (its lines will be
-/// dead letters); else by position. Only the records of the width that reading takes are
-/// tallied — for the first text, the width most of its records have (a tie: its header's,
-/// else the wider; never less than its header's); without headers, the width most sampled
-/// records have — so one line with a field too many adds no column and fails alone.
+/// header names every column, and not at all when it names others besides or names a column
+/// at another position than its own (its lines will be dead letters); else by position. Only
+/// the records of the width that reading takes are tallied — for the first text, the width
+/// most of its records have (a tie: its header's, else the wider; never less than its
+/// header's); without headers, the width most sampled records have — so one line with a field
+/// too many adds no column and fails alone.
 pub(crate) fn infer_csv(
     texts: &[(String, &[u8])],
     header: bool,
@@ -327,11 +332,19 @@ pub(crate) fn infer_csv(
         if count >= INFER_RECORDS {
             break;
         }
+        // With a header, from its line on ([`header_line`], as the decoder reads it): the
+        // reader would take a line of whitespace before it for the header.
+        let (text, lines_before) = match header_line(text) {
+            Some(line) if header => (&text[line.start..], line.number - 1),
+            // Blank lines only: no header, no records.
+            None if header => continue,
+            _ => (*text, 0),
+        };
         let mut reader = csv::ReaderBuilder::new()
             .has_headers(header)
             .delimiter(delimiter)
             .flexible(true)
-            .from_reader(*text);
+            .from_reader(text);
         let names: Vec<String> = if header {
             reader
                 .byte_headers()
@@ -346,7 +359,7 @@ pub(crate) fn infer_csv(
                 break;
             }
             let Ok(record) = record else { continue };
-            let line = record.position().map_or(0, |p| p.line() as usize);
+            let line = record.position().map_or(0, |p| p.line() as usize) + lines_before;
             records.push((record, format!("{text_name}:{line}")));
             count += 1;
         }
@@ -413,7 +426,9 @@ pub(crate) fn infer_csv(
         } else {
             let known: Vec<&str> = columns.iter().map(String::as_str).collect();
             match header_reading(&known, names, false) {
-                HeaderReading::ByPosition { .. } => (columns.clone(), columns.len()),
+                HeaderReading::ByPosition { misplaced: None } => (columns.clone(), columns.len()),
+                // A column named at another position: its lines will be dead letters.
+                HeaderReading::ByPosition { misplaced: Some(_) } => continue,
                 HeaderReading::ByName { of_header, .. } => {
                     // Naming a column the schema will lack: its lines will be dead letters.
                     let Some(by_name) = of_header
@@ -593,13 +608,18 @@ mod tests {
         assert_eq!(schema.field(1).data_type(), &DataType::Float64);
         assert_eq!(schema.field(2).data_type(), &DataType::Utf8);
         assert_eq!(report.columns[0].first_misfit.as_deref(), Some("f.csv:3"));
+        // A number beyond a DOUBLE is not a float (the decoder refuses it); NaN is.
+        assert_eq!(text_kind("1e400"), Some(Kind::String));
+        assert_eq!(text_kind("NaN"), Some(Kind::Float));
+        assert_eq!(text_kind("1e300"), Some(Kind::Float));
     }
 
     /// A line with a field more than its header adds no column (it will be a dead letter),
     /// while most lines wider than the header (a delimiter ending each line) add one; a file
     /// whose header names every column, in another order or case, is tallied by name; one
-    /// naming others besides is not tallied (its lines will be dead letters); one naming some
-    /// or none, by position; without headers, the width most lines have is the schema's.
+    /// naming others besides, or a column out of place, is not tallied (its lines will be dead
+    /// letters); one naming some or none, in place, by position; without headers, the width
+    /// most lines have is the schema's. Blank lines before a header are skipped.
     #[test]
     fn csv_columns_are_tallied_as_the_decoder_reads_them() {
         let names = |schema: &Schema| -> Vec<String> {
@@ -609,17 +629,32 @@ mod tests {
         let reordered = b"TS,User,amount\nt3,bob,2.5\n";
         let more = b"user,amount,ts,note\nerin,x,t5,hi\n";
         let positional = b"who,how_much,when\ncarol,4.5,t4\n";
+        let misplaced = b"amount,who,when\nfrank,x,y\n";
         let texts = [
             ("a.csv".to_string(), &first[..]),
             ("b.csv".into(), &reordered[..]),
             ("c.csv".into(), &more[..]),
             ("d.csv".into(), &positional[..]),
+            ("e.csv".into(), &misplaced[..]),
         ];
         let (schema, report) = infer_csv(&texts, true, b',', String::new()).unwrap();
         assert_eq!(names(&schema), vec!["user", "amount", "ts"]);
         assert_eq!(schema.field(1).data_type(), &DataType::Float64);
         assert_eq!(report.records, 3, "alice, bob and carol");
         assert_eq!(report.columns[0].values, 3);
+        assert_eq!(
+            report.columns[1].first_misfit, None,
+            "frank's line is not tallied"
+        );
+        // Blank lines before a header: the header is the first line that is not blank, and
+        // positions count every line.
+        let late =
+            b"\n  \nuser,amount\nann,x\nb,1.5\nc,2\nd,3\ne,4\nf,5\ng,6\nh,7\ni,8\nj,9\nk,10\n";
+        let (schema, report) =
+            infer_csv(&[("l.csv".into(), &late[..])], true, b',', String::new()).unwrap();
+        assert_eq!(names(&schema), vec!["user", "amount"]);
+        assert_eq!(schema.field(1).data_type(), &DataType::Float64);
+        assert_eq!(report.columns[1].first_misfit.as_deref(), Some("l.csv:4"));
         let trailing = b"a,b\n1,2,\n3,4,\n";
         let reordered = b"b,a\n5,6,\n";
         let texts = [
