@@ -965,8 +965,8 @@ pub(crate) fn decode_json(
 /// names none) or a number of the column's unit — and also a quoted number for a timestamp
 /// (`"1700000000"`) and a quoted `"true"`/`"false"` for a boolean. An integer column (also in
 /// a struct or a list) takes only whole numbers: Arrow alone would read `12.75` as 12. A
-/// top-level float column refuses a number beyond its range ([`in_range`]), which Arrow would
-/// make infinity.
+/// top-level Float32 or Float64 column refuses a number beyond its range ([`in_range`]), which
+/// Arrow would make infinity.
 pub(crate) fn decode_json_rows(
     schema: &SchemaRef,
     bytes: &[u8],
