@@ -1456,7 +1456,7 @@ fn in_range<N: Copy + 'static>(
 ) -> impl Fn(&str, &Field) -> std::result::Result<N, String> + 'static {
     move |value, field| {
         let number = parse(value, field)?;
-        if is_finite(number) || !value.bytes().any(|b| b.is_ascii_digit()) {
+        if !overflowed(value, is_finite(number)) {
             return Ok(number);
         }
         Err(format!(
@@ -1465,6 +1465,13 @@ fn in_range<N: Copy + 'static>(
             field.data_type()
         ))
     }
+}
+
+/// Whether `text`, parsed to a value that is not `finite`, was a number too large for its type
+/// (`1e400`) rather than text naming infinity or NaN (`inf`, `NaN`: no digits). Inference asks
+/// the same, so it types a column as the decoder will read it.
+pub(crate) fn overflowed(text: &str, finite: bool) -> bool {
+    !finite && text.bytes().any(|b| b.is_ascii_digit())
 }
 
 /// A timestamp from RFC 3339-like text in `tz` (where it names no zone), or from a number of

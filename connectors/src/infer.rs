@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use arrow::datatypes::{DataType, Field, Schema};
 use sluice_engine::source::{InferredColumn, SchemaInference};
 
-use crate::decode::{HeaderReading, header_line, header_reading};
+use crate::decode::{HeaderReading, header_line, header_reading, overflowed};
 use crate::error::Result;
 
 /// How many records inference looks at.
@@ -163,7 +163,7 @@ fn text_kind(s: &str) -> Option<Kind> {
     } else if s
         .parse::<f64>()
         // Not beyond a DOUBLE (`1e400`, which the decoder refuses); `inf` and `NaN` are floats.
-        .is_ok_and(|f| f.is_finite() || !s.bytes().any(|b| b.is_ascii_digit()))
+        .is_ok_and(|f| !overflowed(s, f.is_finite()))
     {
         Some(Kind::Float)
     } else if s.eq_ignore_ascii_case("true") || s.eq_ignore_ascii_case("false") {
@@ -334,11 +334,14 @@ pub(crate) fn infer_csv(
         }
         // With a header, from its line on ([`header_line`], as the decoder reads it): the
         // reader would take a line of whitespace before it for the header.
-        let (text, lines_before) = match header_line(text) {
-            Some(line) if header => (&text[line.start..], line.number - 1),
-            // Blank lines only: no header, no records.
-            None if header => continue,
-            _ => (*text, 0),
+        let (text, lines_before) = if header {
+            match header_line(text) {
+                Some(line) => (&text[line.start..], line.number - 1),
+                // Blank lines only: no header, no records.
+                None => continue,
+            }
+        } else {
+            (*text, 0)
         };
         let mut reader = csv::ReaderBuilder::new()
             .has_headers(header)
